@@ -1,0 +1,358 @@
+//! Bootstrap: how ranks find each other before any provider is open.
+//!
+//! A [`Bootstrap`] gives a rank its place in the job, a key-value space where providers publish
+//! their addresses, collective fences, and the [`NodeMap`] (which ranks share a host).
+//! Implementations: PMI-1 ([`pmi`], for processes started by `weft run`, Hydra or Slurm),
+//! [`Singleton`] (a program started without a launcher is a world of one) and [`InProcess`]
+//! (ranks as threads of one process, for tests).
+
+pub mod pmi;
+
+use crate::types::Rank;
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Which ranks share a host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeMap {
+    /// Host index of every world rank (hosts numbered in order of first appearance).
+    pub host_of: Vec<u32>,
+    /// This rank's host index.
+    pub my_host: u32,
+}
+
+impl NodeMap {
+    /// Everyone on one host.
+    pub fn single_host(size: u32) -> Self {
+        NodeMap {
+            host_of: vec![0; size as usize],
+            my_host: 0,
+        }
+    }
+
+    /// Build from per-rank host identifiers.
+    pub fn from_ids(ids: &[String], me: Rank) -> Self {
+        let mut index: HashMap<&str, u32> = HashMap::new();
+        let host_of: Vec<u32> = ids
+            .iter()
+            .map(|id| {
+                let n = index.len() as u32;
+                *index.entry(id.as_str()).or_insert(n)
+            })
+            .collect();
+        let my_host = host_of[me as usize];
+        NodeMap { host_of, my_host }
+    }
+
+    pub fn hosts(&self) -> u32 {
+        self.host_of.iter().copied().max().map_or(1, |m| m + 1)
+    }
+
+    pub fn is_local(&self, rank: Rank) -> bool {
+        self.host_of.get(rank as usize) == Some(&self.my_host)
+    }
+
+    /// World ranks on this host, ascending.
+    pub fn local_ranks(&self) -> Vec<Rank> {
+        (0..self.host_of.len() as Rank)
+            .filter(|r| self.is_local(*r))
+            .collect()
+    }
+
+    /// Index of `rank` among the ranks of its host.
+    pub fn local_index(&self, rank: Rank) -> Option<usize> {
+        let h = *self.host_of.get(rank as usize)?;
+        Some(
+            self.host_of[..rank as usize]
+                .iter()
+                .filter(|x| **x == h)
+                .count(),
+        )
+    }
+}
+
+/// This host's identity: hostname, boot id and network namespace, so that two network namespaces
+/// on one machine count as two hosts. `WEFT_HOST_ID` overrides it.
+pub fn host_id() -> String {
+    if let Ok(v) = std::env::var("WEFT_HOST_ID") {
+        if !v.is_empty() {
+            return v;
+        }
+    }
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into());
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{hostname}/{boot}/{netns}")
+}
+
+/// The launcher-side services a rank uses to find its peers.
+pub trait Bootstrap {
+    fn rank(&self) -> Rank;
+    fn size(&self) -> u32;
+    /// A name unique to this job (the PMI kvsname).
+    fn job_id(&self) -> &str;
+    /// Publish `key = value` (visible to everyone after the next [`Bootstrap::fence`]).
+    fn put(&mut self, key: &str, value: &str) -> Result<()>;
+    /// Collective: commit puts and wait for every rank.
+    fn fence(&mut self) -> Result<()>;
+    /// Read a key published by any rank before the last fence.
+    fn get(&mut self, key: &str) -> Result<String>;
+    fn nodes(&self) -> &NodeMap;
+    /// The ranks are threads of one process.
+    fn in_process(&self) -> bool {
+        false
+    }
+    /// Tell the launcher this job is failing; best effort.
+    fn abort(&mut self, _code: i32, _msg: &str) {}
+    /// Orderly end of the job for this rank.
+    fn finalize(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Collective helper: every rank publishes `value` under `key`, then reads everyone's.
+pub fn allgather(boot: &mut dyn Bootstrap, key: &str, value: &str) -> Result<Vec<String>> {
+    let me = boot.rank();
+    boot.put(&format!("{key}.{me}"), value)?;
+    boot.fence()?;
+    (0..boot.size())
+        .map(|r| {
+            if r == me {
+                Ok(value.to_string())
+            } else {
+                boot.get(&format!("{key}.{r}"))
+            }
+        })
+        .collect()
+}
+
+/// A program started without a launcher: a world of one.
+#[derive(Debug)]
+pub struct Singleton {
+    kv: HashMap<String, String>,
+    nodes: NodeMap,
+    job: String,
+}
+
+impl Default for Singleton {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Singleton {
+    pub fn new() -> Self {
+        Singleton {
+            kv: HashMap::new(),
+            nodes: NodeMap::single_host(1),
+            job: format!("singleton-{}", std::process::id()),
+        }
+    }
+}
+
+impl Bootstrap for Singleton {
+    fn rank(&self) -> Rank {
+        0
+    }
+    fn size(&self) -> u32 {
+        1
+    }
+    fn job_id(&self) -> &str {
+        &self.job
+    }
+    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+        self.kv.insert(key.to_string(), value.to_string());
+        Ok(())
+    }
+    fn fence(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn get(&mut self, key: &str) -> Result<String> {
+        self.kv
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::Bootstrap(format!("key '{key}' was never published")))
+    }
+    fn nodes(&self) -> &NodeMap {
+        &self.nodes
+    }
+}
+
+#[derive(Debug, Default)]
+struct JobState {
+    kv: HashMap<String, String>,
+    arrived: u32,
+    generation: u64,
+    /// A rank left the job (panicked or dropped its bootstrap mid-job).
+    broken: Option<String>,
+}
+
+/// Shared state of an in-process job.
+#[derive(Debug)]
+pub struct InProcessJob {
+    size: u32,
+    id: String,
+    timeout: Duration,
+    state: Mutex<JobState>,
+    cv: Condvar,
+}
+
+impl InProcessJob {
+    /// A job of `size` thread ranks; fences fail after `timeout`.
+    pub fn new(size: u32, timeout: Duration) -> Arc<Self> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Arc::new(InProcessJob {
+            size,
+            id: format!(
+                "inproc-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ),
+            timeout,
+            state: Mutex::new(JobState::default()),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// The bootstrap of one rank.
+    pub fn rank(self: &Arc<Self>, rank: Rank) -> InProcess {
+        InProcess {
+            job: self.clone(),
+            rank,
+            nodes: NodeMap::single_host(self.size),
+            pending: Vec::new(),
+        }
+    }
+
+    /// Mark the job broken (a rank died): every fence then fails instead of waiting.
+    pub fn break_job(&self, why: &str) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.broken.get_or_insert_with(|| why.to_string());
+        self.cv.notify_all();
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+/// One thread rank's bootstrap.
+#[derive(Debug)]
+pub struct InProcess {
+    job: Arc<InProcessJob>,
+    rank: Rank,
+    nodes: NodeMap,
+    pending: Vec<(String, String)>,
+}
+
+impl Bootstrap for InProcess {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.job.size
+    }
+    fn job_id(&self) -> &str {
+        &self.job.id
+    }
+    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+        self.pending.push((key.to_string(), value.to_string()));
+        Ok(())
+    }
+    fn fence(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.job.timeout;
+        let mut st = self.job.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in self.pending.drain(..) {
+            st.kv.insert(k, v);
+        }
+        if let Some(b) = &st.broken {
+            return Err(Error::Bootstrap(format!("job broken: {b}")));
+        }
+        let gen = st.generation;
+        st.arrived += 1;
+        if st.arrived == self.job.size {
+            st.arrived = 0;
+            st.generation += 1;
+            self.job.cv.notify_all();
+            return Ok(());
+        }
+        while st.generation == gen {
+            if let Some(b) = &st.broken {
+                return Err(Error::Bootstrap(format!("job broken: {b}")));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("bootstrap fence (rank {})", self.rank),
+                    secs: self.job.timeout.as_secs_f64(),
+                });
+            }
+            st = self
+                .job
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+    fn get(&mut self, key: &str) -> Result<String> {
+        let st = self.job.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.kv
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::Bootstrap(format!("key '{key}' was never published")))
+    }
+    fn nodes(&self) -> &NodeMap {
+        &self.nodes
+    }
+    fn in_process(&self) -> bool {
+        true
+    }
+    fn abort(&mut self, _code: i32, msg: &str) {
+        self.job.break_job(msg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_map_from_ids() {
+        let ids: Vec<String> = ["a", "b", "a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let m = NodeMap::from_ids(&ids, 2);
+        assert_eq!(m.host_of, vec![0, 1, 0, 1, 2]);
+        assert_eq!(m.hosts(), 3);
+        assert_eq!(m.local_ranks(), vec![0, 2]);
+        assert_eq!(m.local_index(2), Some(1));
+        assert!(!m.is_local(1));
+    }
+
+    #[test]
+    fn in_process_allgather_and_timeout() {
+        let job = InProcessJob::new(3, Duration::from_secs(20));
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let mut b = job.rank(r);
+                std::thread::spawn(move || allgather(&mut b, "x", &format!("v{r}")).unwrap())
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(h.join().unwrap(), vec!["v0", "v1", "v2"]);
+        }
+        let job = InProcessJob::new(2, Duration::from_millis(50));
+        let mut b = job.rank(0);
+        let e = b.fence().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Timeout);
+    }
+}

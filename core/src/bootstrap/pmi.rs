@@ -1,0 +1,588 @@
+//! PMI-1 client: the simple wire protocol spoken by MPICH's Hydra, Slurm and `weft run`.
+//!
+//! The launcher hands each rank a connected socket in `PMI_FD` (or an address in `PMI_PORT`
+//! plus `PMI_ID`), and its rank and size in `PMI_RANK` / `PMI_SIZE`. Requests and responses are
+//! single lines of space-separated `key=value` tuples, in lock-step.
+//!
+//! Values longer than the server's `vallen_max` are split over several keys and joined again
+//! transparently; characters PMI values may not carry (space, `=`, control bytes, non-ASCII) are
+//! escaped as `%XX`.
+
+use super::{host_id, Bootstrap, NodeMap};
+use crate::types::Rank;
+use crate::{Error, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::io::FromRawFd;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// Parsed `key=value` tuples of one PMI line, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Line {
+    pub fields: Vec<(String, String)>,
+}
+
+impl Line {
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The command name (`cmd=` or, for spawn, `mcmd=`).
+    pub fn cmd(&self) -> &str {
+        self.get("cmd").or_else(|| self.get("mcmd")).unwrap_or("")
+    }
+
+    /// `rc` as an integer (absent means 0).
+    pub fn rc(&self) -> Result<i64> {
+        match self.get("rc") {
+            None => Ok(0),
+            Some(v) => v
+                .parse()
+                .map_err(|_| Error::Bootstrap(format!("bad rc '{v}' in PMI response"))),
+        }
+    }
+
+    /// Format back into a wire line (with the trailing newline).
+    pub fn to_wire(&self) -> String {
+        let mut s = String::new();
+        for (i, (k, v)) in self.fields.iter().enumerate() {
+            if i > 0 {
+                s.push(' ');
+            }
+            s.push_str(k);
+            s.push('=');
+            s.push_str(v);
+        }
+        s.push('\n');
+        s
+    }
+}
+
+/// Longest line either side accepts; longer input is a protocol error, not an allocation.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// Parse one PMI line (without or with its newline). Malformed input is an error, never a panic.
+pub fn parse_line(line: &str) -> Result<Line> {
+    let line = line.strip_suffix('\n').unwrap_or(line);
+    if line.len() > MAX_LINE {
+        return Err(Error::Bootstrap(format!(
+            "PMI line of {} bytes exceeds the {MAX_LINE}-byte limit",
+            line.len()
+        )));
+    }
+    let mut fields = Vec::new();
+    for tok in line.split_ascii_whitespace() {
+        let Some((k, v)) = tok.split_once('=') else {
+            return Err(Error::Bootstrap(format!(
+                "malformed PMI line: token '{}' has no '='",
+                truncate(tok)
+            )));
+        };
+        if k.is_empty() || k.bytes().any(|b| !(33..=126).contains(&b)) {
+            return Err(Error::Bootstrap(format!(
+                "malformed PMI line: bad key '{}'",
+                truncate(k)
+            )));
+        }
+        fields.push((k.to_string(), v.to_string()));
+    }
+    if fields.is_empty() {
+        return Err(Error::Bootstrap("empty PMI line".into()));
+    }
+    let l = Line { fields };
+    if l.get("cmd").is_none() && l.get("mcmd").is_none() {
+        return Err(Error::Bootstrap(format!(
+            "malformed PMI line: no cmd= in '{}'",
+            truncate(line)
+        )));
+    }
+    Ok(l)
+}
+
+fn truncate(s: &str) -> String {
+    if s.len() <= 80 {
+        s.to_string()
+    } else {
+        let mut end = 80;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}...", &s[..end])
+    }
+}
+
+/// Escape a value into PMI's safe character set.
+pub fn escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if (33..=126).contains(&b) && b != b'=' && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Undo [`escape`].
+pub fn unescape(v: &str) -> Result<String> {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = v
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| Error::Bootstrap(format!("bad escape in PMI value '{}'", truncate(v))))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| Error::Bootstrap("PMI value is not UTF-8".into()))
+}
+
+/// Split an escaped value into chunks that fit `max` bytes each, never splitting an escape.
+pub fn split_value(escaped: &str, max: usize) -> Vec<&str> {
+    let max = max.max(4);
+    let mut parts = Vec::new();
+    let mut rest = escaped;
+    while rest.len() > max {
+        let mut cut = max;
+        // Do not cut inside a %XX escape.
+        if let Some(p) = rest[..cut].rfind('%') {
+            if p + 3 > cut {
+                cut = p;
+            }
+        }
+        parts.push(&rest[..cut]);
+        rest = &rest[cut..];
+    }
+    parts.push(rest);
+    parts
+}
+
+enum Conn {
+    Unix(BufReader<UnixStream>),
+    Tcp(BufReader<std::net::TcpStream>),
+}
+
+impl Conn {
+    fn send(&mut self, s: &str) -> std::io::Result<()> {
+        match self {
+            Conn::Unix(r) => r.get_mut().write_all(s.as_bytes()),
+            Conn::Tcp(r) => r.get_mut().write_all(s.as_bytes()),
+        }
+    }
+
+    fn recv(&mut self, buf: &mut String) -> std::io::Result<usize> {
+        buf.clear();
+        let r: &mut dyn BufRead = match self {
+            Conn::Unix(r) => r,
+            Conn::Tcp(r) => r,
+        };
+        // Bounded read: a peer cannot make us buffer more than MAX_LINE bytes.
+        let n = std::io::Read::take(r, MAX_LINE as u64 + 1).read_line(buf)?;
+        Ok(n)
+    }
+
+    fn set_timeout(&mut self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Conn::Unix(r) => r.get_ref().set_read_timeout(t),
+            Conn::Tcp(r) => r.get_ref().set_read_timeout(t),
+        }
+    }
+}
+
+/// A connected, initialised PMI-1 client.
+pub struct Pmi {
+    conn: Conn,
+    rank: Rank,
+    size: u32,
+    kvsname: String,
+    appnum: i64,
+    key_max: usize,
+    val_max: usize,
+    timeout: Duration,
+    nodes: NodeMap,
+    finalized: bool,
+    line: String,
+}
+
+impl std::fmt::Debug for Pmi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pmi")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("kvsname", &self.kvsname)
+            .finish()
+    }
+}
+
+fn env_u32(name: &str) -> Result<Option<u32>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Param {
+            var: name.into(),
+            value: v,
+            expected: "a non-negative integer".into(),
+        }),
+    }
+}
+
+impl Pmi {
+    /// Whether the environment names a PMI server.
+    pub fn in_env() -> bool {
+        std::env::var_os("PMI_FD").is_some() || std::env::var_os("PMI_PORT").is_some()
+    }
+
+    /// Connect to the server named by the environment and run the PMI-1 handshake, then build
+    /// the node map. `timeout` bounds every wait on the server (a barrier waits for the slowest
+    /// rank, so it is also how long a missing rank is tolerated).
+    pub fn from_env(timeout: Duration) -> Result<Pmi> {
+        let mut rank = env_u32("PMI_RANK")?;
+        let mut size = env_u32("PMI_SIZE")?;
+        let mut conn = if let Some(fd) = env_u32("PMI_FD")? {
+            // SAFETY: the launcher passes this descriptor to us for our exclusive use as the PMI
+            // connection; nothing else in the process owns or closes it. We verify it is an open
+            // socket right after (fcntl), so a bogus number fails with an error.
+            let fd = fd as i32;
+            if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                return Err(Error::Bootstrap(format!(
+                    "PMI_FD={fd} is not an open file descriptor"
+                )));
+            }
+            // SAFETY: see above; ownership of the fd moves into the UnixStream.
+            let s = unsafe { UnixStream::from_raw_fd(fd) };
+            Conn::Unix(BufReader::new(s))
+        } else if let Ok(port) = std::env::var("PMI_PORT") {
+            let s = std::net::TcpStream::connect(port.trim())
+                .map_err(|e| Error::io(format!("connecting to PMI_PORT {port}"), e))?;
+            s.set_nodelay(true).ok();
+            Conn::Tcp(BufReader::new(s))
+        } else {
+            return Err(Error::Bootstrap("no PMI_FD or PMI_PORT in the environment".into()));
+        };
+        conn.set_timeout(Some(timeout))
+            .map_err(|e| Error::io("setting the PMI socket timeout", e))?;
+        let mut p = Pmi {
+            conn,
+            rank: rank.unwrap_or(0),
+            size: size.unwrap_or(1),
+            kvsname: String::new(),
+            appnum: 0,
+            key_max: 64,
+            val_max: 256,
+            timeout,
+            nodes: NodeMap::single_host(1),
+            finalized: false,
+            line: String::new(),
+        };
+        // PMI_PORT mode identifies itself with PMI_ID and learns rank and size from `cmd=set`.
+        if let Some(id) = std::env::var("PMI_ID").ok().filter(|_| matches!(p.conn, Conn::Tcp(_))) {
+            p.send(&format!("cmd=initack pmiid={}\n", id.trim()))?;
+            let l = p.recv("initack")?;
+            if l.cmd() != "initack" {
+                return Err(Error::Bootstrap(format!(
+                    "expected cmd=initack, got cmd={}",
+                    l.cmd()
+                )));
+            }
+            for _ in 0..3 {
+                let l = p.recv("set")?;
+                if l.cmd() != "set" {
+                    return Err(Error::Bootstrap(format!("expected cmd=set, got cmd={}", l.cmd())));
+                }
+                if let Some(v) = l.get("size") {
+                    size = v.parse().ok();
+                }
+                if let Some(v) = l.get("rank") {
+                    rank = v.parse().ok();
+                }
+            }
+        }
+        p.rank = rank.ok_or_else(|| Error::Bootstrap("PMI_RANK is not set".into()))?;
+        p.size = size.ok_or_else(|| Error::Bootstrap("PMI_SIZE is not set".into()))?;
+        if p.size == 0 || p.rank >= p.size {
+            return Err(Error::Bootstrap(format!(
+                "PMI rank {} is outside a job of size {}",
+                p.rank, p.size
+            )));
+        }
+        let r = p.call("cmd=init pmi_version=1 pmi_subversion=1\n", "response_to_init")?;
+        if r.get("pmi_version").is_some_and(|v| v != "1") {
+            return Err(Error::Bootstrap(format!(
+                "server speaks PMI version {}, weft speaks 1",
+                r.get("pmi_version").unwrap_or("?")
+            )));
+        }
+        let r = p.call("cmd=get_maxes\n", "maxes")?;
+        let num = |k: &str, d: usize| r.get(k).and_then(|v| v.parse().ok()).unwrap_or(d);
+        // The maxima include the terminating NUL of the C API.
+        p.key_max = num("keylen_max", 64).saturating_sub(1).max(8);
+        p.val_max = num("vallen_max", 256).saturating_sub(1).max(16);
+        let r = p.call("cmd=get_appnum\n", "appnum")?;
+        p.appnum = r.get("appnum").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let r = p.call("cmd=get_my_kvsname\n", "my_kvsname")?;
+        p.kvsname = r
+            .get("kvsname")
+            .ok_or_else(|| Error::Bootstrap("my_kvsname response has no kvsname".into()))?
+            .to_string();
+        // Node map: everybody publishes its host identity.
+        let ids = super::allgather(&mut p, "weft.host", &host_id())?;
+        p.nodes = NodeMap::from_ids(&ids, p.rank);
+        Ok(p)
+    }
+
+    pub fn appnum(&self) -> i64 {
+        self.appnum
+    }
+
+    /// Server limits (key, value) after subtracting the C API's NUL.
+    pub fn maxes(&self) -> (usize, usize) {
+        (self.key_max, self.val_max)
+    }
+
+    fn send(&mut self, s: &str) -> Result<()> {
+        self.conn
+            .send(s)
+            .map_err(|e| Error::io("writing to the PMI server", e))
+    }
+
+    fn recv(&mut self, what: &str) -> Result<Line> {
+        let mut buf = std::mem::take(&mut self.line);
+        let r = self.conn.recv(&mut buf);
+        let out = match r {
+            Ok(0) => Err(Error::Bootstrap(format!(
+                "the PMI server closed the connection while rank {} waited for {what}",
+                self.rank
+            ))),
+            Ok(n) if n > MAX_LINE => Err(Error::Bootstrap(format!(
+                "PMI response longer than {MAX_LINE} bytes"
+            ))),
+            Ok(_) if !buf.ends_with('\n') => Err(Error::Bootstrap(format!(
+                "the PMI server closed the connection mid-line while rank {} waited for {what}",
+                self.rank
+            ))),
+            Ok(_) => parse_line(&buf),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                Err(Error::Timeout {
+                    what: format!("the PMI server ({what}); is a rank missing?"),
+                    secs: self.timeout.as_secs_f64(),
+                })
+            }
+            Err(e) => Err(Error::io(format!("reading the PMI {what} response"), e)),
+        };
+        self.line = buf;
+        out
+    }
+
+    /// Send a request and read the response, which must be `cmd=<expect>` with rc 0.
+    fn call(&mut self, req: &str, expect: &str) -> Result<Line> {
+        self.send(req)?;
+        let l = self.recv(expect)?;
+        if l.cmd() != expect {
+            return Err(Error::Bootstrap(format!(
+                "expected cmd={expect} from the PMI server, got cmd={}",
+                l.cmd()
+            )));
+        }
+        if l.rc()? != 0 {
+            return Err(Error::Bootstrap(format!(
+                "PMI {expect} failed: rc={} {}",
+                l.rc()?,
+                l.get("msg").unwrap_or("")
+            )));
+        }
+        Ok(l)
+    }
+
+    fn check_key(&self, key: &str) -> Result<()> {
+        if key.is_empty()
+            || key.len() > self.key_max
+            || key.bytes().any(|b| !(33..=126).contains(&b) || b == b'=')
+        {
+            return Err(Error::invalid(format!(
+                "PMI key '{key}' is empty, has spaces or '=', or is longer than the server's {} bytes",
+                self.key_max
+            )));
+        }
+        Ok(())
+    }
+
+    fn raw_put(&mut self, key: &str, value: &str) -> Result<()> {
+        self.check_key(key)?;
+        let req = format!("cmd=put kvsname={} key={key} value={value}\n", self.kvsname);
+        self.call(&req, "put_result").map(|_| ())
+    }
+
+    fn raw_get(&mut self, key: &str) -> Result<String> {
+        self.check_key(key)?;
+        let req = format!("cmd=get kvsname={} key={key}\n", self.kvsname);
+        self.send(&req)?;
+        let l = self.recv("get_result")?;
+        if l.cmd() != "get_result" {
+            return Err(Error::Bootstrap(format!(
+                "expected cmd=get_result, got cmd={}",
+                l.cmd()
+            )));
+        }
+        if l.rc()? != 0 {
+            return Err(Error::Bootstrap(format!("PMI key '{key}' not found")));
+        }
+        Ok(l.get("value").unwrap_or("").to_string())
+    }
+
+    /// Tell the launcher to end the job.
+    pub fn abort_job(&mut self, code: i32, msg: &str) {
+        let _ = self.send(&format!(
+            "cmd=abort exitcode={code} error_msg={}\n",
+            escape(msg)
+        ));
+    }
+}
+
+impl Bootstrap for Pmi {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+    fn job_id(&self) -> &str {
+        &self.kvsname
+    }
+    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+        let esc = escape(value);
+        // One-part values are stored as "1" + data; longer ones as "<n>" + first part with the
+        // others under "<key>~<i>". The part count precedes a ':'.
+        let room = self.val_max.saturating_sub(8);
+        let parts = split_value(&esc, room);
+        if parts.len() == 1 {
+            return self.raw_put(key, &format!("1:{}", parts[0]));
+        }
+        let n = parts.len();
+        let owned: Vec<String> = parts.iter().map(|s| s.to_string()).collect();
+        for (i, p) in owned.iter().enumerate().skip(1) {
+            self.raw_put(&format!("{key}~{i}"), p)?;
+        }
+        self.raw_put(key, &format!("{n}:{}", owned[0]))
+    }
+    fn fence(&mut self) -> Result<()> {
+        self.call("cmd=barrier_in\n", "barrier_out").map(|_| ())
+    }
+    fn get(&mut self, key: &str) -> Result<String> {
+        let head = self.raw_get(key)?;
+        let (n, first) = head
+            .split_once(':')
+            .and_then(|(n, rest)| n.parse::<usize>().ok().map(|n| (n, rest)))
+            .ok_or_else(|| Error::Bootstrap(format!("PMI value of '{key}' is not weft's")))?;
+        if n == 0 || n > 1 << 16 {
+            return Err(Error::Bootstrap(format!(
+                "PMI value of '{key}' claims {n} parts"
+            )));
+        }
+        let mut esc = first.to_string();
+        for i in 1..n {
+            esc.push_str(&self.raw_get(&format!("{key}~{i}"))?);
+        }
+        unescape(&esc)
+    }
+    fn nodes(&self) -> &NodeMap {
+        &self.nodes
+    }
+    fn abort(&mut self, code: i32, msg: &str) {
+        self.abort_job(code, msg);
+    }
+    fn finalize(&mut self) -> Result<()> {
+        if self.finalized {
+            return Ok(());
+        }
+        self.finalized = true;
+        self.call("cmd=finalize\n", "finalize_ack").map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_responses() {
+        let l = parse_line("cmd=maxes kvsname_max=256 keylen_max=64 vallen_max=1024\n").unwrap();
+        assert_eq!(l.cmd(), "maxes");
+        assert_eq!(l.get("vallen_max"), Some("1024"));
+        assert_eq!(l.rc().unwrap(), 0);
+        let l = parse_line("cmd=get_result rc=-1 msg=key_not_found").unwrap();
+        assert_eq!(l.rc().unwrap(), -1);
+        assert_eq!(parse_line(&l.to_wire()).unwrap(), l);
+    }
+
+    #[test]
+    fn malformed_lines_are_errors() {
+        for bad in ["", "\n", "cmd", "cmd=put oops", "key=v", "=v cmd=x", "cmd=x a==b c"] {
+            let r = parse_line(bad);
+            if bad == "cmd=x a==b c" {
+                assert!(r.is_err(), "{bad:?}");
+                continue;
+            }
+            assert!(r.is_err(), "{bad:?} parsed");
+        }
+        assert!(parse_line(&"x".repeat(MAX_LINE + 10)).is_err());
+    }
+
+    #[test]
+    fn escape_roundtrip_and_split() {
+        let v = "tcp://10.0.0.1:4000 a=b 100%\u{e9}";
+        let e = escape(v);
+        assert!(e.bytes().all(|b| (33..=126).contains(&b) && b != b'='));
+        assert_eq!(unescape(&e).unwrap(), v);
+        let parts = split_value(&e, 5);
+        assert!(parts.iter().all(|p| p.len() <= 5));
+        assert_eq!(parts.concat(), e);
+        for p in &parts {
+            // No part ends in the middle of an escape.
+            assert!(unescape(p).is_ok() || p.contains('%'));
+        }
+        assert!(unescape("%G1").is_err());
+        assert!(unescape("%4").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn parser_never_panics(s in ".{0,200}") {
+            let _ = parse_line(&s);
+        }
+
+        #[test]
+        fn wellformed_lines_roundtrip(
+            cmd in "[a-z_]{1,12}",
+            kv in proptest::collection::vec(("[a-z_]{1,8}", "[!-<>-~]{0,12}"), 0..6)
+        ) {
+            let mut fields = vec![("cmd".to_string(), cmd)];
+            fields.extend(kv);
+            let l = Line { fields };
+            prop_assert_eq!(parse_line(&l.to_wire()).unwrap(), l);
+        }
+
+        #[test]
+        fn escape_split_join_is_identity(v in "\\PC{0,300}", max in 4usize..40) {
+            let e = escape(&v);
+            let parts = split_value(&e, max);
+            for p in &parts {
+                prop_assert!(p.len() <= max.max(4));
+            }
+            prop_assert_eq!(unescape(&parts.concat()).unwrap(), v);
+        }
+    }
+}

@@ -1,0 +1,848 @@
+//! The public two-sided API: worlds, communicators, scopes and requests.
+//!
+//! A rank is single-threaded (like `MPI_THREAD_FUNNELED`): a [`World`] and its communicators are
+//! neither `Send` nor `Sync`.
+//!
+//! Nonblocking operations live in a [`Scope`] (like `std::thread::scope`): their buffers must
+//! outlive the scope, and the scope completes every request still running when it ends. That is
+//! what makes the API sound: even a request that is leaked with `mem::forget` cannot leave the
+//! provider writing into freed memory. Dropping a [`Request`] waits for it (a receive that has
+//! not matched is cancelled instead).
+
+use crate::bootstrap::Bootstrap;
+use crate::datatype::Datatype;
+use crate::engine::{Engine, EngineConfig, Layout, Posted, RecvBuf, ReqId, SendBuf};
+use crate::provider::{DynProvider, Provider};
+use crate::types::Rank;
+use crate::{Error, Result};
+use bytemuck::Pod;
+use std::cell::{Cell, RefCell};
+use std::marker::PhantomData;
+use std::rc::Rc;
+
+/// Largest valid tag.
+pub const TAG_UB: i32 = i32::MAX;
+
+/// Receive from any source.
+pub const ANY_SOURCE: Source = Source::Any;
+/// Receive with any tag.
+pub const ANY_TAG: TagSel = TagSel::Any;
+
+/// Source selector of a receive or probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Any,
+    Rank(u32),
+}
+
+impl From<u32> for Source {
+    fn from(r: u32) -> Self {
+        Source::Rank(r)
+    }
+}
+impl From<usize> for Source {
+    fn from(r: usize) -> Self {
+        Source::Rank(u32::try_from(r).unwrap_or(u32::MAX))
+    }
+}
+impl From<i32> for Source {
+    fn from(r: i32) -> Self {
+        Source::Rank(u32::try_from(r).unwrap_or(u32::MAX))
+    }
+}
+
+/// Tag selector of a receive or probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TagSel {
+    Any,
+    Tag(i32),
+}
+
+impl From<i32> for TagSel {
+    fn from(t: i32) -> Self {
+        TagSel::Tag(t)
+    }
+}
+
+/// What a completed receive (or probe) tells: source rank in the communicator, tag, and the
+/// message length in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status {
+    pub source: u32,
+    pub tag: i32,
+    /// Length of the message in bytes.
+    pub bytes: usize,
+    /// The request was cancelled (MPI_Test_cancelled).
+    pub cancelled: bool,
+}
+
+impl Status {
+    /// Number of whole `T` elements in the message (MPI_Get_count).
+    pub fn count<T>(&self) -> usize {
+        self.bytes / std::mem::size_of::<T>().max(1)
+    }
+}
+
+/// The ranks of a communicator as world ranks.
+#[derive(Debug)]
+pub(crate) struct Group {
+    pub(crate) world_of: Vec<Rank>,
+    /// World rank -> rank in this group, or `u32::MAX`.
+    comm_of: Vec<u32>,
+}
+
+impl Group {
+    fn new(world_of: Vec<Rank>, world_size: u32) -> Self {
+        let mut comm_of = vec![u32::MAX; world_size as usize];
+        for (i, w) in world_of.iter().enumerate() {
+            comm_of[*w as usize] = i as u32;
+        }
+        Group { world_of, comm_of }
+    }
+}
+
+pub(crate) struct Shared<P: Provider> {
+    pub(crate) engine: RefCell<Engine<P>>,
+    boot: RefCell<Box<dyn Bootstrap>>,
+    next_ctx: Cell<u32>,
+    next_scope: Cell<u64>,
+    provider_name: String,
+    closed: Cell<bool>,
+}
+
+impl<P: Provider> Shared<P> {
+    fn close(&self) -> Result<()> {
+        if self.closed.replace(true) {
+            return Ok(());
+        }
+        let mut e = self.engine.borrow_mut();
+        let q = e.quiesce();
+        let c = e.p.close();
+        let f = self.boot.borrow_mut().finalize();
+        q.and(c).and(f)
+    }
+}
+
+/// A communicator: a group of ranks and a context that keeps its messages apart.
+pub struct Comm<P: Provider = DynProvider> {
+    pub(crate) sh: Rc<Shared<P>>,
+    /// Point-to-point context; collectives use `ctx + 1`.
+    pub(crate) ctx: u32,
+    pub(crate) group: Option<Rc<Group>>,
+    rank: u32,
+    size: u32,
+}
+
+/// The world: every rank of the job. Dereferences to its communicator.
+pub struct World<P: Provider = DynProvider> {
+    comm: Comm<P>,
+}
+
+impl<P: Provider> std::ops::Deref for World<P> {
+    type Target = Comm<P>;
+    fn deref(&self) -> &Comm<P> {
+        &self.comm
+    }
+}
+
+impl<P: Provider> World<P> {
+    /// Build a world over an opened provider.
+    pub fn from_parts(p: P, boot: Box<dyn Bootstrap>, cfg: EngineConfig) -> Result<Self> {
+        let name = p.name().to_string();
+        if p.size() != boot.size() || p.rank() != boot.rank() {
+            return Err(Error::Bootstrap(format!(
+                "provider '{name}' sees rank {}/{} but the bootstrap says {}/{}",
+                p.rank(),
+                p.size(),
+                boot.rank(),
+                boot.size()
+            )));
+        }
+        let rank = p.rank();
+        let size = p.size();
+        let engine = Engine::new(p, cfg)?;
+        let sh = Rc::new(Shared {
+            engine: RefCell::new(engine),
+            boot: RefCell::new(boot),
+            next_ctx: Cell::new(2),
+            next_scope: Cell::new(1),
+            provider_name: name,
+            closed: Cell::new(false),
+        });
+        Ok(World {
+            comm: Comm {
+                sh,
+                ctx: 0,
+                group: None,
+                rank,
+                size,
+            },
+        })
+    }
+
+    /// The world communicator.
+    pub fn comm(&self) -> &Comm<P> {
+        &self.comm
+    }
+
+    /// Which ranks share this host.
+    pub fn node_map(&self) -> crate::bootstrap::NodeMap {
+        self.comm.sh.boot.borrow().nodes().clone()
+    }
+
+    /// Orderly shutdown: a barrier, then every outgoing message drained and the provider closed.
+    pub fn finalize(self) -> Result<()> {
+        let b = self.comm.barrier();
+        let c = self.comm.sh.close();
+        b.and(c)
+    }
+
+    /// Tell the launcher to end the whole job (MPI_Abort).
+    pub fn abort(&self, code: i32, msg: &str) -> ! {
+        self.comm.sh.boot.borrow_mut().abort(code, msg);
+        eprintln!("weft: rank {} aborting: {msg}", self.comm.rank);
+        std::process::exit(code)
+    }
+}
+
+impl<P: Provider> Drop for World<P> {
+    fn drop(&mut self) {
+        if let Err(e) = self.comm.sh.close() {
+            tracing::debug!("closing the world: {e}");
+        }
+    }
+}
+
+fn check_tag(tag: i32) -> Result<i32> {
+    if tag < 0 {
+        return Err(Error::InvalidTag {
+            tag: tag as i64,
+            max: TAG_UB,
+        });
+    }
+    Ok(tag)
+}
+
+fn bytes_of<T: Pod>(buf: &[T]) -> SendBuf {
+    SendBuf {
+        base: buf.as_ptr() as *const u8,
+        len: std::mem::size_of_val(buf),
+        layout: Layout::Contig,
+    }
+}
+
+fn bytes_of_mut<T: Pod>(buf: &mut [T]) -> RecvBuf {
+    RecvBuf {
+        base: buf.as_mut_ptr() as *mut u8,
+        cap: std::mem::size_of_val(buf),
+        layout: Layout::Contig,
+    }
+}
+
+fn typed_send(buf: &[u8], count: usize, dt: &Datatype) -> Result<SendBuf> {
+    let len = dt.check_fits(count, buf.len())?;
+    Ok(SendBuf {
+        base: buf.as_ptr(),
+        len,
+        layout: if dt.is_contiguous() {
+            Layout::Contig
+        } else {
+            Layout::Typed(dt.clone(), count)
+        },
+    })
+}
+
+fn typed_recv(buf: &mut [u8], count: usize, dt: &Datatype) -> Result<RecvBuf> {
+    let cap = dt.check_fits(count, buf.len())?;
+    Ok(RecvBuf {
+        base: buf.as_mut_ptr(),
+        cap,
+        layout: if dt.is_contiguous() {
+            Layout::Contig
+        } else {
+            Layout::Typed(dt.clone(), count)
+        },
+    })
+}
+
+impl<P: Provider> Comm<P> {
+    /// This rank's number in the communicator.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+
+    /// Name of the provider underneath.
+    pub fn provider_name(&self) -> &str {
+        &self.sh.provider_name
+    }
+
+    /// Capabilities of the provider underneath.
+    pub fn provider_caps(&self) -> crate::provider::Caps {
+        self.sh.engine.borrow().st.caps.clone()
+    }
+
+    /// World rank of communicator rank `r`.
+    pub fn world_rank(&self, r: u32) -> Result<Rank> {
+        if r >= self.size {
+            return Err(Error::InvalidRank {
+                rank: r as i64,
+                size: self.size,
+            });
+        }
+        Ok(match &self.group {
+            None => r,
+            Some(g) => g.world_of[r as usize],
+        })
+    }
+
+    fn source(&self, s: Source) -> Result<Option<Rank>> {
+        match s {
+            Source::Any => Ok(None),
+            Source::Rank(r) => self.world_rank(r).map(Some),
+        }
+    }
+
+    fn tag_sel(t: TagSel) -> Result<Option<i32>> {
+        match t {
+            TagSel::Any => Ok(None),
+            TagSel::Tag(t) => check_tag(t).map(Some),
+        }
+    }
+
+    /// Translate a status's world source into this communicator's rank.
+    pub(crate) fn local_status(group: &Option<Rc<Group>>, mut st: Status) -> Status {
+        if let (Some(g), false) = (group, st.cancelled) {
+            st.source = g.comm_of.get(st.source as usize).copied().unwrap_or(u32::MAX);
+        }
+        st
+    }
+
+    fn finish(&self, r: Result<Status>) -> Result<Status> {
+        match r {
+            Ok(s) => Ok(Self::local_status(&self.group, s)),
+            Err(Error::Truncated { status, capacity }) => Err(Error::Truncated {
+                status: Self::local_status(&self.group, status),
+                capacity,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn post_send(&self, buf: SendBuf, dest: u32, tag: i32, sync: bool, ctx: u32, scope: u64) -> Result<Posted> {
+        let w = self.world_rank(dest)?;
+        let tag = check_tag(tag)?;
+        self.sh.engine.borrow_mut().isend(w, ctx, tag, buf, sync, scope)
+    }
+
+    fn post_recv(&self, buf: RecvBuf, src: Source, tag: TagSel, ctx: u32, scope: u64) -> Result<Posted> {
+        let s = self.source(src)?;
+        let t = Self::tag_sel(tag)?;
+        self.sh.engine.borrow_mut().irecv(s, ctx, t, buf, scope)
+    }
+
+    fn complete(&self, p: Posted) -> Result<Status> {
+        let r = match p {
+            Posted::Done(r) => r,
+            Posted::Pending(id) => self.sh.engine.borrow_mut().wait(id),
+        };
+        self.finish(r)
+    }
+
+    // ------------------------------------------------------------------ blocking two-sided
+
+    /// Blocking send (MPI_Send): returns once `buf` may be reused.
+    pub fn send<T: Pod>(&self, buf: &[T], dest: u32, tag: i32) -> Result<()> {
+        let p = self.post_send(bytes_of(buf), dest, tag, false, self.ctx, 0)?;
+        self.complete(p).map(|_| ())
+    }
+
+    /// Synchronous send (MPI_Ssend): returns once the receiver has matched the message.
+    pub fn ssend<T: Pod>(&self, buf: &[T], dest: u32, tag: i32) -> Result<()> {
+        let p = self.post_send(bytes_of(buf), dest, tag, true, self.ctx, 0)?;
+        self.complete(p).map(|_| ())
+    }
+
+    /// Blocking receive (MPI_Recv). A message longer than `buf` is a [`Error::Truncated`]
+    /// error; nothing is written past `buf`.
+    pub fn recv<T: Pod>(
+        &self,
+        buf: &mut [T],
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<Status> {
+        let p = self.post_recv(bytes_of_mut(buf), src.into(), tag.into(), self.ctx, 0)?;
+        self.complete(p)
+    }
+
+    /// Send `count` instances of `dt` from `buf` (offsets relative to `buf`'s start).
+    pub fn send_typed(&self, buf: &[u8], count: usize, dt: &Datatype, dest: u32, tag: i32) -> Result<()> {
+        let p = self.post_send(typed_send(buf, count, dt)?, dest, tag, false, self.ctx, 0)?;
+        self.complete(p).map(|_| ())
+    }
+
+    /// Receive into `count` instances of `dt` laid out in `buf`.
+    pub fn recv_typed(
+        &self,
+        buf: &mut [u8],
+        count: usize,
+        dt: &Datatype,
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<Status> {
+        let rb = typed_recv(buf, count, dt)?;
+        let p = self.post_recv(rb, src.into(), tag.into(), self.ctx, 0)?;
+        self.complete(p)
+    }
+
+    /// Send and receive at once (MPI_Sendrecv); never deadlocks against a matching sendrecv.
+    pub fn sendrecv<T: Pod, U: Pod>(
+        &self,
+        sbuf: &[T],
+        dest: u32,
+        stag: i32,
+        rbuf: &mut [U],
+        src: impl Into<Source>,
+        rtag: impl Into<TagSel>,
+    ) -> Result<Status> {
+        self.sendrecv_ctx(bytes_of(sbuf), dest, stag, bytes_of_mut(rbuf), src.into(), rtag.into(), self.ctx)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sendrecv_ctx(
+        &self,
+        sb: SendBuf,
+        dest: u32,
+        stag: i32,
+        rb: RecvBuf,
+        src: Source,
+        rtag: TagSel,
+        ctx: u32,
+    ) -> Result<Status> {
+        let r = self.post_recv(rb, src, rtag, ctx, 0)?;
+        let s = match self.post_send(sb, dest, stag, false, ctx, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                if let Posted::Pending(id) = r {
+                    let mut eng = self.sh.engine.borrow_mut();
+                    let _ = eng.cancel(id);
+                    let _ = eng.wait(id);
+                }
+                return Err(e);
+            }
+        };
+        let rs = self.complete(r);
+        let ss = self.complete(s);
+        let st = rs?;
+        ss?;
+        Ok(st)
+    }
+
+    pub(crate) fn send_ctx(&self, buf: SendBuf, dest: u32, tag: i32, ctx: u32) -> Result<()> {
+        let p = self.post_send(buf, dest, tag, false, ctx, 0)?;
+        self.complete(p).map(|_| ())
+    }
+
+    pub(crate) fn recv_ctx(&self, buf: RecvBuf, src: u32, tag: i32, ctx: u32) -> Result<Status> {
+        let p = self.post_recv(buf, Source::Rank(src), TagSel::Tag(tag), ctx, 0)?;
+        self.complete(p)
+    }
+
+    /// Wait for a matching message and describe it without receiving it (MPI_Probe).
+    pub fn probe(&self, src: impl Into<Source>, tag: impl Into<TagSel>) -> Result<Status> {
+        let s = self.source(src.into())?;
+        let t = Self::tag_sel(tag.into())?;
+        let mut eng = self.sh.engine.borrow_mut();
+        let mut found = None;
+        let mut err = None;
+        let ctx = self.ctx;
+        eng.wait_until("a probe", |e| match e.iprobe(s, ctx, t) {
+            Ok(Some(st)) => {
+                found = Some(st);
+                true
+            }
+            Ok(None) => false,
+            Err(x) => {
+                err = Some(x);
+                true
+            }
+        })?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        Ok(Self::local_status(&self.group, found.expect("set when done")))
+    }
+
+    /// Is a matching message waiting? (MPI_Iprobe)
+    pub fn iprobe(&self, src: impl Into<Source>, tag: impl Into<TagSel>) -> Result<Option<Status>> {
+        let s = self.source(src.into())?;
+        let t = Self::tag_sel(tag.into())?;
+        let r = self.sh.engine.borrow_mut().iprobe(s, self.ctx, t)?;
+        Ok(r.map(|st| Self::local_status(&self.group, st)))
+    }
+
+    /// Drive the provider once (useful while computing between nonblocking calls).
+    pub fn progress(&self) -> Result<()> {
+        self.sh.engine.borrow_mut().progress().map(|_| ())
+    }
+
+    // ------------------------------------------------------------------ nonblocking
+
+    /// Run `f` with a scope for nonblocking operations; every request still running when `f`
+    /// returns (or panics) is completed before `scope` returns.
+    pub fn scope<'env, R>(&self, f: impl for<'s> FnOnce(&'s Scope<'s, 'env, P>) -> R) -> R {
+        let id = self.sh.next_scope.get();
+        self.sh.next_scope.set(id + 1);
+        // The guard completes the scope's requests when `f` returns or unwinds.
+        let _guard = ScopeEnd {
+            sh: self.sh.clone(),
+            id,
+        };
+        let scope = Scope {
+            sh: self.sh.clone(),
+            id,
+            _scope: PhantomData,
+            _env: PhantomData,
+        };
+        f(&scope)
+    }
+
+    fn check_scope(&self, s: &Scope<'_, '_, P>) -> Result<()> {
+        if !Rc::ptr_eq(&self.sh, &s.sh) {
+            return Err(Error::invalid("the scope belongs to another world"));
+        }
+        Ok(())
+    }
+
+    fn request<'s>(&self, s: &'s Scope<'s, '_, P>, p: Posted, recv: bool) -> Request<'s, P> {
+        Request {
+            sh: &s.sh,
+            state: match p {
+                Posted::Done(r) => ReqState::Done(Some(r)),
+                Posted::Pending(id) => ReqState::Pending(id),
+            },
+            group: self.group.clone(),
+            recv,
+            _buf: PhantomData,
+        }
+    }
+
+    /// Nonblocking send (MPI_Isend). `buf` stays borrowed until the scope ends.
+    pub fn isend<'s, T: Pod>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s [T],
+        dest: u32,
+        tag: i32,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let p = self.post_send(bytes_of(buf), dest, tag, false, self.ctx, s.id)?;
+        Ok(self.request(s, p, false))
+    }
+
+    /// Nonblocking synchronous send (MPI_Issend).
+    pub fn issend<'s, T: Pod>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s [T],
+        dest: u32,
+        tag: i32,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let p = self.post_send(bytes_of(buf), dest, tag, true, self.ctx, s.id)?;
+        Ok(self.request(s, p, false))
+    }
+
+    /// Nonblocking receive (MPI_Irecv). `buf` stays borrowed until the scope ends.
+    pub fn irecv<'s, T: Pod>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s mut [T],
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let p = self.post_recv(bytes_of_mut(buf), src.into(), tag.into(), self.ctx, s.id)?;
+        Ok(self.request(s, p, true))
+    }
+
+    /// Nonblocking send of a derived datatype.
+    pub fn isend_typed<'s>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s [u8],
+        count: usize,
+        dt: &Datatype,
+        dest: u32,
+        tag: i32,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let p = self.post_send(typed_send(buf, count, dt)?, dest, tag, false, self.ctx, s.id)?;
+        Ok(self.request(s, p, false))
+    }
+
+    /// Nonblocking receive into a derived datatype.
+    pub fn irecv_typed<'s>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s mut [u8],
+        count: usize,
+        dt: &Datatype,
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let rb = typed_recv(buf, count, dt)?;
+        let p = self.post_recv(rb, src.into(), tag.into(), self.ctx, s.id)?;
+        Ok(self.request(s, p, true))
+    }
+
+    // ------------------------------------------------------------------ communicators
+
+    /// Allocate a context id agreed by every rank of this communicator.
+    fn new_context(&self) -> Result<u32> {
+        let mine = [self.sh.next_ctx.get()];
+        let mut agreed = [0u32];
+        self.allreduce(&mine, &mut agreed, crate::Op::Max)?;
+        let ctx = agreed[0];
+        if ctx > u32::MAX - 4 {
+            return Err(Error::Unsupported("out of communicator context ids".into()));
+        }
+        self.sh.next_ctx.set(ctx + 2);
+        Ok(ctx)
+    }
+
+    /// A communicator with the same ranks and a new context (MPI_Comm_dup). Collective.
+    pub fn dup(&self) -> Result<Comm<P>> {
+        let ctx = self.new_context()?;
+        Ok(Comm {
+            sh: self.sh.clone(),
+            ctx,
+            group: self.group.clone(),
+            rank: self.rank,
+            size: self.size,
+        })
+    }
+
+    /// Split into communicators by `color`, ordered by `key` then rank (MPI_Comm_split).
+    /// `None` (MPI_UNDEFINED) takes part but gets no communicator. Collective.
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Comm<P>>> {
+        let me = [
+            color.map_or(-1i64, |c| c as i64),
+            key as i64,
+            self.world_rank(self.rank)? as i64,
+        ];
+        let mut all = vec![0i64; 3 * self.size as usize];
+        self.allgather(&me, &mut all)?;
+        let ctx = self.new_context()?;
+        let Some(c) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i64, u32, Rank)> = all
+            .chunks(3)
+            .enumerate()
+            .filter(|(_, v)| v[0] == c as i64)
+            .map(|(i, v)| (v[1], i as u32, v[2] as Rank))
+            .collect();
+        members.sort();
+        let world_of: Vec<Rank> = members.iter().map(|m| m.2).collect();
+        let world_size = self.sh.engine.borrow().st.size;
+        let group = Group::new(world_of, world_size);
+        let my_world = self.world_rank(self.rank)?;
+        let rank = group.comm_of[my_world as usize];
+        let size = group.world_of.len() as u32;
+        Ok(Some(Comm {
+            sh: self.sh.clone(),
+            ctx,
+            group: Some(Rc::new(group)),
+            rank,
+            size,
+        }))
+    }
+
+    /// Requests currently alive in the engine (diagnostics).
+    pub fn live_requests(&self) -> usize {
+        self.sh.engine.borrow().live_requests()
+    }
+}
+
+/// A region in which nonblocking operations may run; see [`Comm::scope`].
+pub struct Scope<'scope, 'env: 'scope, P: Provider> {
+    sh: Rc<Shared<P>>,
+    id: u64,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+struct ScopeEnd<P: Provider> {
+    sh: Rc<Shared<P>>,
+    id: u64,
+}
+
+impl<P: Provider> Drop for ScopeEnd<P> {
+    fn drop(&mut self) {
+        // Complete whatever is still running (including leaked requests) before the borrowed
+        // buffers can go away.
+        let r = self.sh.engine.borrow_mut().drain_scope(self.id);
+        if let Err(e) = r {
+            tracing::warn!("a request completed with an error at the end of its scope: {e}");
+        }
+    }
+}
+
+enum ReqState {
+    Pending(ReqId),
+    Done(Option<Result<Status>>),
+}
+
+/// A nonblocking operation in flight. Complete it with [`Request::wait`] or [`Request::test`].
+#[must_use = "a request is waited for when dropped; call wait() to see its status"]
+pub struct Request<'s, P: Provider> {
+    sh: &'s Rc<Shared<P>>,
+    state: ReqState,
+    group: Option<Rc<Group>>,
+    recv: bool,
+    _buf: PhantomData<&'s mut [u8]>,
+}
+
+impl<P: Provider> Request<'_, P> {
+    fn localize(&self, r: Result<Status>) -> Result<Status> {
+        match r {
+            Ok(s) => Ok(Comm::<P>::local_status(&self.group, s)),
+            Err(Error::Truncated { status, capacity }) => Err(Error::Truncated {
+                status: Comm::<P>::local_status(&self.group, status),
+                capacity,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Block until the operation completes (MPI_Wait).
+    pub fn wait(mut self) -> Result<Status> {
+        let r = match std::mem::replace(&mut self.state, ReqState::Done(None)) {
+            ReqState::Pending(id) => self.sh.engine.borrow_mut().wait(id),
+            ReqState::Done(Some(r)) => r,
+            ReqState::Done(None) => return Err(Error::invalid("request already completed")),
+        };
+        self.localize(r)
+    }
+
+    /// Has it completed? `Some(status)` once, then the request is spent (MPI_Test).
+    pub fn test(&mut self) -> Result<Option<Status>> {
+        let r = match &mut self.state {
+            ReqState::Pending(id) => {
+                let id = *id;
+                match self.sh.engine.borrow_mut().test(id)? {
+                    None => return Ok(None),
+                    Some(r) => r,
+                }
+            }
+            ReqState::Done(r) => match r.take() {
+                Some(r) => r,
+                None => return Err(Error::invalid("request already completed")),
+            },
+        };
+        self.state = ReqState::Done(None);
+        self.localize(r).map(Some)
+    }
+
+    /// Whether the operation has finished (without consuming its status).
+    pub fn is_complete(&self) -> bool {
+        match &self.state {
+            ReqState::Pending(id) => self.sh.engine.borrow().is_done(*id),
+            ReqState::Done(_) => true,
+        }
+    }
+
+    /// Cancel a receive that has not matched yet (MPI_Cancel); its status then says
+    /// `cancelled`. Sends cannot be cancelled.
+    pub fn cancel(&mut self) -> Result<()> {
+        if !self.recv {
+            return Err(Error::invalid("only receives can be cancelled"));
+        }
+        match &self.state {
+            ReqState::Pending(id) => self.sh.engine.borrow_mut().cancel(*id),
+            ReqState::Done(_) => Ok(()),
+        }
+    }
+}
+
+impl<P: Provider> Drop for Request<'_, P> {
+    fn drop(&mut self) {
+        if let ReqState::Pending(id) = self.state {
+            let mut e = self.sh.engine.borrow_mut();
+            if self.recv {
+                let _ = e.cancel(id);
+            }
+            if let Err(err) = e.wait(id) {
+                tracing::warn!("a dropped request completed with an error: {err}");
+            }
+        }
+    }
+}
+
+/// Wait for all requests (MPI_Waitall). Every request is completed even after an error; the
+/// first error is returned.
+pub fn waitall<'s, P: Provider>(
+    reqs: impl IntoIterator<Item = Request<'s, P>>,
+) -> Result<Vec<Status>> {
+    let mut out = Vec::new();
+    let mut first = None;
+    for r in reqs {
+        match r.wait() {
+            Ok(s) => out.push(s),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    first.map_or(Ok(out), Err)
+}
+
+/// Wait for any one request (MPI_Waitany): returns its index and status and empties its slot;
+/// `Ok(None)` when every slot is empty.
+pub fn waitany<P: Provider>(reqs: &mut [Option<Request<'_, P>>]) -> Result<Option<(usize, Status)>> {
+    let Some(sh) = reqs.iter().flatten().next().map(|r| r.sh.clone()) else {
+        return Ok(None);
+    };
+    let mut found = None;
+    let mut err = None;
+    sh.engine.borrow_mut().wait_until("any of several requests", |e| {
+        for (i, slot) in reqs.iter_mut().enumerate() {
+            let Some(r) = slot else { continue };
+            let done = match &r.state {
+                ReqState::Pending(id) => e.is_done(*id),
+                ReqState::Done(_) => true,
+            };
+            if done {
+                let res = match std::mem::replace(&mut r.state, ReqState::Done(None)) {
+                    ReqState::Pending(id) => e.try_take(id).unwrap_or_else(|| {
+                        Err(Error::invalid("request vanished"))
+                    }),
+                    ReqState::Done(Some(x)) => x,
+                    ReqState::Done(None) => Err(Error::invalid("request already completed")),
+                };
+                match r.localize(res) {
+                    Ok(s) => found = Some((i, s)),
+                    Err(x) => err = Some(x),
+                }
+                *slot = None;
+                return true;
+            }
+        }
+        false
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    Ok(found)
+}
+
+/// Create a world from a bootstrap and an opened provider, with the core parameters.
+pub(crate) fn world_from<P: Provider>(p: P, boot: Box<dyn Bootstrap>) -> Result<World<P>> {
+    World::from_parts(p, boot, EngineConfig::from_env()?)
+}

@@ -1,0 +1,1637 @@
+//! The protocol engine: requests, the two-sided protocols built on active messages, and dispatch
+//! to a provider's native tagged messaging when it has one.
+//!
+//! Protocols on active messages (the core fallback, MPICH CH4's MPIDIG):
+//! * **eager** — payload up to the eager limit travels with the header; unexpected eager data
+//!   is copied into the unexpected queue. `ssend` adds a sync flag and the receiver acknowledges
+//!   the match (`SACK`).
+//! * **rendezvous** — `RTS` (size, sender request id, and the sender buffer's key when the
+//!   provider can do RMA reads). On a match the receiver either pulls the data with one RMA read
+//!   straight into its buffer and answers `FIN`, or answers `CTS` and the sender streams `DATA`
+//!   chunks of at most the provider's payload limit, flow-controlled by the provider (`Busy`).
+//!
+//! The engine owns the provider `P` and the core [`State`]; `State` is the [`Sink`] the provider
+//! reports into, so handlers never call the provider: what they need sent goes into the outbox,
+//! flushed after `progress` returns.
+
+use crate::datatype::Datatype;
+use crate::matching::{Matcher, PostedHandle};
+use crate::provider::{
+    Access, Caps, Completed, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome,
+    Sink, Token,
+};
+use crate::types::Rank;
+use crate::{Error, Result, Status};
+use smallvec::SmallVec;
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::time::{Duration, Instant};
+
+/// Header bytes the core needs from every provider.
+pub const MIN_AM_HEADER: usize = 64;
+
+// Active-message handler ids (first header byte). 16.. are the RMA module's.
+const H_EAGER: u8 = 1;
+const H_RTS: u8 = 2;
+const H_CTS: u8 = 3;
+const H_DATA: u8 = 4;
+const H_FIN: u8 = 5;
+const H_SACK: u8 = 6;
+pub(crate) const H_RMA_FIRST: u8 = 16;
+
+const F_SYNC: u8 = 1;
+const F_REMOTE: u8 = 2;
+
+/// A fixed-size header under construction.
+#[derive(Clone, Copy)]
+pub(crate) struct Hdr {
+    buf: [u8; MIN_AM_HEADER],
+    len: u8,
+}
+
+impl Hdr {
+    pub(crate) fn new(kind: u8) -> Self {
+        let mut h = Hdr {
+            buf: [0; MIN_AM_HEADER],
+            len: 0,
+        };
+        h.u8(kind);
+        h
+    }
+    pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf[self.len as usize] = v;
+        self.len += 1;
+        self
+    }
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
+        let l = self.len as usize;
+        self.buf[l..l + 4].copy_from_slice(&v.to_le_bytes());
+        self.len += 4;
+        self
+    }
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        let l = self.len as usize;
+        self.buf[l..l + 8].copy_from_slice(&v.to_le_bytes());
+        self.len += 8;
+        self
+    }
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len as usize]
+    }
+}
+
+/// Bounds-checked header reader: a short or garbled header from a peer is an error value.
+pub(crate) struct Rd<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Rd<'a> {
+    pub(crate) fn new(b: &'a [u8]) -> Self {
+        Rd { b, at: 0 }
+    }
+    pub(crate) fn u8(&mut self) -> Option<u8> {
+        let v = *self.b.get(self.at)?;
+        self.at += 1;
+        Some(v)
+    }
+    pub(crate) fn u32(&mut self) -> Option<u32> {
+        let v = self.b.get(self.at..self.at + 4)?;
+        self.at += 4;
+        Some(u32::from_le_bytes(v.try_into().ok()?))
+    }
+    pub(crate) fn u64(&mut self) -> Option<u64> {
+        let v = self.b.get(self.at..self.at + 8)?;
+        self.at += 8;
+        Some(u64::from_le_bytes(v.try_into().ok()?))
+    }
+}
+
+/// The memory layout of a message buffer.
+#[derive(Clone, Debug)]
+pub(crate) enum Layout {
+    Contig,
+    Typed(Datatype, usize),
+}
+
+/// A send buffer: `len` packed bytes at `base` in `layout`. The creator has checked bounds and
+/// the request that holds it borrows the memory until completion.
+#[derive(Clone, Debug)]
+pub(crate) struct SendBuf {
+    pub base: *const u8,
+    pub len: usize,
+    pub layout: Layout,
+}
+
+/// A receive buffer with room for `cap` packed bytes.
+#[derive(Clone, Debug)]
+pub(crate) struct RecvBuf {
+    pub base: *mut u8,
+    pub cap: usize,
+    pub layout: Layout,
+}
+
+impl SendBuf {
+    /// iovec pieces for packed bytes `[off, off+len)`, as raw `(ptr, len)`.
+    fn pieces(&self, off: usize, len: usize, out: &mut SmallVec<[RawIov; 8]>) {
+        match &self.layout {
+            Layout::Contig => out.push(RawIov {
+                // SAFETY: off+len <= self.len, checked by callers; base..base+len is the
+                // borrowed buffer.
+                ptr: unsafe { self.base.add(off) },
+                len,
+            }),
+            Layout::Typed(dt, count) => {
+                let _ = dt.for_range(*count, off, len, |o, l| {
+                    out.push(RawIov {
+                        // SAFETY: the datatype's span was checked against the buffer length.
+                        ptr: unsafe { self.base.offset(o) },
+                        len: l,
+                    })
+                });
+            }
+        }
+    }
+
+    fn piece_count(&self, max: usize) -> usize {
+        match &self.layout {
+            Layout::Contig => 1,
+            Layout::Typed(dt, count) => {
+                let mut n = 0;
+                let _ = dt.for_range(*count, 0, self.len, |_, _| n += 1);
+                n.min(max + 1)
+            }
+        }
+    }
+}
+
+impl RecvBuf {
+    /// Copy `data` to packed offset `off`. Caller guarantees `off + data.len() <= cap`.
+    fn write(&self, off: usize, data: &[u8]) {
+        debug_assert!(off + data.len() <= self.cap);
+        match &self.layout {
+            Layout::Contig => {
+                // SAFETY: off+len <= cap = the borrowed buffer's length; the request holds the
+                // unique borrow, and `data` (provider or unexpected memory) cannot overlap it.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(off), data.len()) }
+            }
+            Layout::Typed(dt, count) => {
+                let mut at = 0;
+                let _ = dt.for_range(*count, off, data.len(), |o, l| {
+                    // SAFETY: the datatype's span was checked against the buffer; see above.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(data.as_ptr().add(at), self.base.offset(o), l)
+                    };
+                    at += l;
+                });
+            }
+        }
+    }
+
+    fn pieces(&self, len: usize, out: &mut SmallVec<[RawIovMut; 8]>) {
+        match &self.layout {
+            Layout::Contig => out.push(RawIovMut { ptr: self.base, len }),
+            Layout::Typed(dt, count) => {
+                let _ = dt.for_range(*count, 0, len, |o, l| {
+                    out.push(RawIovMut {
+                        // SAFETY: within the checked span of the borrowed buffer.
+                        ptr: unsafe { self.base.offset(o) },
+                        len: l,
+                    })
+                });
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ requests
+
+/// Request id: generation in the high 32 bits, slot in the low 32.
+pub(crate) type ReqId = u64;
+
+#[derive(Debug)]
+enum SendPhase {
+    Queued,
+    WaitAck,
+    WaitCts,
+    Stream { rreq: u64, off: usize, len: usize },
+    WaitFin,
+}
+
+#[derive(Debug)]
+struct SendReq {
+    dest: Rank,
+    ctx: u32,
+    tag: i32,
+    buf: SendBuf,
+    sync: bool,
+    phase: SendPhase,
+    mr: Option<MemRegion>,
+}
+
+#[derive(Debug)]
+enum RecvPhase {
+    Posted(PostedHandle),
+    Stream {
+        got: usize,
+        expect: usize,
+        total: usize,
+        src: Rank,
+        tag: i32,
+    },
+    Reading {
+        len: usize,
+        total: usize,
+        src: Rank,
+        tag: i32,
+        sreq: u64,
+        remote: RemoteAddr,
+        issued: bool,
+    },
+}
+
+#[derive(Debug)]
+struct RecvReq {
+    src: Option<Rank>,
+    buf: RecvBuf,
+    phase: RecvPhase,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Send(SendReq),
+    Recv(RecvReq),
+    /// A send handed to the provider's native tagged messaging (`tmp` holds packed data).
+    NSend { dest: Rank, _tmp: Option<Vec<u8>> },
+    /// A receive handed to the provider (`tmp` receives packed data to unpack at the end).
+    NRecv {
+        src: Option<Rank>,
+        buf: RecvBuf,
+        tmp: Option<Vec<u8>>,
+    },
+    /// Completion of an RMA-module operation.
+    Rma,
+}
+
+#[derive(Debug)]
+struct Req {
+    scope: u64,
+    done: Option<Result<Status>>,
+    kind: Kind,
+}
+
+struct Slot {
+    gen: u32,
+    req: Option<Req>,
+}
+
+#[derive(Default)]
+struct Slab {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    live: usize,
+}
+
+impl Slab {
+    fn insert(&mut self, r: Req) -> ReqId {
+        self.live += 1;
+        if let Some(i) = self.free.pop() {
+            let s = &mut self.slots[i as usize];
+            s.gen = s.gen.wrapping_add(1);
+            s.req = Some(r);
+            ((s.gen as u64) << 32) | i as u64
+        } else {
+            self.slots.push(Slot {
+                gen: 1,
+                req: Some(r),
+            });
+            (1u64 << 32) | (self.slots.len() - 1) as u64
+        }
+    }
+
+    fn get_mut(&mut self, id: ReqId) -> Option<&mut Req> {
+        let s = self.slots.get_mut((id & 0xffff_ffff) as usize)?;
+        if s.gen as u64 != id >> 32 {
+            return None;
+        }
+        s.req.as_mut()
+    }
+
+    fn get(&self, id: ReqId) -> Option<&Req> {
+        let s = self.slots.get((id & 0xffff_ffff) as usize)?;
+        if s.gen as u64 != id >> 32 {
+            return None;
+        }
+        s.req.as_ref()
+    }
+
+    fn remove(&mut self, id: ReqId) -> Option<Req> {
+        let i = (id & 0xffff_ffff) as usize;
+        let s = self.slots.get_mut(i)?;
+        if s.gen as u64 != id >> 32 || s.req.is_none() {
+            return None;
+        }
+        self.live -= 1;
+        self.free.push(i as u32);
+        s.req.take()
+    }
+
+    fn ids(&self) -> Vec<ReqId> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.req.is_some())
+            .map(|(i, s)| ((s.gen as u64) << 32) | i as u64)
+            .collect()
+    }
+}
+
+/// What an unexpected message carries.
+enum Unexp {
+    Eager { data: Vec<u8>, sreq: Option<u64> },
+    Rts {
+        total: usize,
+        sreq: u64,
+        remote: Option<RemoteAddr>,
+    },
+}
+
+enum Out {
+    /// A queued eager send; header and payload come from the request.
+    Eager(ReqId),
+    Ctrl(Hdr),
+    /// An RMA-module message with an owned payload.
+    Owned(Hdr, Vec<u8>),
+}
+
+/// Result of posting an operation.
+#[derive(Debug)]
+pub(crate) enum Posted {
+    /// Finished during the call (e.g. an eager send the provider took).
+    Done(Result<Status>),
+    Pending(ReqId),
+}
+
+/// Engine settings, from the core parameters.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Messages up to this size go eagerly (capped by the provider's payload limit).
+    pub eager_limit: Option<usize>,
+    /// Bound on every blocking wait; `None` waits forever.
+    pub timeout: Option<Duration>,
+    /// Empty progress rounds before a waiter starts yielding the CPU.
+    pub spin: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            eager_limit: None,
+            timeout: None,
+            spin: 1000,
+        }
+    }
+}
+
+crate::param!(EAGER_LIMIT: Size = "", "EAGER_LIMIT", "0",
+    "eager/rendezvous switch-over in bytes (0: the provider's payload limit)");
+crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
+    "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
+crate::param!(POLL_SPIN: Uint = "", "POLL_SPIN", "1000",
+    "idle progress rounds before a waiting rank starts yielding its core");
+
+impl EngineConfig {
+    /// Read `WEFT_EAGER_LIMIT`, `WEFT_TIMEOUT` and `WEFT_POLL_SPIN`.
+    pub fn from_env() -> Result<Self> {
+        let e = EAGER_LIMIT.get_size()?;
+        let t = TIMEOUT.get_f64()?;
+        if !(t >= 0.0 && t.is_finite()) {
+            return Err(Error::Param {
+                var: TIMEOUT.env_name(),
+                value: TIMEOUT.raw(),
+                expected: "a non-negative number of seconds".into(),
+            });
+        }
+        Ok(EngineConfig {
+            eager_limit: (e > 0).then_some(e),
+            timeout: (t > 0.0).then(|| Duration::from_secs_f64(t)),
+            spin: POLL_SPIN.get_u64()?.min(u32::MAX as u64) as u32,
+        })
+    }
+}
+
+/// Core state: everything but the provider. It is the provider's [`Sink`].
+pub(crate) struct State {
+    pub(crate) rank: Rank,
+    pub(crate) size: u32,
+    pub(crate) caps: Caps,
+    eager_limit: usize,
+    chunk: usize,
+    rma_read: bool,
+    reqs: Slab,
+    matcher: Matcher<ReqId, Unexp>,
+    outq: Vec<VecDeque<Out>>,
+    out_pending: Vec<Rank>,
+    out_flag: Vec<bool>,
+    streams: Vec<ReqId>,
+    reads: Vec<ReqId>,
+    deregs: Vec<MemRegion>,
+    failed: Vec<Option<String>>,
+    nfailed: u32,
+    scratch: Vec<u8>,
+}
+
+/// The engine: a provider plus the core state.
+pub(crate) struct Engine<P: Provider> {
+    pub(crate) p: P,
+    pub(crate) st: State,
+    pub(crate) cfg: EngineConfig,
+}
+
+fn status(source: Rank, tag: i32, bytes: usize) -> Status {
+    Status {
+        source,
+        tag,
+        bytes,
+        cancelled: false,
+    }
+}
+
+fn recv_result(st: Status, cap: usize) -> Result<Status> {
+    if st.bytes > cap {
+        Err(Error::Truncated {
+            status: st,
+            capacity: cap,
+        })
+    } else {
+        Ok(st)
+    }
+}
+
+impl<P: Provider> Engine<P> {
+    pub(crate) fn new(p: P, cfg: EngineConfig) -> Result<Self> {
+        let caps = p.caps().clone();
+        if caps.max_am_header < MIN_AM_HEADER {
+            return Err(Error::Unsupported(format!(
+                "provider '{}' offers {}-byte active-message headers; weft needs {MIN_AM_HEADER}",
+                p.name(),
+                caps.max_am_header
+            )));
+        }
+        if caps.max_am_payload == 0 || caps.max_iov == 0 {
+            return Err(Error::Unsupported(format!(
+                "provider '{}' declares no active-message payload",
+                p.name()
+            )));
+        }
+        let size = p.size();
+        let eager_limit = cfg
+            .eager_limit
+            .unwrap_or(caps.max_am_payload)
+            .min(caps.max_am_payload);
+        let rma_read = caps.rma.is_some_and(|r| r.read);
+        let st = State {
+            rank: p.rank(),
+            size,
+            eager_limit,
+            chunk: caps.max_am_payload,
+            rma_read,
+            caps,
+            reqs: Slab::default(),
+            matcher: Matcher::new(),
+            outq: (0..size).map(|_| VecDeque::new()).collect(),
+            out_pending: Vec::new(),
+            out_flag: vec![false; size as usize],
+            streams: Vec::new(),
+            reads: Vec::new(),
+            deregs: Vec::new(),
+            failed: vec![None; size as usize],
+            nfailed: 0,
+            scratch: Vec::new(),
+        };
+        Ok(Engine { p, st, cfg })
+    }
+
+    fn check_peer(&self, r: Rank) -> Result<()> {
+        if r >= self.st.size {
+            return Err(Error::InvalidRank {
+                rank: r as i64,
+                size: self.st.size,
+            });
+        }
+        if let Some(why) = &self.st.failed[r as usize] {
+            return Err(Error::peer_failed(r, why.clone()));
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------ posting
+
+    pub(crate) fn isend(
+        &mut self,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        self.check_peer(dest)?;
+        if self.st.caps.tagged {
+            return self.native_send(dest, ctx, tag, buf, sync, scope);
+        }
+        if buf.len <= self.st.eager_limit {
+            // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
+            // plain send then needs no request at all.
+            if !sync && self.st.outq[dest as usize].is_empty() {
+                let mut h = Hdr::new(H_EAGER);
+                h.u8(0).u32(ctx).u32(tag as u32);
+                if self.send_eager_now(dest, &h, &buf)? == SendOutcome::Sent {
+                    return Ok(Posted::Done(Ok(status(dest, tag, buf.len))));
+                }
+            }
+            let id = self.st.reqs.insert(Req {
+                scope,
+                done: None,
+                kind: Kind::Send(SendReq {
+                    dest,
+                    ctx,
+                    tag,
+                    buf,
+                    sync,
+                    phase: SendPhase::Queued,
+                    mr: None,
+                }),
+            });
+            self.st.push_out(dest, Out::Eager(id));
+            if sync {
+                self.flush_out()?;
+            }
+            return Ok(Posted::Pending(id));
+        }
+        // Rendezvous.
+        let mut mr = None;
+        if self.st.rma_read && matches!(buf.layout, Layout::Contig) {
+            // SAFETY: the send request borrows `buf` until it completes, and completion waits
+            // for FIN, sent only after the peer's read finished; we deregister before completing.
+            match unsafe { self.p.mr_register(buf.base as *mut u8, buf.len, Access::READ) } {
+                Ok(m) => mr = Some(m),
+                Err(e) => tracing::debug!("registration failed, streaming instead: {e}"),
+            }
+        }
+        let id = self.st.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::Send(SendReq {
+                dest,
+                ctx,
+                tag,
+                sync,
+                phase: if mr.is_some() {
+                    SendPhase::WaitFin
+                } else {
+                    SendPhase::WaitCts
+                },
+                mr,
+                buf: buf.clone(),
+            }),
+        });
+        let mut h = Hdr::new(H_RTS);
+        h.u8(if mr.is_some() { F_REMOTE } else { 0 })
+            .u32(ctx)
+            .u32(tag as u32)
+            .u64(buf.len as u64)
+            .u64(id);
+        if let Some(m) = mr {
+            h.u64(m.addr).u64(m.key);
+        }
+        self.st.push_out(dest, Out::Ctrl(h));
+        self.flush_out()?;
+        Ok(Posted::Pending(id))
+    }
+
+    /// Try to hand an eager message to the provider now.
+    fn send_eager_now(&mut self, dest: Rank, h: &Hdr, buf: &SendBuf) -> Result<SendOutcome> {
+        let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+        buf.pieces(0, buf.len, &mut pieces);
+        send_pieces(&mut self.p, &mut self.st.scratch, dest, h.bytes(), &pieces)
+    }
+
+    fn native_send(
+        &mut self,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+        let mut tmp = None;
+        if buf.piece_count(self.st.caps.max_iov) > self.st.caps.max_iov {
+            let mut v = vec![0u8; buf.len];
+            gather(&buf, &mut v);
+            pieces.push(RawIov {
+                ptr: v.as_ptr(),
+                len: v.len(),
+            });
+            tmp = Some(v);
+        } else {
+            buf.pieces(0, buf.len, &mut pieces);
+        }
+        let id = self.st.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::NSend { dest, _tmp: tmp },
+        });
+        // SAFETY: the pieces point into the user's buffer (borrowed by the request until it
+        // completes) or into `tmp`, owned by the request; both outlive the provider's use.
+        if let Err(e) = unsafe { self.p.tagged_send(dest, ctx, tag, &pieces, sync, id) } {
+            self.st.reqs.remove(id);
+            return Err(e);
+        }
+        Ok(Posted::Pending(id))
+    }
+
+    pub(crate) fn irecv(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+        buf: RecvBuf,
+        scope: u64,
+    ) -> Result<Posted> {
+        if let Some(s) = src {
+            self.check_peer(s)?;
+        }
+        if self.st.caps.tagged {
+            return self.native_recv(src, ctx, tag, buf, scope);
+        }
+        if let Some((msrc, mtag, m)) = self.st.matcher.take_unexpected(ctx, src, tag) {
+            match m {
+                Unexp::Eager { data, sreq } => {
+                    let n = data.len().min(buf.cap);
+                    buf.write(0, &data[..n]);
+                    if let Some(s) = sreq {
+                        let mut h = Hdr::new(H_SACK);
+                        h.u64(s);
+                        self.st.push_out(msrc, Out::Ctrl(h));
+                        self.flush_out()?;
+                    }
+                    return Ok(Posted::Done(recv_result(
+                        status(msrc, mtag, data.len()),
+                        buf.cap,
+                    )));
+                }
+                Unexp::Rts {
+                    total,
+                    sreq,
+                    remote,
+                } => {
+                    let id = self.st.reqs.insert(Req {
+                        scope,
+                        done: None,
+                        kind: Kind::Recv(RecvReq {
+                            src,
+                            buf,
+                            phase: RecvPhase::Posted(PostedHandle::dangling()),
+                        }),
+                    });
+                    self.st.start_rndv(id, msrc, mtag, total, sreq, remote);
+                    self.issue_reads()?;
+                    self.flush_out()?;
+                    return Ok(Posted::Pending(id));
+                }
+            }
+        }
+        let id = self.st.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::Recv(RecvReq {
+                src,
+                buf,
+                phase: RecvPhase::Posted(PostedHandle::dangling()),
+            }),
+        });
+        let h = self.st.matcher.post(ctx, src, tag, id);
+        if let Some(Req {
+            kind: Kind::Recv(r),
+            ..
+        }) = self.st.reqs.get_mut(id)
+        {
+            r.phase = RecvPhase::Posted(h);
+        }
+        Ok(Posted::Pending(id))
+    }
+
+    fn native_recv(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+        buf: RecvBuf,
+        scope: u64,
+    ) -> Result<Posted> {
+        let mut pieces: SmallVec<[RawIovMut; 8]> = SmallVec::new();
+        let count = match &buf.layout {
+            Layout::Contig => 1,
+            Layout::Typed(dt, c) => dt.iovecs(*c)?.len(),
+        };
+        let mut tmp = None;
+        if count > self.st.caps.max_iov {
+            let mut v = vec![0u8; buf.cap];
+            pieces.push(RawIovMut {
+                ptr: v.as_mut_ptr(),
+                len: v.len(),
+            });
+            tmp = Some(v);
+        } else {
+            buf.pieces(buf.cap, &mut pieces);
+        }
+        let id = self.st.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::NRecv { src, buf, tmp },
+        });
+        // SAFETY: the pieces point into the user's buffer (uniquely borrowed by the request
+        // until it completes or is cancelled) or into the request-owned `tmp` (a Vec whose heap
+        // storage does not move when the request moves).
+        if let Err(e) = unsafe { self.p.tagged_recv(src, ctx, tag, &pieces, id) } {
+            self.st.reqs.remove(id);
+            return Err(e);
+        }
+        Ok(Posted::Pending(id))
+    }
+
+    /// Is a matching message waiting? (MPI_Iprobe)
+    pub(crate) fn iprobe(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+    ) -> Result<Option<Status>> {
+        if let Some(s) = src {
+            self.check_peer(s)?;
+        }
+        self.progress()?;
+        if self.st.caps.tagged {
+            return Ok(self
+                .p
+                .tagged_probe(src, ctx, tag)?
+                .map(|t| status(t.source, t.tag, t.bytes)));
+        }
+        Ok(self
+            .st
+            .matcher
+            .peek_unexpected(ctx, src, tag)
+            .map(|(s, t, m)| {
+                let bytes = match m {
+                    Unexp::Eager { data, .. } => data.len(),
+                    Unexp::Rts { total, .. } => *total,
+                };
+                status(s, t, bytes)
+            }))
+    }
+
+    // ------------------------------------------------------------------------------ progress
+
+    /// One round: provider arrivals, then queued sends, streams and RMA reads.
+    pub(crate) fn progress(&mut self) -> Result<usize> {
+        let mut n = self.p.progress(&mut self.st)?;
+        if !self.st.out_pending.is_empty() || !self.st.streams.is_empty() {
+            n += self.flush_out()?;
+        }
+        if !self.st.reads.is_empty() {
+            n += self.issue_reads()?;
+        }
+        while let Some(m) = self.st.deregs.pop() {
+            if let Err(e) = self.p.mr_deregister(&m) {
+                tracing::warn!("deregistration failed: {e}");
+            }
+        }
+        Ok(n)
+    }
+
+    /// Send queued messages in per-destination order, then advance rendezvous streams.
+    pub(crate) fn flush_out(&mut self) -> Result<usize> {
+        let mut sent = 0;
+        let mut i = 0;
+        while i < self.st.out_pending.len() {
+            let dest = self.st.out_pending[i];
+            let mut blocked = false;
+            while let Some(item) = self.st.outq[dest as usize].front() {
+                let outcome = match item {
+                    Out::Ctrl(h) => {
+                        let h = *h;
+                        self.p.am_send(dest, h.bytes(), &[])?
+                    }
+                    Out::Owned(h, _) => {
+                        let h = *h;
+                        // The payload is ours; move it out while sending to satisfy borrows.
+                        let data = std::mem::take(
+                            match self.st.outq[dest as usize].front_mut() {
+                                Some(Out::Owned(_, d)) => d,
+                                _ => unreachable!(),
+                            },
+                        );
+                        let r = self.p.am_send(dest, h.bytes(), &[IoSlice::new(&data)])?;
+                        if r == SendOutcome::Busy {
+                            if let Some(Out::Owned(_, d)) =
+                                self.st.outq[dest as usize].front_mut()
+                            {
+                                *d = data;
+                            }
+                        }
+                        r
+                    }
+                    Out::Eager(id) => {
+                        let id = *id;
+                        match self.st.reqs.get(id) {
+                            Some(Req {
+                                kind: Kind::Send(r),
+                                done: None,
+                                ..
+                            }) => {
+                                let mut h = Hdr::new(H_EAGER);
+                                h.u8(if r.sync { F_SYNC } else { 0 })
+                                    .u32(r.ctx)
+                                    .u32(r.tag as u32);
+                                if r.sync {
+                                    h.u64(id);
+                                }
+                                let (buf, sync, rdest, tag) = (r.buf.clone(), r.sync, r.dest, r.tag);
+                                let o = self.send_eager_now(rdest, &h, &buf)?;
+                                if o == SendOutcome::Sent {
+                                    if sync {
+                                        self.st.set_send_phase(id, SendPhase::WaitAck);
+                                    } else {
+                                        self.st.finish(id, Ok(status(rdest, tag, buf.len)));
+                                    }
+                                }
+                                o
+                            }
+                            // Failed or cancelled meanwhile: drop it.
+                            _ => SendOutcome::Sent,
+                        }
+                    }
+                };
+                if outcome == SendOutcome::Busy {
+                    blocked = true;
+                    break;
+                }
+                self.st.outq[dest as usize].pop_front();
+                sent += 1;
+            }
+            if blocked {
+                i += 1;
+            } else {
+                self.st.out_flag[dest as usize] = false;
+                self.st.out_pending.swap_remove(i);
+            }
+        }
+        sent += self.pump_streams()?;
+        Ok(sent)
+    }
+
+    fn pump_streams(&mut self) -> Result<usize> {
+        let mut sent = 0;
+        let mut i = 0;
+        while i < self.st.streams.len() {
+            let id = self.st.streams[i];
+            let (dest, rreq, mut off, len, buf) = match self.st.reqs.get(id) {
+                Some(Req {
+                    kind:
+                        Kind::Send(SendReq {
+                            dest,
+                            buf,
+                            phase: SendPhase::Stream { rreq, off, len },
+                            ..
+                        }),
+                    done: None,
+                    ..
+                }) => (*dest, *rreq, *off, *len, buf.clone()),
+                _ => {
+                    self.st.streams.swap_remove(i);
+                    continue;
+                }
+            };
+            let mut finished = false;
+            while off < len {
+                let n = (len - off).min(self.st.chunk);
+                let mut h = Hdr::new(H_DATA);
+                h.u64(rreq).u64(off as u64);
+                let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+                buf.pieces(off, n, &mut pieces);
+                match send_pieces(&mut self.p, &mut self.st.scratch, dest, h.bytes(), &pieces)? {
+                    SendOutcome::Sent => {
+                        off += n;
+                        sent += 1;
+                    }
+                    SendOutcome::Busy => break,
+                }
+            }
+            if off >= len {
+                finished = true;
+            }
+            if let Some(Req {
+                kind: Kind::Send(s),
+                ..
+            }) = self.st.reqs.get_mut(id)
+            {
+                if let SendPhase::Stream { off: o, .. } = &mut s.phase {
+                    *o = off;
+                }
+            }
+            if finished {
+                let tag = match self.st.reqs.get(id) {
+                    Some(Req {
+                        kind: Kind::Send(s),
+                        ..
+                    }) => s.tag,
+                    _ => 0,
+                };
+                self.st.finish(id, Ok(status(dest, tag, len)));
+                self.st.streams.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(sent)
+    }
+
+    fn issue_reads(&mut self) -> Result<usize> {
+        let mut n = 0;
+        let reads = std::mem::take(&mut self.st.reads);
+        for id in reads {
+            let Some(Req {
+                kind:
+                    Kind::Recv(RecvReq {
+                        buf,
+                        phase:
+                            RecvPhase::Reading {
+                                len,
+                                src,
+                                remote,
+                                issued,
+                                ..
+                            },
+                        ..
+                    }),
+                done: None,
+                ..
+            }) = self.st.reqs.get_mut(id)
+            else {
+                continue;
+            };
+            *issued = true;
+            let mut pieces: SmallVec<[RawIovMut; 8]> = SmallVec::new();
+            buf.pieces(*len, &mut pieces);
+            let (src, remote) = (*src, *remote);
+            // SAFETY: the receive request uniquely borrows the buffer until it completes, which
+            // happens only when the provider reports this token (or the peer fails).
+            if let Err(e) = unsafe { self.p.rma_read(src, &pieces, remote, id) } {
+                self.st.complete(id, Err(e));
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    // ------------------------------------------------------------------------------ completion
+
+    /// The result of a finished request, freeing it; `None` if still running.
+    pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
+        match self.st.reqs.get(id) {
+            Some(Req { done: Some(_), .. }) => self.st.reqs.remove(id).and_then(|r| r.done),
+            Some(_) => None,
+            None => Some(Err(Error::invalid("request already completed"))),
+        }
+    }
+
+    pub(crate) fn test(&mut self, id: ReqId) -> Result<Option<Result<Status>>> {
+        if let Some(r) = self.try_take(id) {
+            return Ok(Some(r));
+        }
+        self.progress()?;
+        Ok(self.try_take(id))
+    }
+
+    /// Spin on progress until `done(self)` holds, yielding the CPU after `cfg.spin` idle rounds,
+    /// and failing after `cfg.timeout`.
+    pub(crate) fn wait_until(
+        &mut self,
+        what: &str,
+        mut done: impl FnMut(&mut Self) -> bool,
+    ) -> Result<()> {
+        let mut idle = 0u32;
+        let mut rounds = 0u32;
+        let start = self.cfg.timeout.map(|t| (Instant::now(), t));
+        loop {
+            if done(self) {
+                return Ok(());
+            }
+            let n = self.progress()?;
+            if n == 0 {
+                idle = idle.saturating_add(1);
+                if idle > self.cfg.spin {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            } else {
+                idle = 0;
+            }
+            rounds = rounds.wrapping_add(1);
+            if rounds % 256 == 0 {
+                if let Some((t0, limit)) = start {
+                    if t0.elapsed() > limit {
+                        return Err(Error::Timeout {
+                            what: what.to_string(),
+                            secs: limit.as_secs_f64(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    pub(crate) fn wait(&mut self, id: ReqId) -> Result<Status> {
+        let mut out = None;
+        self.wait_until("a request", |e| {
+            out = e.try_take(id);
+            out.is_some()
+        })?;
+        out.expect("set when done")
+    }
+
+    pub(crate) fn is_done(&self, id: ReqId) -> bool {
+        !matches!(self.st.reqs.get(id), Some(Req { done: None, .. }))
+    }
+
+    /// Cancel a receive that has not matched (MPI_Cancel). A send, or a receive that already
+    /// matched, is left to complete normally.
+    pub(crate) fn cancel(&mut self, id: ReqId) -> Result<()> {
+        let Some(req) = self.st.reqs.get_mut(id) else {
+            return Ok(());
+        };
+        if req.done.is_some() {
+            return Ok(());
+        }
+        match &req.kind {
+            Kind::Recv(RecvReq {
+                phase: RecvPhase::Posted(h),
+                ..
+            }) => {
+                let h = *h;
+                if self.st.matcher.cancel(h).is_some() {
+                    self.st.finish(id, Ok(cancelled_status()));
+                }
+                Ok(())
+            }
+            Kind::NRecv { .. } => {
+                if self.p.tagged_cancel(id)? {
+                    self.st.finish(id, Ok(cancelled_status()));
+                }
+                Ok(())
+            }
+            Kind::Recv(_) => Ok(()),
+            _ => Err(Error::invalid("only receives can be cancelled")),
+        }
+    }
+
+    /// Complete every request of `scope` (receives that have not matched are cancelled).
+    pub(crate) fn drain_scope(&mut self, scope: u64) -> Result<()> {
+        if self.st.reqs.live == 0 {
+            return Ok(());
+        }
+        let ids: Vec<ReqId> = self
+            .st
+            .reqs
+            .ids()
+            .into_iter()
+            .filter(|id| self.st.reqs.get(*id).is_some_and(|r| r.scope == scope))
+            .collect();
+        let mut first_err = None;
+        for id in ids {
+            let is_recv = matches!(
+                self.st.reqs.get(id).map(|r| &r.kind),
+                Some(Kind::Recv(_) | Kind::NRecv { .. })
+            );
+            if is_recv {
+                let _ = self.cancel(id);
+            }
+            if let Err(e) = self.wait(id) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Wait until nothing is queued for sending (used before shutdown).
+    pub(crate) fn quiesce(&mut self) -> Result<()> {
+        self.wait_until("outgoing messages to drain", |e| {
+            e.st.out_pending.is_empty() && e.st.streams.is_empty()
+        })
+    }
+
+    /// Number of live requests (diagnostics, tests).
+    pub(crate) fn live_requests(&self) -> usize {
+        self.st.reqs.live
+    }
+
+    pub(crate) fn new_rma_request(&mut self, scope: u64) -> ReqId {
+        self.st.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::Rma,
+        })
+    }
+}
+
+fn cancelled_status() -> Status {
+    Status {
+        source: 0,
+        tag: 0,
+        bytes: 0,
+        cancelled: true,
+    }
+}
+
+/// Copy a send buffer's packed bytes into `out`.
+fn gather(buf: &SendBuf, out: &mut [u8]) {
+    let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+    buf.pieces(0, buf.len, &mut pieces);
+    let mut at = 0;
+    for p in pieces {
+        // SAFETY: pieces lie within the borrowed send buffer (bounds checked at creation).
+        let s = unsafe { std::slice::from_raw_parts(p.ptr, p.len) };
+        out[at..at + p.len].copy_from_slice(s);
+        at += p.len;
+    }
+}
+
+/// Send header + pieces, packing into `scratch` when there are more pieces than the provider's
+/// iovec limit.
+fn send_pieces<P: Provider>(
+    p: &mut P,
+    scratch: &mut Vec<u8>,
+    dest: Rank,
+    hdr: &[u8],
+    pieces: &[RawIov],
+) -> Result<SendOutcome> {
+    let max_iov = p.caps().max_iov;
+    if pieces.len() <= max_iov && pieces.len() <= 8 {
+        let mut iov: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
+        for pc in pieces {
+            // SAFETY: each piece lies within a buffer borrowed by a live request (or is empty).
+            iov.push(IoSlice::new(unsafe { raw_slice(pc) }));
+        }
+        return p.am_send(dest, hdr, &iov);
+    }
+    if pieces.len() <= max_iov {
+        let iov: Vec<IoSlice<'_>> = pieces
+            .iter()
+            // SAFETY: as above.
+            .map(|pc| IoSlice::new(unsafe { raw_slice(pc) }))
+            .collect();
+        return p.am_send(dest, hdr, &iov);
+    }
+    scratch.clear();
+    for pc in pieces {
+        // SAFETY: as above.
+        scratch.extend_from_slice(unsafe { raw_slice(pc) });
+    }
+    p.am_send(dest, hdr, &[IoSlice::new(scratch)])
+}
+
+/// # Safety
+/// `pc` must describe readable memory that stays valid for the returned lifetime.
+unsafe fn raw_slice<'a>(pc: &RawIov) -> &'a [u8] {
+    if pc.len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(pc.ptr, pc.len)
+    }
+}
+
+// ---------------------------------------------------------------------------------- handlers
+
+impl State {
+    pub(crate) fn push_out(&mut self, dest: Rank, o: Out) {
+        self.outq[dest as usize].push_back(o);
+        if !self.out_flag[dest as usize] {
+            self.out_flag[dest as usize] = true;
+            self.out_pending.push(dest);
+        }
+    }
+
+    /// Queue an RMA-module message with an owned payload.
+    pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, payload: Vec<u8>) {
+        self.push_out(dest, Out::Owned(h, payload));
+    }
+
+    pub(crate) fn push_ctrl(&mut self, dest: Rank, h: Hdr) {
+        self.push_out(dest, Out::Ctrl(h));
+    }
+
+    pub(crate) fn is_failed(&self, r: Rank) -> Option<&str> {
+        self.failed.get(r as usize).and_then(|f| f.as_deref())
+    }
+
+    fn set_send_phase(&mut self, id: ReqId, phase: SendPhase) {
+        if let Some(Req {
+            kind: Kind::Send(s),
+            ..
+        }) = self.reqs.get_mut(id)
+        {
+            s.phase = phase;
+        }
+    }
+
+    /// Mark a request finished with `res`.
+    pub(crate) fn finish(&mut self, id: ReqId, res: Result<Status>) {
+        if let Some(r) = self.reqs.get_mut(id) {
+            if r.done.is_none() {
+                r.done = Some(res);
+            }
+        }
+    }
+
+    fn start_rndv(
+        &mut self,
+        id: ReqId,
+        src: Rank,
+        tag: i32,
+        total: usize,
+        sreq: u64,
+        remote: Option<RemoteAddr>,
+    ) {
+        let rma_read = self.rma_read;
+        let max_iov = self.caps.rma.map_or(0, |r| r.max_iov);
+        let Some(Req {
+            kind: Kind::Recv(r),
+            ..
+        }) = self.reqs.get_mut(id)
+        else {
+            return;
+        };
+        let len = total.min(r.buf.cap);
+        let pieces = match &r.buf.layout {
+            Layout::Contig => 1,
+            Layout::Typed(dt, c) => dt.iovecs(*c).map_or(usize::MAX, |v| v.len()),
+        };
+        if let (Some(remote), true, true, true) = (remote, rma_read, pieces <= max_iov, len > 0) {
+            r.phase = RecvPhase::Reading {
+                len,
+                total,
+                src,
+                tag,
+                sreq,
+                remote,
+                issued: false,
+            };
+            self.reads.push(id);
+            return;
+        }
+        r.phase = RecvPhase::Stream {
+            got: 0,
+            expect: len,
+            total,
+            src,
+            tag,
+        };
+        let cap = r.buf.cap;
+        let mut h = Hdr::new(H_CTS);
+        h.u64(sreq).u64(id).u64(len as u64);
+        // A sender that registered for a read we will not do releases it on this CTS.
+        self.push_out(src, Out::Ctrl(h));
+        if len == 0 {
+            self.finish(id, recv_result(status(src, tag, total), cap));
+        }
+    }
+
+    fn malformed(&self, src: Rank, what: &str) {
+        tracing::warn!(peer = src, "dropping malformed active message: {what}");
+    }
+
+    fn on_eager(&mut self, src: Rank, rd: &mut Rd<'_>, payload: &[u8]) -> Option<()> {
+        let flags = rd.u8()?;
+        let ctx = rd.u32()?;
+        let tag = rd.u32()? as i32;
+        let sreq = if flags & F_SYNC != 0 {
+            Some(rd.u64()?)
+        } else {
+            None
+        };
+        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+            if let Some(Req {
+                kind: Kind::Recv(r),
+                ..
+            }) = self.reqs.get_mut(id)
+            {
+                let n = payload.len().min(r.buf.cap);
+                r.buf.write(0, &payload[..n]);
+                let cap = r.buf.cap;
+                self.finish(id, recv_result(status(src, tag, payload.len()), cap));
+            }
+            if let Some(s) = sreq {
+                let mut h = Hdr::new(H_SACK);
+                h.u64(s);
+                self.push_out(src, Out::Ctrl(h));
+            }
+        } else {
+            self.matcher.add_unexpected(
+                ctx,
+                src,
+                tag,
+                Unexp::Eager {
+                    data: payload.to_vec(),
+                    sreq,
+                },
+            );
+        }
+        Some(())
+    }
+
+    fn on_rts(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let flags = rd.u8()?;
+        let ctx = rd.u32()?;
+        let tag = rd.u32()? as i32;
+        let total = usize::try_from(rd.u64()?).ok()?;
+        let sreq = rd.u64()?;
+        let remote = if flags & F_REMOTE != 0 {
+            Some(RemoteAddr {
+                addr: rd.u64()?,
+                key: rd.u64()?,
+            })
+        } else {
+            None
+        };
+        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+            self.start_rndv(id, src, tag, total, sreq, remote);
+        } else {
+            self.matcher.add_unexpected(
+                ctx,
+                src,
+                tag,
+                Unexp::Rts {
+                    total,
+                    sreq,
+                    remote,
+                },
+            );
+        }
+        Some(())
+    }
+
+    fn on_cts(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        let rreq = rd.u64()?;
+        let len = usize::try_from(rd.u64()?).ok()?;
+        let Some(Req {
+            kind: Kind::Send(s),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(sreq)
+        else {
+            self.malformed(src, "CTS for an unknown send");
+            return Some(());
+        };
+        if s.dest != src
+            || !matches!(s.phase, SendPhase::WaitCts | SendPhase::WaitFin)
+            || len > s.buf.len
+        {
+            self.malformed(src, "CTS does not fit its send");
+            return Some(());
+        }
+        let tag = s.tag;
+        if let Some(m) = s.mr.take() {
+            self.deregs.push(m);
+        }
+        if len == 0 {
+            self.finish(sreq, Ok(status(src, tag, 0)));
+        } else {
+            s.phase = SendPhase::Stream { rreq, off: 0, len };
+            self.streams.push(sreq);
+        }
+        Some(())
+    }
+
+    fn on_data(&mut self, src: Rank, rd: &mut Rd<'_>, payload: &[u8]) -> Option<()> {
+        let rreq = rd.u64()?;
+        let off = usize::try_from(rd.u64()?).ok()?;
+        let Some(Req {
+            kind: Kind::Recv(r),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(rreq)
+        else {
+            self.malformed(src, "DATA for an unknown receive");
+            return Some(());
+        };
+        let RecvPhase::Stream {
+            got,
+            expect,
+            total,
+            src: from,
+            tag,
+        } = &mut r.phase
+        else {
+            self.malformed(src, "DATA for a receive that is not streaming");
+            return Some(());
+        };
+        if *from != src || off.checked_add(payload.len()).is_none_or(|e| e > *expect) {
+            self.malformed(src, "DATA outside the announced range");
+            return Some(());
+        }
+        r.buf.write(off, payload);
+        *got += payload.len();
+        if *got >= *expect {
+            let st = status(src, *tag, *total);
+            let cap = r.buf.cap;
+            self.finish(rreq, recv_result(st, cap));
+        }
+        Some(())
+    }
+
+    fn on_fin(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        let Some(Req {
+            kind: Kind::Send(s),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(sreq)
+        else {
+            self.malformed(src, "FIN for an unknown send");
+            return Some(());
+        };
+        if s.dest != src {
+            self.malformed(src, "FIN from the wrong peer");
+            return Some(());
+        }
+        if let Some(m) = s.mr.take() {
+            self.deregs.push(m);
+        }
+        let (tag, len) = (s.tag, s.buf.len);
+        self.finish(sreq, Ok(status(src, tag, len)));
+        Some(())
+    }
+
+    fn on_sack(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        match self.reqs.get_mut(sreq) {
+            Some(Req {
+                kind: Kind::Send(s),
+                done: None,
+                ..
+            }) if s.dest == src => {
+                let (tag, len) = (s.tag, s.buf.len);
+                self.finish(sreq, Ok(status(src, tag, len)));
+            }
+            _ => self.malformed(src, "SACK for an unknown send"),
+        }
+        Some(())
+    }
+
+    fn fail_peer(&mut self, rank: Rank, reason: &str) {
+        if rank >= self.size || self.failed[rank as usize].is_some() {
+            return;
+        }
+        tracing::warn!(rank, "peer failed: {reason}");
+        self.failed[rank as usize] = Some(reason.to_string());
+        self.nfailed += 1;
+        self.outq[rank as usize].clear();
+        let all_others_gone = self.nfailed + 1 >= self.size;
+        let err = || Error::peer_failed(rank, reason);
+        for id in self.reqs.ids() {
+            let Some(req) = self.reqs.get_mut(id) else {
+                continue;
+            };
+            if req.done.is_some() {
+                continue;
+            }
+            let hit = match &req.kind {
+                Kind::Send(s) => s.dest == rank,
+                Kind::NSend { dest, .. } => *dest == rank,
+                Kind::Recv(r) => match &r.phase {
+                    RecvPhase::Posted(_) => {
+                        r.src == Some(rank) || (r.src.is_none() && all_others_gone)
+                    }
+                    RecvPhase::Stream { src, .. } | RecvPhase::Reading { src, .. } => {
+                        *src == rank
+                    }
+                },
+                Kind::NRecv { src, .. } => {
+                    *src == Some(rank) || (src.is_none() && all_others_gone)
+                }
+                Kind::Rma => false,
+            };
+            if hit {
+                if let Kind::Recv(RecvReq {
+                    phase: RecvPhase::Posted(h),
+                    ..
+                }) = &req.kind
+                {
+                    let h = *h;
+                    self.matcher.cancel(h);
+                }
+                if let Some(Req {
+                    kind: Kind::Send(s),
+                    ..
+                }) = self.reqs.get_mut(id)
+                {
+                    if let Some(m) = s.mr.take() {
+                        self.deregs.push(m);
+                    }
+                }
+                self.finish(id, Err(err()));
+            }
+        }
+    }
+}
+
+impl Sink for State {
+    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        if src >= self.size {
+            tracing::warn!(src, "active message from a rank outside the world");
+            return;
+        }
+        let mut rd = Rd::new(header);
+        let kind = rd.u8();
+        let ok = match kind {
+            Some(H_EAGER) => self.on_eager(src, &mut rd, payload),
+            Some(H_RTS) => self.on_rts(src, &mut rd),
+            Some(H_CTS) => self.on_cts(src, &mut rd),
+            Some(H_DATA) => self.on_data(src, &mut rd, payload),
+            Some(H_FIN) => self.on_fin(src, &mut rd),
+            Some(H_SACK) => self.on_sack(src, &mut rd),
+            _ => None,
+        };
+        if ok.is_none() {
+            self.malformed(src, &format!("unknown or short header (kind {kind:?})"));
+        }
+    }
+
+    fn complete(&mut self, token: Token, result: Result<Completed>) {
+        let Some(req) = self.reqs.get_mut(token) else {
+            tracing::warn!(token, "completion for an unknown operation");
+            return;
+        };
+        match &mut req.kind {
+            Kind::NSend { dest, .. } => {
+                let d = *dest;
+                self.finish(token, result.map(|_| status(d, 0, 0)));
+            }
+            Kind::NRecv { buf, tmp, .. } => {
+                let res = match result {
+                    Ok(Completed::Received(ts)) => {
+                        let cap = buf.cap;
+                        if let Some(t) = tmp.take() {
+                            let n = ts.bytes.min(cap);
+                            buf.write(0, &t[..n]);
+                        }
+                        recv_result(status(ts.source, ts.tag, ts.bytes), cap)
+                    }
+                    Ok(Completed::Cancelled) => Ok(cancelled_status()),
+                    Ok(Completed::Done) => Err(Error::invalid(
+                        "provider completed a receive without a status",
+                    )),
+                    Err(e) => Err(e),
+                };
+                self.finish(token, res);
+            }
+            Kind::Recv(RecvReq {
+                phase:
+                    RecvPhase::Reading {
+                        len,
+                        total,
+                        src,
+                        tag,
+                        sreq,
+                        ..
+                    },
+                buf,
+                ..
+            }) => {
+                let (len, total, src, tag, sreq, cap) = (*len, *total, *src, *tag, *sreq, buf.cap);
+                let _ = len;
+                let mut f = Hdr::new(H_FIN);
+                f.u64(sreq);
+                self.push_out(src, Out::Ctrl(f));
+                let res = match result {
+                    Ok(_) => recv_result(status(src, tag, total), cap),
+                    Err(e) => Err(e),
+                };
+                self.finish(token, res);
+            }
+            Kind::Rma => {
+                self.finish(token, result.map(|_| status(0, 0, 0)));
+            }
+            _ => tracing::warn!(token, "unexpected completion"),
+        }
+    }
+
+    fn peer_failed(&mut self, rank: Rank, reason: &str) {
+        self.fail_peer(rank, reason);
+    }
+}

@@ -1,0 +1,128 @@
+//! # weft
+//!
+//! A communication framework for HPC in the style of libfabric and MPICH CH4: a thin core with
+//! MPI-style operations (tagged send/receive with matching, collectives, derived datatypes),
+//! dispatched to pluggable fabric *providers*.
+//!
+//! ```no_run
+//! // Launched by `weft run -n 2 ./app`, `mpiexec -n 2 ./app`, Slurm, or alone (a world of 1).
+//! let world = weft::init()?;                      // provider chosen by WEFT_PROVIDER
+//! let (rank, size) = (world.rank(), world.size());
+//! let mut buf = [0u64; 4];
+//! if rank == 0 && size > 1 {
+//!     world.send(&[1u64, 2, 3, 4], 1, 7)?;
+//! } else if rank == 1 {
+//!     let st = world.recv(&mut buf, weft::ANY_SOURCE, 7)?;
+//!     assert_eq!(st.bytes, 32);
+//! }
+//! world.finalize()?;
+//! # Ok::<(), weft::Error>(())
+//! ```
+//!
+//! Layers: [`comm`] (public API) → [`engine`](crate::engine) (protocols on active messages,
+//! matching) → [`provider::Provider`] (the contract a fabric implements). See ARCHITECTURE.md.
+
+pub mod bootstrap;
+mod coll;
+pub mod comm;
+pub mod datatype;
+mod engine;
+mod error;
+pub mod loopback;
+pub mod matching;
+pub mod param;
+pub mod provider;
+pub mod registry;
+pub mod testing;
+pub mod types;
+
+pub use comm::{waitall, waitany, Comm, Request, Scope, Source, Status, TagSel, World, ANY_SOURCE, ANY_TAG, TAG_UB};
+pub use datatype::Datatype;
+pub use engine::EngineConfig;
+pub use error::{Error, ErrorKind, Result};
+pub use provider::{Caps, DynProvider, Provider, StaticProvider};
+pub use types::{BasicType, Element, Op, Rank};
+
+#[doc(hidden)]
+pub use linkme as __linkme;
+
+use bootstrap::{pmi::Pmi, Bootstrap, Singleton};
+use std::time::Duration;
+
+param!(PROVIDER: Str = "", "PROVIDER", "",
+    "provider choice: a name, a preference list 'a,b', or exclusions '^a,b' (empty: best available)");
+param!(LOG: Str = "", "LOG", "warn",
+    "log filter for weft's tracing output (e.g. info, debug, weft=trace)");
+param!(PMI_TIMEOUT: Float = "pmi", "TIMEOUT", "60",
+    "seconds a rank waits on the PMI server (a barrier waits this long for a missing rank)");
+
+/// Install a tracing subscriber filtered by `WEFT_LOG` (once; no-op if the application has its
+/// own subscriber).
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_new(LOG.raw())
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+}
+
+/// The bootstrap the environment describes: PMI-1 when a launcher started us, else a singleton.
+pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
+    if Pmi::in_env() {
+        let t = PMI_TIMEOUT.get_f64()?;
+        if !(t > 0.0 && t.is_finite()) {
+            return Err(Error::Param {
+                var: PMI_TIMEOUT.env_name(),
+                value: PMI_TIMEOUT.raw(),
+                expected: "a positive number of seconds".into(),
+            });
+        }
+        Ok(Box::new(Pmi::from_env(Duration::from_secs_f64(t))?))
+    } else {
+        Ok(Box::new(Singleton::new()))
+    }
+}
+
+/// Start this rank on the **dynamic** path: bootstrap from the environment and open the
+/// provider `WEFT_PROVIDER` asks for (or the best one available). Every rank must call it.
+pub fn init() -> Result<World<DynProvider>> {
+    init_logging();
+    let mut boot = bootstrap_from_env()?;
+    let sel = registry::Selection::from_env()?;
+    match registry::select_and_open(boot.as_mut(), &sel) {
+        Ok((p, _)) => comm::world_from(p, boot),
+        Err(e) => {
+            boot.abort(1, &e.to_string());
+            Err(e)
+        }
+    }
+}
+
+/// Start this rank on the **static** path with provider type `P` (`World<P>`: every call is
+/// resolved at compile time). Fails if `P` cannot run in this job.
+pub fn init_static<P: StaticProvider>() -> Result<World<P>> {
+    init_logging();
+    let mut boot = bootstrap_from_env()?;
+    let ctx = registry::probe_context(boot.as_ref());
+    let mine = match P::probe(&ctx) {
+        Ok(()) => "ok".to_string(),
+        Err(w) => format!("no:{w}"),
+    };
+    let votes = if boot.size() == 1 {
+        vec![mine]
+    } else {
+        bootstrap::allgather(boot.as_mut(), "weft.static", &mine)?
+    };
+    if let Some((r, v)) = votes.iter().enumerate().find(|(_, v)| *v != "ok") {
+        return Err(Error::ProviderUnavailable {
+            requested: P::NAME.into(),
+            details: format!("{}: {} (rank {r})", P::NAME, v.trim_start_matches("no:")),
+        });
+    }
+    let p = P::open(boot.as_mut())?;
+    comm::world_from(p, boot)
+}

@@ -1,0 +1,349 @@
+//! `loopback`: ranks as threads of one process, active messages only.
+//!
+//! The reference provider of the contract's mandatory part, and the engine of in-process test
+//! worlds ([`crate::testing`]). Each rank has a bounded mailbox; `am_send` copies header and
+//! payload into it (or reports `Busy` when it is full) and `progress` delivers the mailbox in
+//! order. A rank whose provider is dropped is reported failed to the others once its messages
+//! have been delivered.
+//!
+//! With `WEFT_LOOPBACK_RMA=1` it also registers memory and performs RMA reads (a bounds- and
+//! key-checked copy between threads), which exercises the core's zero-copy rendezvous.
+
+use crate::bootstrap::Bootstrap;
+use crate::provider::{
+    Access, Caps, Completed, MemRegion, ProbeContext, Provider, RawIovMut, RemoteAddr, RmaCaps,
+    SendOutcome, Sink, StaticProvider, Token,
+};
+use crate::types::Rank;
+use crate::{Error, Result};
+use smallvec::SmallVec;
+use std::collections::{HashMap, VecDeque};
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+crate::param!(EAGER: Size = "loopback", "EAGER", "16K",
+    "largest active-message payload (the eager limit) of the loopback provider");
+crate::param!(DEPTH: Uint = "loopback", "DEPTH", "4096",
+    "messages a loopback mailbox holds before senders see Busy");
+crate::param!(RMA: Bool = "loopback", "RMA", "0",
+    "let the loopback provider register memory and do RMA reads (tests the zero-copy rendezvous)");
+
+/// Settings of a loopback world.
+#[derive(Debug, Clone)]
+pub struct LoopbackConfig {
+    pub eager: usize,
+    pub depth: usize,
+    pub rma: bool,
+}
+
+impl LoopbackConfig {
+    pub fn from_env() -> Result<Self> {
+        Ok(LoopbackConfig {
+            eager: EAGER.get_size()?.max(1),
+            depth: (DEPTH.get_u64()? as usize).max(1),
+            rma: RMA.get_bool()?,
+        })
+    }
+}
+
+struct Msg {
+    src: Rank,
+    hdr: SmallVec<[u8; 64]>,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    q: Mutex<VecDeque<Msg>>,
+    len: AtomicUsize,
+}
+
+struct Region {
+    owner: Rank,
+    base: usize,
+    len: usize,
+    access: Access,
+}
+
+struct Fabric {
+    boxes: Vec<Mailbox>,
+    alive: Vec<AtomicBool>,
+    deaths: AtomicU64,
+    regions: Mutex<HashMap<u64, Region>>,
+    next_key: AtomicU64,
+}
+
+fn fabrics() -> &'static Mutex<HashMap<String, Weak<Fabric>>> {
+    static F: std::sync::OnceLock<Mutex<HashMap<String, Weak<Fabric>>>> =
+        std::sync::OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+/// The loopback provider of one rank.
+pub struct Loopback {
+    fab: Arc<Fabric>,
+    rank: Rank,
+    size: u32,
+    caps: Caps,
+    depth: usize,
+    seen_deaths: u64,
+    reported: Vec<bool>,
+    done: Vec<(Token, Result<Completed>)>,
+    inbox: VecDeque<Msg>,
+}
+
+impl Loopback {
+    /// Open with explicit settings (tests); [`StaticProvider::open`] reads the environment.
+    pub fn open_with(boot: &mut dyn Bootstrap, cfg: &LoopbackConfig) -> Result<Self> {
+        let size = boot.size();
+        let fab = {
+            let mut reg = fabrics().lock().unwrap_or_else(|e| e.into_inner());
+            reg.retain(|_, w| w.strong_count() > 0);
+            let key = boot.job_id().to_string();
+            match reg.get(&key).and_then(|w| w.upgrade()) {
+                Some(f) => f,
+                None => {
+                    let f = Arc::new(Fabric {
+                        boxes: (0..size).map(|_| Mailbox::default()).collect(),
+                        alive: (0..size).map(|_| AtomicBool::new(true)).collect(),
+                        deaths: AtomicU64::new(0),
+                        regions: Mutex::new(HashMap::new()),
+                        next_key: AtomicU64::new(1),
+                    });
+                    reg.insert(key, Arc::downgrade(&f));
+                    f
+                }
+            }
+        };
+        if fab.boxes.len() != size as usize {
+            return Err(Error::Bootstrap(format!(
+                "loopback job '{}' exists with another size",
+                boot.job_id()
+            )));
+        }
+        // Everyone holds the fabric before anyone can drop it.
+        boot.fence()?;
+        let mut caps = Caps::am_only(128, cfg.eager, 16);
+        caps.spans_processes = false;
+        if cfg.rma {
+            caps.rma = Some(RmaCaps {
+                read: true,
+                write: false,
+                max_iov: 16,
+                scalable_keys: false,
+                alloc: false,
+            });
+        }
+        Ok(Loopback {
+            fab,
+            rank: boot.rank(),
+            size,
+            caps,
+            depth: cfg.depth,
+            seen_deaths: 0,
+            reported: vec![false; size as usize],
+            done: Vec::new(),
+            inbox: VecDeque::new(),
+        })
+    }
+}
+
+impl Drop for Loopback {
+    fn drop(&mut self) {
+        self.fab.alive[self.rank as usize].store(false, Ordering::Release);
+        self.fab.deaths.fetch_add(1, Ordering::AcqRel);
+        let mut regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
+        regs.retain(|_, r| r.owner != self.rank);
+    }
+}
+
+impl Provider for Loopback {
+    fn name(&self) -> &str {
+        "loopback"
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
+        let mb = self
+            .fab
+            .boxes
+            .get(dest as usize)
+            .ok_or(Error::InvalidRank {
+                rank: dest as i64,
+                size: self.size,
+            })?;
+        if !self.fab.alive[dest as usize].load(Ordering::Acquire) {
+            return Err(Error::peer_failed(dest, "rank exited"));
+        }
+        if header.len() > self.caps.max_am_header {
+            return Err(Error::invalid("active-message header too long"));
+        }
+        let total: usize = payload.iter().map(|s| s.len()).sum();
+        if total > self.caps.max_am_payload {
+            return Err(Error::invalid("active-message payload too long"));
+        }
+        if mb.len.load(Ordering::Acquire) >= self.depth {
+            return Ok(SendOutcome::Busy);
+        }
+        let mut data = Vec::with_capacity(total);
+        for s in payload {
+            data.extend_from_slice(s);
+        }
+        let msg = Msg {
+            src: self.rank,
+            hdr: SmallVec::from_slice(header),
+            data,
+        };
+        let mut q = mb.q.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(msg);
+        mb.len.store(q.len(), Ordering::Release);
+        Ok(SendOutcome::Sent)
+    }
+
+    fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
+        let mut n = 0;
+        for (t, r) in self.done.drain(..) {
+            sink.complete(t, r);
+            n += 1;
+        }
+        let mb = &self.fab.boxes[self.rank as usize];
+        if mb.len.load(Ordering::Acquire) > 0 {
+            {
+                let mut q = mb.q.lock().unwrap_or_else(|e| e.into_inner());
+                std::mem::swap(&mut *q, &mut self.inbox);
+                mb.len.store(0, Ordering::Release);
+            }
+            while let Some(m) = self.inbox.pop_front() {
+                sink.am(m.src, &m.hdr, &m.data);
+                n += 1;
+            }
+        } else {
+            // Report ranks that exited, once everything they sent has been delivered.
+            let d = self.fab.deaths.load(Ordering::Acquire);
+            if d != self.seen_deaths {
+                self.seen_deaths = d;
+                for r in 0..self.size {
+                    if !self.reported[r as usize] && !self.fab.alive[r as usize].load(Ordering::Acquire) {
+                        self.reported[r as usize] = true;
+                        sink.peer_failed(r, "rank exited");
+                        n += 1;
+                    }
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    unsafe fn mr_register(&mut self, base: *mut u8, len: usize, access: Access) -> Result<MemRegion> {
+        if self.caps.rma.is_none() {
+            return Err(Error::Unsupported("loopback RMA is off (WEFT_LOOPBACK_RMA)".into()));
+        }
+        let key = self.fab.next_key.fetch_add(1, Ordering::Relaxed);
+        self.fab
+            .regions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                key,
+                Region {
+                    owner: self.rank,
+                    base: base as usize,
+                    len,
+                    access,
+                },
+            );
+        Ok(MemRegion {
+            key,
+            addr: base as u64,
+            len,
+            handle: key,
+        })
+    }
+
+    fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
+        self.fab
+            .regions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&mr.key);
+        Ok(())
+    }
+
+    unsafe fn rma_read(
+        &mut self,
+        src: Rank,
+        local: &[RawIovMut],
+        remote: RemoteAddr,
+        token: Token,
+    ) -> Result<()> {
+        let regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let total: usize = local.iter().map(|l| l.len).sum();
+        let res = match regs.get(&remote.key) {
+            Some(r) if r.owner == src && r.access.remote_read => {
+                let start = remote.addr as usize;
+                if start < r.base || start.saturating_add(total) > r.base + r.len {
+                    Err(Error::RemoteAccess {
+                        rank: src,
+                        what: "read outside the registered region".into(),
+                    })
+                } else {
+                    let mut at = start;
+                    for l in local {
+                        // SAFETY: the source range lies inside a region its owner registered
+                        // and keeps alive until it deregisters (we hold the registry lock, so it
+                        // cannot deregister meanwhile); `l` is the caller's buffer, valid per
+                        // this function's contract, in another thread's memory (no overlap).
+                        std::ptr::copy_nonoverlapping(at as *const u8, l.ptr, l.len);
+                        at += l.len;
+                    }
+                    Ok(Completed::Done)
+                }
+            }
+            _ => Err(Error::RemoteAccess {
+                rank: src,
+                what: format!("bad key {}", remote.key),
+            }),
+        };
+        drop(regs);
+        self.done.push((token, res));
+        Ok(())
+    }
+}
+
+impl StaticProvider for Loopback {
+    const NAME: &'static str = "loopback";
+
+    fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {
+        if ctx.in_process || ctx.size == 1 {
+            Ok(())
+        } else {
+            Err("ranks are separate processes; loopback only joins threads of one process".into())
+        }
+    }
+
+    fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
+        Self::open_with(boot, &LoopbackConfig::from_env()?)
+    }
+
+    fn static_caps() -> Result<Caps> {
+        let cfg = LoopbackConfig::from_env()?;
+        let mut caps = Caps::am_only(128, cfg.eager, 16);
+        caps.spans_processes = false;
+        Ok(caps)
+    }
+}
+
+crate::register_provider!(
+    Loopback,
+    priority = 0,
+    summary = "ranks as threads of one process; active messages only (reference and test provider)"
+);

@@ -1,0 +1,159 @@
+//! In-process worlds for tests: `n` ranks as `n` threads of this process.
+//!
+//! ```
+//! let sums = weft::testing::world(4, |comm| {
+//!     let mut out = [0u64];
+//!     comm.allreduce(&[comm.rank() as u64], &mut out, weft::Op::Sum).unwrap();
+//!     out[0]
+//! });
+//! assert_eq!(sums, vec![6; 4]);
+//! ```
+//!
+//! Every wait is bounded: the engine, the bootstrap fences and the whole world time out (60 s
+//! by default) and fail loudly instead of hanging a test run. A panicking rank is reported with
+//! its rank number, and its peers see it as failed instead of waiting for it.
+
+use crate::bootstrap::{Bootstrap, InProcessJob};
+use crate::comm::{Comm, World};
+use crate::engine::EngineConfig;
+use crate::loopback::{Loopback, LoopbackConfig};
+use crate::provider::{DynProvider, Provider};
+use crate::registry::{select_and_open, Selection};
+use crate::Result;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+/// Settings of an in-process world.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bound on every wait (engine waits and bootstrap fences).
+    pub timeout: Duration,
+    /// Loopback settings (eager limit, mailbox depth, RMA).
+    pub loopback: LoopbackConfig,
+    /// Engine settings; `timeout` above overrides its timeout.
+    pub engine: EngineConfig,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            timeout: Duration::from_secs(60),
+            loopback: LoopbackConfig {
+                eager: 16 * 1024,
+                depth: 4096,
+                rma: false,
+            },
+            engine: EngineConfig {
+                spin: 50,
+                ..EngineConfig::default()
+            },
+        }
+    }
+}
+
+/// Run `f` on `n` ranks over the loopback provider through the **static** path
+/// (`Comm<Loopback>`); returns each rank's result in rank order.
+pub fn world<R: Send>(n: u32, f: impl Fn(&Comm<Loopback>) -> R + Sync) -> Vec<R> {
+    world_with(n, &Options::default(), f)
+}
+
+/// Like [`world`] with explicit options.
+pub fn world_with<R: Send>(n: u32, opts: &Options, f: impl Fn(&Comm<Loopback>) -> R + Sync) -> Vec<R> {
+    let lb = opts.loopback.clone();
+    run(n, opts, move |b| Loopback::open_with(b, &lb), f)
+}
+
+/// Run `f` on `n` ranks through the **dynamic** path: the provider is chosen at run time by
+/// name through the registry (`Comm<Box<dyn Provider>>`).
+pub fn world_dyn<R: Send>(n: u32, provider: &str, f: impl Fn(&Comm<DynProvider>) -> R + Sync) -> Vec<R> {
+    world_dyn_with(n, provider, &Options::default(), f)
+}
+
+/// Like [`world_dyn`] with explicit options (the loopback settings apply when it is chosen).
+pub fn world_dyn_with<R: Send>(
+    n: u32,
+    provider: &str,
+    opts: &Options,
+    f: impl Fn(&Comm<DynProvider>) -> R + Sync,
+) -> Vec<R> {
+    let sel = Selection::parse(provider).expect("valid provider selection");
+    let lb = opts.loopback.clone();
+    let prov = provider.to_string();
+    run(
+        n,
+        opts,
+        move |b| {
+            if prov == "loopback" {
+                // Honour the explicit loopback options on the dynamic path too.
+                return Ok(Box::new(Loopback::open_with(b, &lb)?) as DynProvider);
+            }
+            select_and_open(b, &sel).map(|(p, _)| p)
+        },
+        f,
+    )
+}
+
+fn run<P: Provider, R: Send>(
+    n: u32,
+    opts: &Options,
+    open: impl Fn(&mut dyn Bootstrap) -> Result<P> + Sync,
+    f: impl Fn(&Comm<P>) -> R + Sync,
+) -> Vec<R> {
+    assert!(n > 0, "a world needs at least one rank");
+    let job = InProcessJob::new(n, opts.timeout);
+    let mut cfg = opts.engine.clone();
+    cfg.timeout = Some(opts.timeout);
+    let results: Vec<std::thread::Result<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let job = job.clone();
+                let (open, f, cfg) = (&open, &f, cfg.clone());
+                std::thread::Builder::new()
+                    .name(format!("rank{r}"))
+                    .spawn_scoped(s, move || {
+                        let out = catch_unwind(AssertUnwindSafe(|| {
+                            let mut boot = job.rank(r);
+                            let p = open(&mut boot)
+                                .unwrap_or_else(|e| panic!("rank {r}: opening the provider: {e}"));
+                            let world = World::from_parts(p, Box::new(boot), cfg)
+                                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                            let out = f(world.comm());
+                            world
+                                .finalize()
+                                .unwrap_or_else(|e| panic!("rank {r}: finalize: {e}"));
+                            out
+                        }));
+                        if out.is_err() {
+                            job.break_job(&format!("rank {r} panicked"));
+                        }
+                        out
+                    })
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(Err))
+            .collect()
+    });
+    let mut out = Vec::with_capacity(n as usize);
+    let mut first_panic = None;
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(v) => out.push(v),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "(non-string panic)".into());
+                eprintln!("weft::testing: rank {r} panicked: {msg}");
+                first_panic.get_or_insert(p);
+            }
+        }
+    }
+    if let Some(p) = first_panic {
+        resume_unwind(p);
+    }
+    out
+}

@@ -1,0 +1,140 @@
+//! `weft info`: providers, capabilities, limits and native atomics; `-e`: every parameter.
+
+use std::fmt::Write;
+use weft::registry::{candidates, providers, Selection};
+use weft::{BasicType, Op};
+
+/// Render the provider listing. `Err` carries the message for an invalid `WEFT_PROVIDER`.
+pub fn providers_report(verbose: bool) -> Result<String, String> {
+    let (all, failures) = providers();
+    let sel = Selection::from_env().map_err(|e| e.to_string())?;
+    // Validate WEFT_PROVIDER the way init() would: unknown names are an error.
+    let chosen = candidates(&sel, &all, None).map_err(|e| e.to_string())?;
+    let mut s = String::new();
+    writeln!(s, "{:<10} {:<8} {:<4} {:<9} summary", "provider", "version", "prio", "origin").unwrap();
+    for f in &all {
+        writeln!(
+            s,
+            "{:<10} {:<8} {:<4} {:<9} {}",
+            f.name(),
+            f.version(),
+            f.priority(),
+            f.origin(),
+            f.summary()
+        )
+        .unwrap();
+    }
+    for f in &all {
+        writeln!(s).unwrap();
+        writeln!(s, "[{}]", f.name()).unwrap();
+        match f.caps() {
+            Err(e) => writeln!(s, "  capabilities: unknown ({e})").unwrap(),
+            Ok(c) => {
+                writeln!(s, "  capabilities: {}", c.names().join(" ")).unwrap();
+                writeln!(
+                    s,
+                    "  limits: am header {} B, am payload (eager) {} B, iov {}{}",
+                    c.max_am_header,
+                    c.max_am_payload,
+                    c.max_iov,
+                    c.rma
+                        .map(|r| format!(", rma iov {}", r.max_iov))
+                        .unwrap_or_default()
+                )
+                .unwrap();
+                writeln!(
+                    s,
+                    "  reach: {}",
+                    if c.spans_hosts {
+                        "processes on any host"
+                    } else if c.spans_processes {
+                        "processes on one host"
+                    } else {
+                        "threads of one process"
+                    }
+                )
+                .unwrap();
+                if c.atomics.is_empty() {
+                    writeln!(s, "  native atomics: none (all atomics use active messages)").unwrap();
+                } else {
+                    writeln!(s, "  native atomics (x = native, - = active-message path):").unwrap();
+                    write!(s, "    {:<8}", "").unwrap();
+                    for t in BasicType::ALL {
+                        write!(s, "{:>4}", t.name()).unwrap();
+                    }
+                    writeln!(s).unwrap();
+                    for op in Op::ALL {
+                        write!(s, "    {:<8}", op.name()).unwrap();
+                        for t in BasicType::ALL {
+                            let mark = if !op.valid_for(t) {
+                                " "
+                            } else if c.atomics.query(op, t) {
+                                "x"
+                            } else {
+                                "-"
+                            };
+                            write!(s, "{mark:>4}").unwrap();
+                        }
+                        writeln!(s).unwrap();
+                    }
+                }
+            }
+        }
+        if verbose {
+            let params: Vec<_> = weft::param::all()
+                .into_iter()
+                .filter(|p| p.component == f.name())
+                .collect();
+            for p in params {
+                writeln!(s, "  param {} = {}", p.env_name(), p.raw()).unwrap();
+            }
+        }
+    }
+    if !matches!(sel, Selection::Any) {
+        writeln!(s).unwrap();
+        writeln!(
+            s,
+            "WEFT_PROVIDER selects, in order: {}",
+            chosen.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+        )
+        .unwrap();
+    }
+    for f in failures {
+        writeln!(s, "not loaded: {}: {}", f.path.display(), f.error).unwrap();
+    }
+    Ok(s)
+}
+
+/// Render every parameter with its current value, default, type and doc.
+pub fn params_report() -> (String, bool) {
+    let mut s = String::new();
+    let mut ok = true;
+    for p in weft::param::all() {
+        let cur = p.raw();
+        let bad = p.validate().err();
+        ok &= bad.is_none();
+        writeln!(
+            s,
+            "{} = {}{}",
+            p.env_name(),
+            if cur.is_empty() { "\"\"" } else { &cur },
+            if p.is_set() { "  (set)" } else { "" }
+        )
+        .unwrap();
+        let ty = match p.ty {
+            weft::param::ParamType::Enum(o) => format!("one of {}", o.join("|")),
+            t => t.short().to_string(),
+        };
+        writeln!(
+            s,
+            "    {}; type {ty}, default {}",
+            p.doc,
+            if p.default.is_empty() { "\"\"" } else { p.default }
+        )
+        .unwrap();
+        if let Some(e) = bad {
+            writeln!(s, "    ERROR: {e}").unwrap();
+        }
+    }
+    (s, ok)
+}

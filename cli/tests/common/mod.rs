@@ -1,0 +1,119 @@
+//! Helpers for tests that start real processes: the built `weft` binary, examples built on
+//! demand with the same profile, bounded waits and a survivor check.
+#![allow(dead_code)]
+
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::{mpsc, Mutex, OnceLock};
+use std::time::Duration;
+
+pub fn weft() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_weft"))
+}
+
+/// `target/<profile>`, where the weft binary was built.
+pub fn profile_dir() -> PathBuf {
+    weft().parent().expect("binary has a directory").to_path_buf()
+}
+
+/// Build an example of crate `pkg` with the profile the tests use (once per test binary).
+pub fn example(pkg: &str, name: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| Mutex::new(Vec::new()));
+    let mut done = built.lock().unwrap_or_else(|e| e.into_inner());
+    let key = format!("{pkg}/{name}");
+    let dir = profile_dir();
+    let path = dir.join("examples").join(name);
+    if !done.contains(&key) {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "-p", pkg, "--example", name]);
+        if dir.file_name().is_some_and(|f| f == "release") {
+            cmd.arg("--release");
+        }
+        let out = run_bounded(&mut cmd, 900);
+        assert!(
+            out.status.success(),
+            "building example {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        done.push(key);
+    }
+    assert!(path.exists(), "{} was not built", path.display());
+    path
+}
+
+/// Run a command, failing loudly (and killing its process group) after `secs` seconds.
+pub fn run_bounded(cmd: &mut Command, secs: u64) -> Output {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let desc = format!("{cmd:?}");
+    let child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {desc}: {e}"));
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(r) => r.expect("waiting for the command"),
+        Err(_) => {
+            // SAFETY: killing the process group we created for this command.
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            panic!("command did not finish within {secs} s: {desc}");
+        }
+    }
+}
+
+/// A value unique to this test run, to find processes a job leaves behind.
+pub fn marker(test: &str) -> String {
+    format!(
+        "{test}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
+/// Processes whose environment holds `WEFT_TEST_MARK=<mark>`.
+pub fn survivors(mark: &str) -> Vec<u32> {
+    let needle = format!("WEFT_TEST_MARK={mark}");
+    let mut v = vec![];
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(env) = std::fs::read(e.path().join("environ")) {
+            if env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
+                // Zombies are gone for our purposes.
+                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                if !stat.contains(") Z ") {
+                    v.push(pid);
+                }
+            }
+        }
+    }
+    v
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// weft shared-memory objects in /dev/shm whose name contains `needle` (or any, if empty).
+pub fn shm_leftovers() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("weft-"))
+        .collect()
+}

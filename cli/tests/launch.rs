@@ -1,0 +1,174 @@
+//! `weft run`: the embedded PMI-1 launcher, with the `ring` example over every built-in
+//! provider that spans processes, and the failure paths.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+/// Built-in providers whose ranks may be separate processes.
+const PROCESS_PROVIDERS: &[&str] = &["shm", "tcp-sim"];
+
+fn weft_run(args: &[&str]) -> Command {
+    let mut c = Command::new(weft());
+    c.arg("run").args(args);
+    c.env_remove("WEFT_PROVIDER");
+    c
+}
+
+#[test]
+fn ring_over_every_process_provider() {
+    let ring = example("weft", "ring");
+    for p in PROCESS_PROVIDERS {
+        for pmi_port in [false, true] {
+            let mut c = weft_run(&["-n", "4", "--provider", p]);
+            if pmi_port {
+                c.arg("--pmi-port");
+            }
+            let o = run_bounded(c.arg("--").arg(&ring), 120);
+            assert!(o.status.success(), "{p}: {}\n{}", stdout(&o), stderr(&o));
+            assert!(
+                stdout(&o).contains(&format!("ring: ok over 4 ranks on 1 host(s), provider {p}")),
+                "{}",
+                stdout(&o)
+            );
+        }
+    }
+    assert!(shm_leftovers().is_empty(), "left in /dev/shm: {:?}", shm_leftovers());
+}
+
+#[test]
+fn ring_alone_is_a_world_of_one() {
+    let ring = example("weft", "ring");
+    let o = run_bounded(Command::new(&ring).env_remove("PMI_FD").env_remove("PMI_PORT"), 60);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("ring: ok over 1 ranks"), "{}", stdout(&o));
+}
+
+#[test]
+fn tag_output_prefixes_ranks() {
+    let ring = example("weft", "ring");
+    let o = run_bounded(weft_run(&["-n", "3", "--tag-output", "--"]).arg(&ring), 60);
+    assert!(o.status.success());
+    let out = stdout(&o);
+    for r in 0..3 {
+        assert!(out.contains(&format!("[{r}] ring: rank {r} on host 0 ok=true")), "{out}");
+    }
+    assert!(out.lines().all(|l| l.starts_with('[')), "{out}");
+}
+
+#[test]
+fn env_reaches_ranks_and_exit_status_is_worst() {
+    let o = run_bounded(
+        weft_run(&["-n", "3", "--env", "CODE=5", "--"])
+            .args(["bash", "-c", "[ $PMI_RANK = 1 ] && exit $CODE; exit 0"]),
+        60,
+    );
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+}
+
+#[test]
+fn killed_rank_ends_the_job_with_no_survivors() {
+    let ring = example("weft", "ring");
+    for p in PROCESS_PROVIDERS {
+        let mark = marker("kill");
+        let t0 = std::time::Instant::now();
+        let o = run_bounded(
+            weft_run(&["-n", "4", "--provider", p, "--"])
+                .arg(&ring)
+                .env("RING_KILL_RANK", "2")
+                .env("WEFT_TEST_MARK", &mark),
+            60,
+        );
+        assert_eq!(o.status.code(), Some(137), "{p}: {}", stderr(&o));
+        assert!(stderr(&o).contains("rank 2 was killed by signal 9"), "{}", stderr(&o));
+        assert!(t0.elapsed().as_secs() < 20);
+        assert_eq!(survivors(&mark), Vec::<u32>::new(), "{p}: ranks survived");
+    }
+    assert!(shm_leftovers().is_empty(), "left in /dev/shm: {:?}", shm_leftovers());
+}
+
+#[test]
+fn exit_without_finalize_fails_the_job() {
+    let ring = example("weft", "ring");
+    let mark = marker("nofin");
+    let o = run_bounded(
+        weft_run(&["-n", "3", "--"])
+            .arg(&ring)
+            .env("RING_NO_FINALIZE", "1")
+            .env("WEFT_TEST_MARK", &mark),
+        60,
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("rank 1 exited without finalizing"), "{}", stderr(&o));
+    assert!(survivors(&mark).is_empty());
+}
+
+#[test]
+fn interrupt_ends_every_rank() {
+    let mark = marker("sigint");
+    let mut c = weft_run(&["-n", "3", "--", "sleep", "300"]);
+    c.env("WEFT_TEST_MARK", &mark)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    // Wait (bounded) until the three ranks exist, then interrupt the launcher.
+    let t0 = std::time::Instant::now();
+    while survivors(&mark).len() < 4 {
+        assert!(t0.elapsed().as_secs() < 30, "ranks did not start");
+        std::thread::yield_now();
+    }
+    // SAFETY: signalling the launcher we started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait()).unwrap());
+    let st = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("launcher did not exit after SIGINT")
+        .unwrap();
+    assert_eq!(st.code(), Some(130));
+    assert!(survivors(&mark).is_empty());
+}
+
+#[test]
+fn malformed_pmi_line_fails_the_job() {
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--"]).args([
+            "bash",
+            "-c",
+            "printf 'cmd=init pmi_version=1\\nthis is garbage\\n' >&$PMI_FD; sleep 100",
+        ]),
+        60,
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("malformed PMI request from rank"), "{}", stderr(&o));
+}
+
+#[test]
+fn duplicate_rank_is_refused() {
+    let ring = example("weft", "ring");
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--pmi-port", "--"]).args([
+            "bash".as_ref(),
+            "-c".as_ref(),
+            format!("PMI_ID=0 exec {}", ring.display()).as_str().as_ref() as &std::ffi::OsStr,
+        ]),
+        60,
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("duplicate rank 0"), "{}", stderr(&o));
+}
+
+#[test]
+fn unknown_provider_is_a_usage_error() {
+    let o = run_bounded(&mut weft_run(&["-n", "2", "--provider", "nope", "--", "true"]), 30);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.contains("unknown provider 'nope'") && e.contains("shm"), "{e}");
+}
+
+#[test]
+fn missing_program_is_an_error() {
+    let o = run_bounded(&mut weft_run(&["-n", "2", "--", "/nonexistent/prog"]), 30);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot start /nonexistent/prog"), "{}", stderr(&o));
+}

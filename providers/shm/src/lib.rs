@@ -1,0 +1,535 @@
+//! `shm`: two-copy shared-memory messaging between the ranks of one host.
+//!
+//! The sender copies into a shared segment, the receiver copies out. Small active messages
+//! travel inline in 256-byte cells; payloads up to the chunk size go through the pair's data
+//! area (the RDMA-channel ring), and the core's rendezvous streams larger messages through it
+//! chunk by chunk, so the receiver copies chunk k while the sender fills chunk k+1. See
+//! [`queue`] for the lock-free protocols and [`segment`] for the segment's life cycle.
+//!
+//! Parameters: `WEFT_SHM_CHUNK`, `WEFT_SHM_RING`, `WEFT_SHM_CELLS`, `WEFT_SHM_QUEUE`.
+
+mod queue;
+mod segment;
+mod sync;
+
+pub use queue::{CELL_SIZE, INLINE};
+pub use segment::{segment_name, Kind};
+
+use queue::{DataState, SendState};
+use segment::{Layout, Segment, ST_CLOSED, ST_OPEN};
+use smallvec_lite::Parts;
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use weft::bootstrap::Bootstrap;
+use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft::{Error, Rank, Result};
+
+weft::param!(CHUNK: Size = "shm", "CHUNK", "32K",
+    "largest active-message payload: the eager limit and the rendezvous chunk (see docs/benchmarks.md)");
+weft::param!(RING: Size = "shm", "RING", "512K",
+    "bytes of large-message ring (data area) per ordered pair of local ranks");
+weft::param!(CELLS: Uint = "shm", "CELLS", "64",
+    "message cells per pair ring (ring) or per receiver queue (mpsc)");
+weft::param!(QUEUE: Enum(&["ring", "mpsc"]) = "shm", "QUEUE", "ring",
+    "small-message queues: per-pair SPSC rings with a doorbell, or one MPSC queue per receiver");
+
+/// Header bytes an active message may carry.
+pub const MAX_HEADER: usize = 64;
+
+/// A tiny fixed-capacity list of payload slices (avoids allocating per send).
+mod smallvec_lite {
+    pub struct Parts<'a> {
+        buf: [&'a [u8]; 16],
+        n: usize,
+    }
+    impl<'a> Parts<'a> {
+        pub fn new() -> Self {
+            Parts {
+                buf: [&[]; 16],
+                n: 0,
+            }
+        }
+        pub fn push(&mut self, s: &'a [u8]) -> bool {
+            if self.n == 16 {
+                return false;
+            }
+            self.buf[self.n] = s;
+            self.n += 1;
+            true
+        }
+        pub fn as_slice(&self) -> &[&'a [u8]] {
+            &self.buf[..self.n]
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    chunk: usize,
+    ring: usize,
+    cells: usize,
+    kind: Kind,
+}
+
+impl Config {
+    fn from_env() -> Result<Config> {
+        let chunk = CHUNK.get_size()?;
+        let ring = RING.get_size()?;
+        let cells = CELLS.get_u64()? as usize;
+        if !(1024..=(4 << 20)).contains(&chunk) {
+            return Err(Error::Param {
+                var: CHUNK.env_name(),
+                value: CHUNK.raw(),
+                expected: "a size from 1K to 4M".into(),
+            });
+        }
+        if ring < 2 * chunk {
+            return Err(Error::Param {
+                var: RING.env_name(),
+                value: RING.raw(),
+                expected: format!("at least twice WEFT_SHM_CHUNK ({} bytes)", 2 * chunk),
+            });
+        }
+        if !(2..=1 << 20).contains(&cells) {
+            return Err(Error::Param {
+                var: CELLS.env_name(),
+                value: CELLS.raw(),
+                expected: "2 to 1048576 cells".into(),
+            });
+        }
+        let kind = match QUEUE.get_enum()? {
+            "mpsc" => Kind::Mpsc,
+            _ => Kind::Ring,
+        };
+        Ok(Config {
+            chunk,
+            ring,
+            cells,
+            kind,
+        })
+    }
+
+    fn caps(&self) -> Caps {
+        let mut c = Caps::am_only(MAX_HEADER, self.chunk, 16);
+        c.spans_processes = true;
+        c.spans_hosts = false;
+        c
+    }
+}
+
+/// Idle polls of a watched ring before its doorbell is cleared.
+const IDLE_BEFORE_UNWATCH: u32 = 512;
+/// How often an idle rank checks whether its peers are alive.
+const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+
+/// The shared-memory provider of one rank.
+pub struct Shm {
+    seg: Segment,
+    rank: Rank,
+    size: u32,
+    me: usize,
+    /// World rank -> local index (u32::MAX if on another host).
+    local_of: Vec<u32>,
+    /// Local index -> world rank.
+    world_of: Vec<Rank>,
+    caps: Caps,
+    send: Vec<SendState>,
+    recv_pos: Vec<u64>,
+    mpsc_pos: u64,
+    data: Vec<DataState>,
+    watching: Vec<bool>,
+    active: Vec<u32>,
+    idle: Vec<u32>,
+    selfq: VecDeque<(Vec<u8>, Vec<u8>)>,
+    failed: Vec<bool>,
+    idle_polls: u32,
+    last_check: Instant,
+}
+
+impl Shm {
+    fn open_with(boot: &mut dyn Bootstrap, cfg: &Config) -> Result<Self> {
+        let nodes = boot.nodes().clone();
+        if nodes.hosts() > 1 {
+            return Err(Error::ProviderUnavailable {
+                requested: "shm".into(),
+                details: "ranks on other hosts are unreachable through shared memory".into(),
+            });
+        }
+        let rank = boot.rank();
+        let size = boot.size();
+        let locals = nodes.local_ranks();
+        let nlocal = locals.len();
+        let me = nodes.local_index(rank).unwrap_or(0);
+        let mut local_of = vec![u32::MAX; size as usize];
+        for (i, r) in locals.iter().enumerate() {
+            local_of[*r as usize] = i as u32;
+        }
+        // Keep the whole segment bounded: shrink per-pair rings when there are many ranks.
+        let budget: usize = 1 << 30;
+        let mut ring = cfg.ring;
+        while nlocal * nlocal * ring > budget && ring > 2 * cfg.chunk {
+            ring /= 2;
+        }
+        let ring = ring.max(2 * cfg.chunk);
+        let lay = Layout::new(nlocal, cfg.cells, ring / queue::UNIT, cfg.chunk, cfg.kind);
+        let name = segment_name(boot.job_id(), nodes.my_host);
+        let created = if me == 0 {
+            Some(Segment::create(&name, lay))
+        } else {
+            None
+        };
+        // Everyone passes the fence, even if creation failed, so nobody hangs on it.
+        let created_ok = created.as_ref().is_none_or(|r| r.is_ok());
+        boot.put(&format!("shm.ok.{rank}"), if created_ok { "1" } else { "0" })?;
+        boot.fence()?;
+        let first = locals[0];
+        let mut seg = match created {
+            Some(r) => r?,
+            None => {
+                if boot.get(&format!("shm.ok.{first}"))? != "1" {
+                    return Err(Error::Bootstrap(format!(
+                        "rank {first} could not create the shared segment {name}"
+                    )));
+                }
+                Segment::open(&name)?
+            }
+        };
+        let lay = seg.lay;
+        let slot = seg.rank_slot(me);
+        slot.pid.store(std::process::id() as u64, Ordering::Relaxed);
+        slot.state.store(ST_OPEN, Ordering::Release);
+        seg.mark_mapped();
+        let mut caps = cfg.caps();
+        caps.max_am_payload = lay.chunk;
+        Ok(Shm {
+            seg,
+            rank,
+            size,
+            me,
+            local_of,
+            world_of: locals,
+            caps,
+            send: vec![SendState::default(); nlocal],
+            recv_pos: vec![0; nlocal],
+            mpsc_pos: 0,
+            data: vec![DataState::default(); nlocal],
+            watching: vec![false; nlocal],
+            active: Vec::new(),
+            idle: vec![0; nlocal],
+            selfq: VecDeque::new(),
+            failed: vec![false; nlocal],
+            idle_polls: 0,
+            last_check: Instant::now(),
+        })
+    }
+
+    /// Deliver everything waiting in one queue. Returns the number of messages.
+    fn drain(&mut self, src: Option<usize>, sink: &mut dyn Sink) -> usize {
+        let me = self.me;
+        let nlocal = self.seg.lay.nlocal;
+        let nunits = self.seg.lay.nunits;
+        let mut n = 0;
+        loop {
+            let (cells, pos) = match src {
+                Some(s) => (self.seg.pair_cells(s, me), self.recv_pos[s]),
+                None => (self.seg.queue_cells(me), self.mpsc_pos),
+            };
+            let seg = &self.seg;
+            let got = queue::peek(cells, pos, |s| {
+                ((s as usize) < nlocal).then(|| seg.pair_data(s as usize, me))
+            });
+            let meta = match got {
+                None => break,
+                Some(Ok(m)) => {
+                    let from = m.meta.src as usize;
+                    if src.is_some_and(|s| s != from) || from >= nlocal {
+                        tracing::warn!(from, "shm: cell names the wrong sender; dropped");
+                    } else {
+                        sink.am(self.world_of[from], &m.hdr, &m.payload);
+                    }
+                    m.meta
+                }
+                Some(Err((meta, why))) => {
+                    tracing::warn!("shm: corrupt cell from local rank {}: {}", meta.src, why.0);
+                    meta
+                }
+            };
+            let from = meta.src as usize;
+            let ds = (from < nlocal).then(|| (&mut self.data[from], self.seg.pair_tail(from, me), nunits));
+            queue::release(cells, pos, &meta, ds);
+            match src {
+                Some(s) => self.recv_pos[s] += 1,
+                None => self.mpsc_pos += 1,
+            }
+            n += 1;
+        }
+        if n > 0 {
+            // The queue is empty: let blocked senders see the space we freed.
+            match src {
+                Some(s) => queue::flush_tail(&mut self.data[s], self.seg.pair_tail(s, me)),
+                None => {
+                    for s in 0..nlocal {
+                        queue::flush_tail(&mut self.data[s], self.seg.pair_tail(s, me));
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    fn check_peers(&mut self, sink: &mut dyn Sink) -> usize {
+        let mut n = 0;
+        for i in 0..self.seg.lay.nlocal {
+            if i == self.me || self.failed[i] {
+                continue;
+            }
+            let slot = self.seg.rank_slot(i);
+            let state = slot.state.load(Ordering::Acquire);
+            let pid = slot.pid.load(Ordering::Relaxed) as i32;
+            let why = if state == ST_CLOSED {
+                Some("rank exited")
+            } else if state == ST_OPEN && pid > 0 && pid as u32 != std::process::id() {
+                // SAFETY: kill with signal 0 only checks for existence.
+                let r = unsafe { libc::kill(pid, 0) };
+                (r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
+                    .then_some("process died")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                // Deliver what it sent before it went away.
+                n += match self.seg.lay.kind {
+                    Kind::Ring => self.drain(Some(i), sink),
+                    Kind::Mpsc => self.drain(None, sink),
+                };
+                self.failed[i] = true;
+                sink.peer_failed(self.world_of[i], why);
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        self.seg
+            .rank_slot(self.me)
+            .state
+            .store(ST_CLOSED, Ordering::Release);
+    }
+}
+
+impl Provider for Shm {
+    fn name(&self) -> &str {
+        "shm"
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
+        let total: usize = payload.iter().map(|s| s.len()).sum();
+        if header.len() > MAX_HEADER || total > self.caps.max_am_payload {
+            return Err(Error::invalid(format!(
+                "shm active message of {}+{total} bytes exceeds {MAX_HEADER}+{}",
+                header.len(),
+                self.caps.max_am_payload
+            )));
+        }
+        if dest == self.rank {
+            let mut data = Vec::with_capacity(total);
+            for s in payload {
+                data.extend_from_slice(s);
+            }
+            self.selfq.push_back((header.to_vec(), data));
+            return Ok(SendOutcome::Sent);
+        }
+        let li = match self.local_of.get(dest as usize) {
+            Some(&l) if l != u32::MAX => l as usize,
+            Some(_) => {
+                return Err(Error::Unsupported(format!(
+                    "rank {dest} is on another host; shm reaches only ranks on this host"
+                )))
+            }
+            None => {
+                return Err(Error::InvalidRank {
+                    rank: dest as i64,
+                    size: self.size,
+                })
+            }
+        };
+        if self.failed[li] {
+            return Err(Error::peer_failed(dest, "rank exited"));
+        }
+        let mut parts = Parts::new();
+        let mut packed;
+        let mut fits = true;
+        for s in payload {
+            fits &= parts.push(s);
+        }
+        if !fits {
+            packed = Vec::with_capacity(total);
+            for s in payload {
+                packed.extend_from_slice(s);
+            }
+            parts = Parts::new();
+            parts.push(&packed);
+        }
+        let me = self.me as u32;
+        let ok = match self.seg.lay.kind {
+            Kind::Ring => {
+                let ok = queue::ring_send(
+                    self.seg.pair_cells(self.me, li),
+                    self.seg.pair_data(self.me, li),
+                    self.seg.pair_tail(self.me, li),
+                    &mut self.send[li],
+                    me,
+                    header,
+                    parts.as_slice(),
+                    total,
+                );
+                if ok {
+                    queue::ring_bell(self.seg.bells(li), me);
+                }
+                ok
+            }
+            Kind::Mpsc => queue::mpsc_send(
+                self.seg.queue_enq(li),
+                self.seg.queue_cells(li),
+                self.seg.pair_data(self.me, li),
+                self.seg.pair_tail(self.me, li),
+                &mut self.send[li],
+                me,
+                header,
+                parts.as_slice(),
+                total,
+            ),
+        };
+        Ok(if ok {
+            SendOutcome::Sent
+        } else {
+            SendOutcome::Busy
+        })
+    }
+
+    fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
+        let mut n = 0;
+        while let Some((h, d)) = self.selfq.pop_front() {
+            sink.am(self.rank, &h, &d);
+            n += 1;
+        }
+        match self.seg.lay.kind {
+            Kind::Mpsc => n += self.drain(None, sink),
+            Kind::Ring => {
+                // Newly rung doorbells join the active set.
+                for w in 0..self.seg.lay.bell_words {
+                    let bits = self.seg.bells(self.me)[w].v.load(Ordering::Acquire);
+                    let mut b = bits;
+                    while b != 0 {
+                        let i = w * 64 + b.trailing_zeros() as usize;
+                        b &= b - 1;
+                        if i < self.watching.len() && !self.watching[i] {
+                            self.watching[i] = true;
+                            self.idle[i] = 0;
+                            self.active.push(i as u32);
+                        }
+                    }
+                }
+                let mut k = 0;
+                while k < self.active.len() {
+                    let s = self.active[k] as usize;
+                    let got = self.drain(Some(s), sink);
+                    n += got;
+                    if got > 0 {
+                        self.idle[s] = 0;
+                    } else {
+                        self.idle[s] += 1;
+                        if self.idle[s] > IDLE_BEFORE_UNWATCH {
+                            queue::clear_bell(self.seg.bells(self.me), s as u32);
+                            let again = self.drain(Some(s), sink);
+                            n += again;
+                            if again == 0 {
+                                self.watching[s] = false;
+                                self.active.swap_remove(k);
+                                continue;
+                            }
+                            self.idle[s] = 0;
+                        }
+                    }
+                    k += 1;
+                }
+            }
+        }
+        if n == 0 {
+            self.idle_polls += 1;
+            if self.idle_polls >= 1024 {
+                self.idle_polls = 0;
+                let now = Instant::now();
+                if now - self.last_check >= LIVENESS_EVERY {
+                    self.last_check = now;
+                    n += self.check_peers(sink);
+                }
+            }
+        } else {
+            self.idle_polls = 0;
+        }
+        Ok(n)
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.seg
+            .rank_slot(self.me)
+            .state
+            .store(ST_CLOSED, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl StaticProvider for Shm {
+    const NAME: &'static str = "shm";
+
+    fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {
+        if ctx.hosts > 1 {
+            return Err(format!(
+                "the job spans {} hosts; shared memory reaches only ranks on one host",
+                ctx.hosts
+            ));
+        }
+        Config::from_env().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
+        Self::open_with(boot, &Config::from_env()?)
+    }
+
+    fn static_caps() -> Result<Caps> {
+        Ok(Config::from_env()?.caps())
+    }
+}
+
+weft::register_provider!(
+    Shm,
+    priority = 50,
+    summary = "two-copy shared memory between the ranks of one host"
+);
+
+/// Shared-memory objects this job left in /dev/shm (diagnostics and tests).
+pub fn leftover_segments() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("weft-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}

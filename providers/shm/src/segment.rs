@@ -1,0 +1,368 @@
+//! The per-host shared segment: created by the first local rank (mode 0600, named from the job's
+//! kvsname), mapped by the others, and unlinked by the last rank to map it, so a crash after
+//! start-up leaves nothing in /dev/shm.
+
+use crate::queue::{Cell, Line, Unit, CELL_SIZE, UNIT};
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+use weft::{Error, Result};
+
+pub const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
+
+/// Queue organisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Ring = 1,
+    Mpsc = 2,
+}
+
+/// Rank states in [`RankSlot::state`].
+pub const ST_OPEN: u64 = 1;
+pub const ST_CLOSED: u64 = 2;
+
+#[repr(C, align(64))]
+pub struct RankSlot {
+    pub pid: AtomicU64,
+    pub state: AtomicU64,
+}
+
+#[repr(C, align(64))]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub version: u64,
+    pub nlocal: u64,
+    pub ncells: u64,
+    pub nunits: u64,
+    pub chunk: u64,
+    pub kind: u64,
+    pub total: u64,
+    pub mapped: AtomicU64,
+}
+
+/// Offsets of everything in the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub nlocal: usize,
+    pub ncells: usize,
+    pub nunits: usize,
+    pub chunk: usize,
+    pub kind: Kind,
+    pub bell_words: usize,
+    bell_stride: usize,
+    off_ranks: usize,
+    off_bells: usize,
+    off_queues: usize,
+    queue_stride: usize,
+    off_pairs: usize,
+    pair_stride: usize,
+    pub total: usize,
+}
+
+fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+impl Layout {
+    pub fn new(nlocal: usize, ncells: usize, nunits: usize, chunk: usize, kind: Kind) -> Self {
+        let bell_words = nlocal.div_ceil(64).max(1);
+        let off_ranks = 4096;
+        let off_bells = align(off_ranks + 64 * nlocal, 4096);
+        // One word per cache line.
+        let bell_stride = 64 * bell_words;
+        let off_queues = align(off_bells + bell_stride * nlocal, 4096);
+        let queue_stride = match kind {
+            Kind::Mpsc => align(64 + ncells * CELL_SIZE, 4096),
+            Kind::Ring => 0,
+        };
+        let off_pairs = align(off_queues + queue_stride * nlocal, 4096);
+        let ring_cells = if kind == Kind::Ring { ncells } else { 0 };
+        let pair_stride = align(64 + ring_cells * CELL_SIZE + nunits * UNIT, 4096);
+        let total = off_pairs + pair_stride * nlocal * nlocal;
+        Layout {
+            nlocal,
+            ncells,
+            nunits,
+            chunk,
+            kind,
+            bell_words,
+            bell_stride,
+            off_ranks,
+            off_bells,
+            off_queues,
+            queue_stride,
+            off_pairs,
+            pair_stride,
+            total,
+        }
+    }
+}
+
+/// A mapped segment.
+pub struct Segment {
+    base: *mut u8,
+    pub lay: Layout,
+    name: CString,
+    created: bool,
+    unlinked: bool,
+}
+
+// SAFETY: the mapping is plain shared memory; all shared fields are atomics or accessed under
+// the queue protocols. The provider that owns the Segment is used from one thread at a time.
+unsafe impl Send for Segment {}
+
+/// `/weft-<job>-h<host>` with the job id reduced to safe characters.
+pub fn segment_name(job: &str, host: u32) -> String {
+    let clean: String = job
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .take(180)
+        .collect();
+    format!("/weft-{clean}-h{host}")
+}
+
+fn os_err(what: String) -> Error {
+    Error::last_os(what)
+}
+
+impl Segment {
+    /// Create, size, map and initialise the segment (first local rank).
+    pub fn create(name: &str, lay: Layout) -> Result<Segment> {
+        let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
+        // SAFETY: FFI with a valid C string; O_EXCL makes us the only creator.
+        let fd = unsafe {
+            libc::shm_open(
+                cname.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(os_err(format!("creating shared memory {name}")));
+        }
+        let mut seg = Segment {
+            base: std::ptr::null_mut(),
+            lay,
+            name: cname,
+            created: true,
+            unlinked: false,
+        };
+        // SAFETY: fd is ours; ftruncate zero-fills.
+        if unsafe { libc::ftruncate(fd, lay.total as libc::off_t) } != 0 {
+            let e = os_err(format!("sizing {name} to {} bytes", lay.total));
+            // SAFETY: closing our own fd.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        let r = seg.map(fd);
+        // SAFETY: closing our own fd; the mapping stays.
+        unsafe { libc::close(fd) };
+        r?;
+        seg.init();
+        Ok(seg)
+    }
+
+    /// Open and map a segment another rank created.
+    pub fn open(name: &str) -> Result<Segment> {
+        let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
+        // SAFETY: FFI with a valid C string.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(os_err(format!("opening shared memory {name}")));
+        }
+        // SAFETY: fstat on our fd into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) < 4096 {
+            // SAFETY: closing our own fd.
+            unsafe { libc::close(fd) };
+            return Err(Error::Bootstrap(format!("shared memory {name} is missing or too small")));
+        }
+        let mut seg = Segment {
+            base: std::ptr::null_mut(),
+            lay: Layout::new(1, 1, 1, 64, Kind::Ring),
+            name: cname,
+            created: false,
+            unlinked: false,
+        };
+        seg.lay.total = st.st_size as usize;
+        let r = seg.map(fd);
+        // SAFETY: closing our own fd.
+        unsafe { libc::close(fd) };
+        r?;
+        let h = seg.header();
+        if h.magic.load(Ordering::Acquire) != MAGIC || h.version != 1 {
+            return Err(Error::Bootstrap(format!(
+                "shared memory {name} is not an initialised weft segment"
+            )));
+        }
+        let kind = match h.kind {
+            1 => Kind::Ring,
+            2 => Kind::Mpsc,
+            k => return Err(Error::Bootstrap(format!("unknown queue kind {k} in {name}"))),
+        };
+        let lay = Layout::new(
+            h.nlocal as usize,
+            h.ncells as usize,
+            h.nunits as usize,
+            h.chunk as usize,
+            kind,
+        );
+        if lay.total != h.total as usize || lay.total > seg.lay.total {
+            return Err(Error::Bootstrap(format!("shared memory {name} has an inconsistent layout")));
+        }
+        seg.lay = lay;
+        Ok(seg)
+    }
+
+    fn map(&mut self, fd: i32) -> Result<()> {
+        // SAFETY: mapping `total` bytes of a shared memory object we just sized/checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                self.lay.total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mapping shared memory".to_string()));
+        }
+        self.base = p as *mut u8;
+        Ok(())
+    }
+
+    /// Write the header and free cells (creator only, before anyone else can see it).
+    fn init(&mut self) {
+        let lay = self.lay;
+        for q in 0..lay.nlocal {
+            if lay.kind == Kind::Mpsc {
+                for (i, c) in self.queue_cells(q).iter().enumerate() {
+                    c.seq.store(i as u64, Ordering::Relaxed);
+                }
+            }
+            for s in 0..lay.nlocal {
+                if lay.kind == Kind::Ring {
+                    for (i, c) in self.pair_cells(s, q).iter().enumerate() {
+                        c.seq.store(i as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        // SAFETY: the header is at offset 0 of a fresh mapping nobody else has opened yet (the
+        // others open it after the bootstrap fence that follows).
+        let h = unsafe { &mut *(self.base as *mut Header) };
+        h.version = 1;
+        h.nlocal = lay.nlocal as u64;
+        h.ncells = lay.ncells as u64;
+        h.nunits = lay.nunits as u64;
+        h.chunk = lay.chunk as u64;
+        h.kind = lay.kind as u64;
+        h.total = lay.total as u64;
+        h.magic.store(MAGIC, Ordering::Release);
+    }
+
+    /// Count this rank as mapped; the last one removes the name from /dev/shm.
+    pub fn mark_mapped(&mut self) {
+        let n = self.header().mapped.fetch_add(1, Ordering::AcqRel) + 1;
+        if n as usize >= self.lay.nlocal {
+            self.unlink();
+        }
+    }
+
+    /// Remove the name (idempotent; the mapping stays valid).
+    pub fn unlink(&mut self) {
+        if !self.unlinked {
+            // SAFETY: FFI with a valid C string; failure (already gone) is harmless.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            self.unlinked = true;
+        }
+    }
+
+    pub fn header(&self) -> &Header {
+        // SAFETY: offset 0 holds the Header in a mapping of at least 4096 bytes.
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    /// # Safety (internal)
+    /// `off + size_of::<T>() * n` lies inside the mapping and is aligned for T (guaranteed by
+    /// `Layout`, whose offsets are multiples of 64 and whose strides are multiples of 64).
+    unsafe fn slice<T>(&self, off: usize, n: usize) -> &[T] {
+        debug_assert!(off + std::mem::size_of::<T>() * n <= self.lay.total);
+        std::slice::from_raw_parts(self.base.add(off) as *const T, n)
+    }
+
+    pub fn rank_slot(&self, i: usize) -> &RankSlot {
+        assert!(i < self.lay.nlocal);
+        // SAFETY: within the rank-slot region (see Layout::new).
+        unsafe { &self.slice::<RankSlot>(self.lay.off_ranks + 64 * i, 1)[0] }
+    }
+
+    pub fn bells(&self, receiver: usize) -> &[Line] {
+        assert!(receiver < self.lay.nlocal);
+        // SAFETY: within the doorbell region.
+        unsafe {
+            self.slice::<Line>(
+                self.lay.off_bells + self.lay.bell_stride * receiver,
+                self.lay.bell_words,
+            )
+        }
+    }
+
+    pub fn queue_enq(&self, receiver: usize) -> &Line {
+        assert!(receiver < self.lay.nlocal && self.lay.kind == Kind::Mpsc);
+        // SAFETY: within the queue region.
+        unsafe { &self.slice::<Line>(self.lay.off_queues + self.lay.queue_stride * receiver, 1)[0] }
+    }
+
+    pub fn queue_cells(&self, receiver: usize) -> &[Cell] {
+        assert!(receiver < self.lay.nlocal && self.lay.kind == Kind::Mpsc);
+        // SAFETY: within the queue region.
+        unsafe {
+            self.slice::<Cell>(
+                self.lay.off_queues + self.lay.queue_stride * receiver + 64,
+                self.lay.ncells,
+            )
+        }
+    }
+
+    fn pair_off(&self, s: usize, r: usize) -> usize {
+        assert!(s < self.lay.nlocal && r < self.lay.nlocal);
+        self.lay.off_pairs + self.lay.pair_stride * (s * self.lay.nlocal + r)
+    }
+
+    /// Data-area tail of the pair (written by the receiver).
+    pub fn pair_tail(&self, s: usize, r: usize) -> &Line {
+        // SAFETY: within the pair region.
+        unsafe { &self.slice::<Line>(self.pair_off(s, r), 1)[0] }
+    }
+
+    pub fn pair_cells(&self, s: usize, r: usize) -> &[Cell] {
+        let n = if self.lay.kind == Kind::Ring { self.lay.ncells } else { 0 };
+        // SAFETY: within the pair region.
+        unsafe { self.slice::<Cell>(self.pair_off(s, r) + 64, n) }
+    }
+
+    pub fn pair_data(&self, s: usize, r: usize) -> &[Unit] {
+        let cells = if self.lay.kind == Kind::Ring { self.lay.ncells } else { 0 };
+        // SAFETY: within the pair region.
+        unsafe {
+            self.slice::<Unit>(
+                self.pair_off(s, r) + 64 + cells * CELL_SIZE,
+                self.lay.nunits,
+            )
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.created && !self.unlinked {
+            self.unlink();
+        }
+        if !self.base.is_null() {
+            // SAFETY: unmapping our own mapping; nothing borrows it past the provider's life.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.lay.total) };
+        }
+    }
+}

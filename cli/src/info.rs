@@ -33,9 +33,10 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                 writeln!(s, "  capabilities: {}", c.names().join(" ")).unwrap();
                 writeln!(
                     s,
-                    "  limits: am header {} B, am payload (eager) {} B, iov {}{}",
+                    "  limits: am header {} B, am payload {} B, eager {} B, iov {}{}",
                     c.max_am_header,
                     c.max_am_payload,
+                    c.eager_limit,
                     c.max_iov,
                     c.rma
                         .map(|r| format!(", rma iov {}", r.max_iov))

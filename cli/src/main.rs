@@ -9,7 +9,7 @@ use std::time::Duration;
 
 // Every built-in provider, linked so that it registers itself.
 use weft_shm as _;
-// use weft_tcp_sim as _;
+use weft_tcp_sim as _;
 
 mod info;
 mod launch;

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 // The providers that span processes.
 use weft_shm as _;
-// use weft_tcp_sim as _;
+use weft_tcp_sim as _;
 
 const SIZES: &[usize] = &[0, 1, 8, 100, 4096, 65_543, 1 << 20];
 

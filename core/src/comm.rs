@@ -116,6 +116,7 @@ impl<P: Provider> Shared<P> {
             return Ok(());
         }
         let mut e = self.engine.borrow_mut();
+        e.st.closing = true;
         let q = e.quiesce();
         let c = e.p.close();
         let f = self.boot.borrow_mut().finalize();

@@ -438,6 +438,8 @@ pub(crate) struct State {
     deregs: Vec<MemRegion>,
     failed: Vec<Option<String>>,
     nfailed: u32,
+    /// Finalize passed its barrier: peers going away now is expected.
+    pub(crate) closing: bool,
     scratch: Vec<u8>,
 }
 
@@ -487,7 +489,7 @@ impl<P: Provider> Engine<P> {
         let size = p.size();
         let eager_limit = cfg
             .eager_limit
-            .unwrap_or(caps.max_am_payload)
+            .unwrap_or(caps.eager_limit)
             .min(caps.max_am_payload);
         let rma_read = caps.rma.is_some_and(|r| r.read);
         let st = State {
@@ -507,6 +509,7 @@ impl<P: Provider> Engine<P> {
             deregs: Vec::new(),
             failed: vec![None; size as usize],
             nfailed: 0,
+            closing: false,
             scratch: Vec::new(),
         };
         Ok(Engine { p, st, cfg })
@@ -1497,12 +1500,12 @@ impl State {
         if rank >= self.size || self.failed[rank as usize].is_some() {
             return;
         }
-        tracing::warn!(rank, "peer failed: {reason}");
         self.failed[rank as usize] = Some(reason.to_string());
         self.nfailed += 1;
         self.outq[rank as usize].clear();
         let all_others_gone = self.nfailed + 1 >= self.size;
         let err = || Error::peer_failed(rank, reason);
+        let mut affected = 0usize;
         for id in self.reqs.ids() {
             let Some(req) = self.reqs.get_mut(id) else {
                 continue;
@@ -1545,7 +1548,14 @@ impl State {
                     }
                 }
                 self.finish(id, Err(err()));
+                affected += 1;
             }
+        }
+        // A peer that leaves while nothing waits for it has most likely finished normally.
+        if affected > 0 && !self.closing {
+            tracing::warn!(rank, affected, "peer failed: {reason}");
+        } else {
+            tracing::debug!(rank, "peer gone: {reason}");
         }
     }
 }

@@ -70,8 +70,10 @@ pub struct RmaCaps {
 pub struct Caps {
     /// Largest active-message header in bytes.
     pub max_am_header: usize,
-    /// Largest active-message payload in bytes (the eager limit).
+    /// Largest active-message payload in bytes (the rendezvous chunk size).
     pub max_am_payload: usize,
+    /// Messages up to this size go eagerly (`<= max_am_payload`); `WEFT_EAGER_LIMIT` overrides.
+    pub eager_limit: usize,
     /// Longest payload iovec `am_send` takes.
     pub max_iov: usize,
     /// The provider matches tagged messages itself (libfabric FI_TAGGED).
@@ -94,6 +96,7 @@ impl Caps {
         Caps {
             max_am_header,
             max_am_payload,
+            eager_limit: max_am_payload,
             max_iov,
             tagged: false,
             rma: None,

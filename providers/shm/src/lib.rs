@@ -203,6 +203,7 @@ impl Shm {
         seg.mark_mapped();
         let mut caps = cfg.caps();
         caps.max_am_payload = lay.chunk;
+        caps.eager_limit = lay.chunk;
         Ok(Shm {
             seg,
             rank,

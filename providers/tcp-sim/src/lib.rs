@@ -1,0 +1,850 @@
+//! `tcp-sim`: TCP between ranks on any hosts, with knobs that simulate a slower network.
+//!
+//! * One connection per pair of ranks, opened lazily on first use. Both ranks may connect at
+//!   once; the connection opened by the lower rank wins (`HELLO`/`ACK` handshake), so no pair
+//!   ever uses two. Everything is nonblocking on `mio`, with `TCP_NODELAY`.
+//! * Frames ([`frame`]): an 8-byte versioned header, the active-message header and the payload,
+//!   written with one `writev` straight from the caller's iovec when the socket has room.
+//! * Flow control: a connection buffers at most `WEFT_TCP_SIM_QUEUE` bytes of unsent frames,
+//!   then `am_send` reports Busy; large messages use the core's rendezvous.
+//! * Failure: EOF, reset or a malformed frame fails that peer ("peer failed: rank N"); the
+//!   others go on.
+//! * Simulation: `WEFT_TCP_SIM_DELAY_US`, `WEFT_TCP_SIM_BW_MBPS`, `WEFT_TCP_SIM_JITTER_US` hold
+//!   each frame at the sender until its simulated arrival time: one-way delay plus jitter, after
+//!   serialising through a token bucket at the given rate. Order per pair is kept.
+
+pub mod frame;
+
+use frame::{decode, FrameHeader, Limits, FRAME_HDR, K_ACK, K_AM, K_HELLO};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+use std::collections::VecDeque;
+use std::io::{IoSlice, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+use weft::bootstrap::Bootstrap;
+use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft::{Error, Rank, Result};
+
+weft::param!(BIND: Str = "tcp-sim", "BIND", "auto",
+    "address or interface to listen on (auto: loopback when every rank is on this host, else the first non-loopback IPv4 address)");
+weft::param!(CHUNK: Size = "tcp-sim", "CHUNK", "256K",
+    "largest frame payload: the rendezvous chunk size");
+weft::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
+    "messages up to this size are sent eagerly");
+weft::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
+    "unsent bytes a connection may buffer before senders see Busy");
+weft::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
+    "simulated one-way delay added to every frame, in microseconds");
+weft::param!(BW_MBPS: Float = "tcp-sim", "BW_MBPS", "0",
+    "simulated bandwidth per rank in MB/s (10^6 B/s; 0: unlimited)");
+weft::param!(JITTER_US: Uint = "tcp-sim", "JITTER_US", "0",
+    "simulated random extra delay per frame, uniform in [0, JITTER_US] microseconds");
+
+const LISTENER: Token = Token(usize::MAX);
+const MAX_HEADER: usize = 64;
+
+#[derive(Debug, Clone)]
+struct Config {
+    bind: String,
+    chunk: usize,
+    eager: usize,
+    queue: usize,
+    delay: Duration,
+    jitter: Duration,
+    rate: Option<f64>,
+}
+
+impl Config {
+    fn from_env() -> Result<Config> {
+        let chunk = CHUNK.get_size()?;
+        if !(4096..=(64 << 20)).contains(&chunk) {
+            return Err(Error::Param {
+                var: CHUNK.env_name(),
+                value: CHUNK.raw(),
+                expected: "a size from 4K to 64M".into(),
+            });
+        }
+        let bw = BW_MBPS.get_f64()?;
+        if !(bw >= 0.0 && bw.is_finite()) {
+            return Err(Error::Param {
+                var: BW_MBPS.env_name(),
+                value: BW_MBPS.raw(),
+                expected: "a non-negative rate in MB/s".into(),
+            });
+        }
+        Ok(Config {
+            bind: BIND.get_str(),
+            chunk,
+            eager: EAGER.get_size()?.min(chunk),
+            queue: QUEUE.get_size()?.max(FRAME_HDR + MAX_HEADER + chunk),
+            delay: Duration::from_micros(DELAY_US.get_u64()?),
+            jitter: Duration::from_micros(JITTER_US.get_u64()?),
+            rate: (bw > 0.0).then_some(bw * 1e6),
+        })
+    }
+
+    fn caps(&self) -> Caps {
+        let mut c = Caps::am_only(MAX_HEADER, self.chunk, 64);
+        c.eager_limit = self.eager;
+        c.spans_processes = true;
+        c.spans_hosts = true;
+        c
+    }
+
+    fn simulating(&self) -> bool {
+        !self.delay.is_zero() || !self.jitter.is_zero() || self.rate.is_some()
+    }
+}
+
+/// First IPv4 address of an up, non-loopback interface (or of the named interface).
+fn interface_addr(name: Option<&str>) -> Option<Ipv4Addr> {
+    let mut found = None;
+    // SAFETY: getifaddrs allocates a list we walk read-only and free with freeifaddrs.
+    unsafe {
+        let mut ifs: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut ifs) != 0 {
+            return None;
+        }
+        let mut p = ifs;
+        while !p.is_null() {
+            let ifa = &*p;
+            p = ifa.ifa_next;
+            if ifa.ifa_addr.is_null() || (*ifa.ifa_addr).sa_family as i32 != libc::AF_INET {
+                continue;
+            }
+            let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+            let lo = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+            let ifname = std::ffi::CStr::from_ptr(ifa.ifa_name).to_string_lossy();
+            let wanted = match name {
+                Some(n) => ifname == n,
+                None => up && !lo,
+            };
+            if wanted {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+                break;
+            }
+        }
+        libc::freeifaddrs(ifs);
+    }
+    found
+}
+
+fn bind_ip(spec: &str, one_host: bool) -> Result<IpAddr> {
+    let s = spec.trim();
+    if s.is_empty() || s == "auto" {
+        if one_host {
+            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        }
+        return interface_addr(None).map(IpAddr::V4).ok_or_else(|| {
+            Error::Unsupported(
+                "no up, non-loopback IPv4 interface to listen on; set WEFT_TCP_SIM_BIND".into(),
+            )
+        });
+    }
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    interface_addr(Some(s))
+        .map(IpAddr::V4)
+        .ok_or_else(|| Error::Param {
+            var: BIND.env_name(),
+            value: s.into(),
+            expected: "auto, an IP address or an interface with an IPv4 address".into(),
+        })
+}
+
+enum Role {
+    /// We connected to `peer`; `hello` once our HELLO is written.
+    Outgoing { hello: bool },
+    /// Accepted; the peer is known after its HELLO.
+    Incoming,
+}
+
+struct Conn {
+    stream: TcpStream,
+    peer: Option<Rank>,
+    role: Role,
+    rx: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Idle,
+    /// Our outgoing connection (slot) is being set up.
+    Connecting(usize),
+    /// Our attempt lost; the peer's connection will arrive.
+    WaitIncoming,
+    Established(usize),
+    Failed,
+}
+
+struct OutFrame {
+    data: Vec<u8>,
+    off: usize,
+    due: Option<Instant>,
+}
+
+struct Peer {
+    state: State,
+    outq: VecDeque<OutFrame>,
+    out_bytes: usize,
+    last_due: Option<Instant>,
+}
+
+struct Sim {
+    delay: Duration,
+    jitter: Duration,
+    rate: Option<f64>,
+    nic_free: Instant,
+    rng: u64,
+}
+
+impl Sim {
+    fn due(&mut self, peer: &mut Peer, bytes: usize) -> Instant {
+        let now = Instant::now();
+        let mut depart = now;
+        if let Some(r) = self.rate {
+            depart = self.nic_free.max(now);
+            self.nic_free = depart + Duration::from_secs_f64(bytes as f64 / r);
+            depart = self.nic_free;
+        }
+        let mut due = depart + self.delay;
+        if !self.jitter.is_zero() {
+            // xorshift64
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            due += Duration::from_nanos(self.rng % (self.jitter.as_nanos() as u64 + 1));
+        }
+        if let Some(l) = peer.last_due {
+            due = due.max(l);
+        }
+        peer.last_due = Some(due);
+        due
+    }
+}
+
+/// The TCP provider of one rank.
+pub struct TcpSim {
+    rank: Rank,
+    size: u32,
+    caps: Caps,
+    cfg: Config,
+    poll: Poll,
+    events: Events,
+    listener: TcpListener,
+    addrs: Vec<SocketAddr>,
+    conns: Vec<Option<Conn>>,
+    peers: Vec<Peer>,
+    busy_peers: Vec<Rank>,
+    sim: Option<Sim>,
+    selfq: VecDeque<(Vec<u8>, Vec<u8>)>,
+    failures: Vec<(Rank, String)>,
+    limits: Limits,
+}
+
+fn would_block(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::WouldBlock
+}
+
+impl TcpSim {
+    fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<Self> {
+        let rank = boot.rank();
+        let size = boot.size();
+        let one_host = boot.nodes().hosts() == 1;
+        let ip = bind_ip(&cfg.bind, one_host)?;
+        let std_l = std::net::TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| Error::io(format!("listening on {ip}"), e))?;
+        std_l
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("making the listener nonblocking", e))?;
+        let local = std_l
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?;
+        let mut listener = TcpListener::from_std(std_l);
+        let poll = Poll::new().map_err(|e| Error::io("creating the poller", e))?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)
+            .map_err(|e| Error::io("registering the listener", e))?;
+        let addrs = weft::bootstrap::allgather(boot, "tcp-sim.addr", &local.to_string())?
+            .into_iter()
+            .enumerate()
+            .map(|(r, a)| {
+                a.parse::<SocketAddr>()
+                    .map_err(|_| Error::Bootstrap(format!("rank {r} published a bad address '{a}'")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sim = cfg.simulating().then(|| Sim {
+            delay: cfg.delay,
+            jitter: cfg.jitter,
+            rate: cfg.rate,
+            nic_free: Instant::now(),
+            rng: 0x9E37_79B9_7F4A_7C15 ^ (rank as u64 + 1),
+        });
+        let limits = Limits {
+            max_hdr: MAX_HEADER,
+            max_payload: cfg.chunk,
+        };
+        Ok(TcpSim {
+            rank,
+            size,
+            caps: cfg.caps(),
+            poll,
+            events: Events::with_capacity(256),
+            listener,
+            addrs,
+            conns: Vec::new(),
+            peers: (0..size)
+                .map(|_| Peer {
+                    state: State::Idle,
+                    outq: VecDeque::new(),
+                    out_bytes: 0,
+                    last_due: None,
+                })
+                .collect(),
+            busy_peers: Vec::new(),
+            sim,
+            selfq: VecDeque::new(),
+            failures: Vec::new(),
+            limits,
+            cfg,
+        })
+    }
+
+    fn rx_capacity(&self) -> usize {
+        2 * (FRAME_HDR + MAX_HEADER + self.cfg.chunk)
+    }
+
+    fn add_conn(&mut self, mut stream: TcpStream, peer: Option<Rank>, role: Role) -> Result<usize> {
+        let slot = match self.conns.iter().position(|c| c.is_none()) {
+            Some(i) => i,
+            None => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        self.poll
+            .registry()
+            .register(&mut stream, Token(slot), Interest::READABLE | Interest::WRITABLE)
+            .map_err(|e| Error::io("registering a connection", e))?;
+        let cap = self.rx_capacity();
+        self.conns[slot] = Some(Conn {
+            stream,
+            peer,
+            role,
+            rx: vec![0u8; cap],
+            start: 0,
+            end: 0,
+        });
+        Ok(slot)
+    }
+
+    fn drop_conn(&mut self, slot: usize) {
+        if let Some(mut c) = self.conns.get_mut(slot).and_then(|c| c.take()) {
+            let _ = self.poll.registry().deregister(&mut c.stream);
+        }
+    }
+
+    fn fail_peer(&mut self, r: Rank, why: String) {
+        let p = &mut self.peers[r as usize];
+        if p.state == State::Failed {
+            return;
+        }
+        let slot = match p.state {
+            State::Connecting(s) | State::Established(s) => Some(s),
+            _ => None,
+        };
+        p.state = State::Failed;
+        p.outq.clear();
+        p.out_bytes = 0;
+        if let Some(s) = slot {
+            self.drop_conn(s);
+        }
+        self.failures.push((r, why));
+    }
+
+    fn connect(&mut self, r: Rank) -> Result<()> {
+        let addr = self.addrs[r as usize];
+        match TcpStream::connect(addr) {
+            Ok(s) => {
+                let slot = self.add_conn(s, Some(r), Role::Outgoing { hello: false })?;
+                self.peers[r as usize].state = State::Connecting(slot);
+            }
+            Err(e) => self.fail_peer(r, format!("cannot connect to {addr}: {e}")),
+        }
+        Ok(())
+    }
+
+    /// Write a small control frame on a fresh connection (retries briefly on WouldBlock).
+    fn write_ctrl(stream: &mut TcpStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+        let h = FrameHeader {
+            kind,
+            hdr_len: 0,
+            payload_len: payload.len(),
+        }
+        .encode();
+        let mut buf = h.to_vec();
+        buf.extend_from_slice(payload);
+        let mut off = 0;
+        let t0 = Instant::now();
+        while off < buf.len() {
+            match stream.write(&buf[off..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => off += n,
+                Err(e) if would_block(&e) => {
+                    if t0.elapsed() > Duration::from_secs(5) {
+                        return Err(std::io::ErrorKind::TimedOut.into());
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn on_writable(&mut self, slot: usize) {
+        let Some(c) = self.conns[slot].as_mut() else {
+            return;
+        };
+        if let Role::Outgoing { hello: false } = c.role {
+            let Some(r) = c.peer else { return };
+            match c.stream.take_error() {
+                Ok(Some(e)) | Err(e) => {
+                    let a = self.addrs[r as usize];
+                    self.fail_peer(r, format!("cannot connect to {a}: {e}"));
+                    return;
+                }
+                Ok(None) => {}
+            }
+            if c.stream.peer_addr().is_err() {
+                return; // still connecting
+            }
+            let mut hello = Vec::with_capacity(4);
+            hello.extend_from_slice(&self.rank.to_le_bytes());
+            match Self::write_ctrl(&mut c.stream, K_HELLO, &hello) {
+                Ok(()) => c.role = Role::Outgoing { hello: true },
+                Err(e) => self.fail_peer(r, format!("connection lost during the handshake: {e}")),
+            }
+        }
+    }
+
+    fn on_hello(&mut self, slot: usize, from: Rank) {
+        if from >= self.size || from == self.rank {
+            tracing::warn!(from, "tcp-sim: HELLO with a bad rank; closing");
+            self.drop_conn(slot);
+            return;
+        }
+        let me = self.rank;
+        let state = self.peers[from as usize].state;
+        let accept = match state {
+            State::Idle | State::WaitIncoming => true,
+            // Both connected at once: the lower rank's connection wins.
+            State::Connecting(_) => from < me,
+            State::Established(_) | State::Failed => false,
+        };
+        let Some(c) = self.conns[slot].as_mut() else {
+            return;
+        };
+        let r = Self::write_ctrl(&mut c.stream, K_ACK, &[accept as u8]);
+        if !accept || r.is_err() {
+            self.drop_conn(slot);
+            return;
+        }
+        c.peer = Some(from);
+        if let State::Connecting(old) = state {
+            self.drop_conn(old);
+        }
+        self.peers[from as usize].state = State::Established(slot);
+        self.mark_busy(from);
+    }
+
+    fn on_ack(&mut self, slot: usize, ok: bool) {
+        let Some(r) = self.conns[slot].as_ref().and_then(|c| c.peer) else {
+            self.drop_conn(slot);
+            return;
+        };
+        if self.peers[r as usize].state != State::Connecting(slot) {
+            self.drop_conn(slot);
+            return;
+        }
+        if ok {
+            self.peers[r as usize].state = State::Established(slot);
+            self.mark_busy(r);
+        } else {
+            self.drop_conn(slot);
+            self.peers[r as usize].state = State::WaitIncoming;
+        }
+    }
+
+    fn mark_busy(&mut self, r: Rank) {
+        if !self.peers[r as usize].outq.is_empty() && !self.busy_peers.contains(&r) {
+            self.busy_peers.push(r);
+        }
+    }
+
+    /// Read everything available on a connection and deliver its frames.
+    fn on_readable(&mut self, slot: usize, sink: &mut dyn Sink) -> usize {
+        let mut delivered = 0;
+        loop {
+            let Some(c) = self.conns[slot].as_mut() else {
+                return delivered;
+            };
+            if c.end == c.rx.len() {
+                // Compact: the partial frame at the front moves to the start.
+                c.rx.copy_within(c.start..c.end, 0);
+                c.end -= c.start;
+                c.start = 0;
+            }
+            let n = match c.stream.read(&mut c.rx[c.end..]) {
+                Ok(0) => {
+                    self.closed(slot, "connection closed (EOF)".into());
+                    return delivered;
+                }
+                Ok(n) => n,
+                Err(e) if would_block(&e) => return delivered,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.closed(slot, format!("connection error: {e}"));
+                    return delivered;
+                }
+            };
+            c.end += n;
+            // Deliver complete frames.
+            loop {
+                let Some(c) = self.conns[slot].as_mut() else {
+                    return delivered;
+                };
+                let h = match decode(&c.rx[c.start..c.end], self.limits) {
+                    Ok(Some(h)) => h,
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.closed(slot, format!("malformed frame: {e}"));
+                        return delivered;
+                    }
+                };
+                let f = c.start + FRAME_HDR;
+                let (hs, ps) = (f, f + h.hdr_len);
+                let pe = ps + h.payload_len;
+                c.start += h.total();
+                match h.kind {
+                    K_AM => match c.peer {
+                        Some(r) if self.peers[r as usize].state == State::Established(slot) => {
+                            sink.am(r, &c.rx[hs..ps], &c.rx[ps..pe]);
+                            delivered += 1;
+                        }
+                        _ => {
+                            self.closed(slot, "data before the handshake".into());
+                            return delivered;
+                        }
+                    },
+                    K_HELLO => {
+                        let from = (h.payload_len == 4 && matches!(c.role, Role::Incoming))
+                            .then(|| u32::from_le_bytes(c.rx[ps..ps + 4].try_into().unwrap()));
+                        match from {
+                            Some(r) => self.on_hello(slot, r),
+                            None => {
+                                self.closed(slot, "bad HELLO".into());
+                                return delivered;
+                            }
+                        }
+                    }
+                    _ => {
+                        let ok = h.payload_len == 1 && c.rx[ps] == 1;
+                        self.on_ack(slot, ok);
+                    }
+                }
+            }
+        }
+    }
+
+    fn closed(&mut self, slot: usize, why: String) {
+        let peer = self.conns[slot].as_ref().and_then(|c| c.peer);
+        match peer {
+            Some(r)
+                if matches!(self.peers[r as usize].state,
+                    State::Established(s) | State::Connecting(s) if s == slot) =>
+            {
+                self.fail_peer(r, why)
+            }
+            _ => self.drop_conn(slot),
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    if let Err(e) = self.add_conn(s, None, Role::Incoming) {
+                        tracing::warn!("tcp-sim: {e}");
+                    }
+                }
+                Err(e) if would_block(&e) => return,
+                Err(e) => {
+                    tracing::warn!("tcp-sim: accept: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Write queued frames that are due. Returns frames completed.
+    fn flush(&mut self) -> usize {
+        let mut done = 0;
+        let now = self.sim.as_ref().map(|_| Instant::now());
+        let mut i = 0;
+        while i < self.busy_peers.len() {
+            let r = self.busy_peers[i];
+            let slot = match self.peers[r as usize].state {
+                State::Established(s) => s,
+                State::Failed => {
+                    self.busy_peers.swap_remove(i);
+                    continue;
+                }
+                _ => {
+                    i += 1;
+                    continue;
+                }
+            };
+            let mut failed = None;
+            {
+                let p = &mut self.peers[r as usize];
+                let c = self.conns[slot].as_mut().expect("established connection exists");
+                while let Some(f) = p.outq.front_mut() {
+                    if let (Some(d), Some(n)) = (f.due, now) {
+                        if d > n {
+                            break;
+                        }
+                    }
+                    match c.stream.write(&f.data[f.off..]) {
+                        Ok(n) => {
+                            f.off += n;
+                            if f.off == f.data.len() {
+                                p.out_bytes -= f.data.len();
+                                p.outq.pop_front();
+                                done += 1;
+                            }
+                        }
+                        Err(e) if would_block(&e) => break,
+                        Err(e) => {
+                            failed = Some(format!("connection error: {e}"));
+                            break;
+                        }
+                    }
+                }
+            }
+            if let Some(w) = failed {
+                self.fail_peer(r, w);
+                continue;
+            }
+            if self.peers[r as usize].outq.is_empty() {
+                self.busy_peers.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        done
+    }
+}
+
+impl Provider for TcpSim {
+    fn name(&self) -> &str {
+        "tcp-sim"
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
+        let total: usize = payload.iter().map(|s| s.len()).sum();
+        if header.len() > MAX_HEADER || total > self.cfg.chunk {
+            return Err(Error::invalid(format!(
+                "tcp-sim frame of {}+{total} bytes exceeds {MAX_HEADER}+{}",
+                header.len(),
+                self.cfg.chunk
+            )));
+        }
+        if dest >= self.size {
+            return Err(Error::InvalidRank {
+                rank: dest as i64,
+                size: self.size,
+            });
+        }
+        if dest == self.rank {
+            let mut d = Vec::with_capacity(total);
+            for s in payload {
+                d.extend_from_slice(s);
+            }
+            self.selfq.push_back((header.to_vec(), d));
+            return Ok(SendOutcome::Sent);
+        }
+        let fh = FrameHeader {
+            kind: K_AM,
+            hdr_len: header.len(),
+            payload_len: total,
+        }
+        .encode();
+        let flen = FRAME_HDR + header.len() + total;
+        let state = self.peers[dest as usize].state;
+        if state == State::Failed {
+            return Err(Error::peer_failed(dest, "connection lost"));
+        }
+        let mut written = 0;
+        if let (State::Established(slot), true, None) =
+            (state, self.peers[dest as usize].outq.is_empty(), &self.sim)
+        {
+            // Straight from the caller's buffers: one writev.
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(payload.len() + 2);
+            iov.push(IoSlice::new(&fh));
+            iov.push(IoSlice::new(header));
+            iov.extend(payload.iter().map(|s| IoSlice::new(s)));
+            let c = self.conns[slot].as_mut().expect("established connection exists");
+            match c.stream.write_vectored(&iov) {
+                Ok(n) if n == flen => return Ok(SendOutcome::Sent),
+                Ok(n) => written = n,
+                Err(e) if would_block(&e) => {}
+                Err(e) => {
+                    let w = format!("connection error: {e}");
+                    self.fail_peer(dest, w.clone());
+                    return Err(Error::peer_failed(dest, w));
+                }
+            }
+        }
+        let p = &mut self.peers[dest as usize];
+        if written == 0 && !p.outq.is_empty() && p.out_bytes + flen > self.cfg.queue {
+            return Ok(SendOutcome::Busy);
+        }
+        // Queue (the rest of) the frame.
+        let mut data = Vec::with_capacity(flen);
+        data.extend_from_slice(&fh);
+        data.extend_from_slice(header);
+        for s in payload {
+            data.extend_from_slice(s);
+        }
+        let due = match self.sim.as_mut() {
+            Some(sim) => Some(sim.due(p, flen)),
+            None => None,
+        };
+        p.out_bytes += flen;
+        p.outq.push_back(OutFrame {
+            data,
+            off: written,
+            due,
+        });
+        if state == State::Idle {
+            self.connect(dest)?;
+        }
+        if !self.busy_peers.contains(&dest) {
+            self.busy_peers.push(dest);
+        }
+        Ok(SendOutcome::Sent)
+    }
+
+    fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
+        let mut n = 0;
+        while let Some((h, d)) = self.selfq.pop_front() {
+            sink.am(self.rank, &h, &d);
+            n += 1;
+        }
+        let mut events = std::mem::replace(&mut self.events, Events::with_capacity(0));
+        match self.poll.poll(&mut events, Some(Duration::ZERO)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                self.events = events;
+                return Err(Error::io("polling sockets", e));
+            }
+        }
+        for ev in events.iter() {
+            let t = ev.token();
+            if t == LISTENER {
+                self.accept_all();
+                continue;
+            }
+            if ev.is_writable() || ev.is_error() {
+                self.on_writable(t.0);
+            }
+            if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                n += self.on_readable(t.0, sink);
+            }
+        }
+        self.events = events;
+        if !self.busy_peers.is_empty() {
+            n += self.flush();
+        }
+        for (r, why) in self.failures.drain(..) {
+            sink.peer_failed(r, &why);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn close(&mut self) -> Result<()> {
+        // Write out what is queued (bounded), then let the sockets close.
+        let t0 = Instant::now();
+        while !self.busy_peers.is_empty() && t0.elapsed() < Duration::from_secs(10) {
+            self.flush();
+            // Keep handshakes moving for peers we have not connected to yet.
+            let mut events = std::mem::replace(&mut self.events, Events::with_capacity(0));
+            let _ = self.poll.poll(&mut events, Some(Duration::from_millis(1)));
+            for ev in events.iter() {
+                let t = ev.token();
+                if t == LISTENER {
+                    self.accept_all();
+                    continue;
+                }
+                if ev.is_writable() {
+                    self.on_writable(t.0);
+                }
+                if ev.is_readable() {
+                    // Only handshakes matter now; messages arriving after finalize are dropped.
+                    self.on_readable(t.0, &mut NullSink);
+                }
+            }
+            self.events = events;
+        }
+        Ok(())
+    }
+}
+
+/// Drops everything (used while closing).
+struct NullSink;
+
+impl Sink for NullSink {
+    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
+    fn complete(&mut self, _: weft::provider::Token, _: Result<weft::provider::Completed>) {}
+    fn peer_failed(&mut self, _: Rank, _: &str) {}
+}
+
+impl StaticProvider for TcpSim {
+    const NAME: &'static str = "tcp-sim";
+
+    fn probe(_ctx: &ProbeContext) -> std::result::Result<(), String> {
+        Config::from_env().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
+        Self::open_with(boot, Config::from_env()?)
+    }
+
+    fn static_caps() -> Result<Caps> {
+        Ok(Config::from_env()?.caps())
+    }
+}
+
+weft::register_provider!(
+    TcpSim,
+    priority = 10,
+    summary = "TCP between ranks on any hosts, with a simulated-network mode"
+);

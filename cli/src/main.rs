@@ -11,6 +11,7 @@ use std::time::Duration;
 use weft_shm as _;
 use weft_tcp_sim as _;
 
+mod bench;
 mod info;
 mod launch;
 
@@ -59,6 +60,260 @@ enum Cmd {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
     },
+    /// Benchmark providers side by side: TESTS is a comma-separated list of latency, bw, bibw,
+    /// mr, alltoall.
+    Bench(BenchArgs),
+    /// (internal) The rank side of a bench job.
+    #[command(hide = true)]
+    BenchRank {
+        #[arg(long)]
+        test: String,
+        #[arg(long)]
+        sizes: String,
+        #[arg(long)]
+        iters: usize,
+        #[arg(long)]
+        warmup: usize,
+        #[arg(long)]
+        window: usize,
+    },
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Tests to run, comma separated (latency, bw, bibw, mr, alltoall).
+    tests: String,
+    /// Providers to compare, comma separated (default: every built-in provider that can run
+    /// here).
+    #[arg(long)]
+    providers: Option<String>,
+    /// Message sizes: a list (8,64,4K,1M) or a range of powers of two MIN:MAX.
+    #[arg(long)]
+    sizes: Option<String>,
+    /// Iterations per size for small messages (scaled down for large ones).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Warm-up iterations per size.
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// Messages in flight for bw, bibw and mr.
+    #[arg(long, default_value_t = 64)]
+    window: usize,
+    /// Ranks per job.
+    #[arg(short = 'n', long = "np", default_value_t = 2)]
+    n: u32,
+    /// Interleaved repetitions; the table shows their median.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Write every result (median, min, max, reps, env) as JSON.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Write every result as CSV.
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
+    /// Draw latency/bandwidth against size, log-log (.svg or .png).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Environment for every rank (repeatable), recorded in the results.
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
+    env: Vec<(String, String)>,
+    /// A column per variant: NAME:K=V[,K=V...] (repeatable), e.g. agg:WEFT_RMA_SCHED=aggregate.
+    #[arg(long = "variant", value_name = "NAME:K=V,...")]
+    variants: Vec<String>,
+    /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ofi:tcp,
+    /// ofi:udp, ofi:shm, ompi, mpich, nptcp.
+    #[arg(long)]
+    baseline: Option<String>,
+    /// Add ratio columns against this column.
+    #[arg(long)]
+    ratio: Option<String>,
+    /// Seconds one job may take before it is killed.
+    #[arg(long, default_value_t = 600.0)]
+    job_timeout: f64,
+}
+
+fn parse_variant(s: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let (name, kvs) = s
+        .split_once(':')
+        .ok_or_else(|| format!("--variant '{s}' is not NAME:K=V[,K=V...]"))?;
+    if name.is_empty() {
+        return Err(format!("--variant '{s}' has no name"));
+    }
+    let env = kvs
+        .split(',')
+        .filter(|x| !x.is_empty())
+        .map(parse_kv)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((name.to_string(), env))
+}
+
+/// Turn the command line into a bench plan, or a usage error naming the problem.
+fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
+    use bench::tests::Test;
+    let tests = a
+        .tests
+        .split(',')
+        .map(Test::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    for t in &tests {
+        if a.n < t.min_ranks() {
+            return Err(format!(
+                "-n {}: {} needs at least {} ranks",
+                a.n,
+                t.name(),
+                t.min_ranks()
+            ));
+        }
+    }
+    let sizes = a.sizes.as_deref().map(bench::tests::parse_sizes).transpose()?;
+    if a.reps == 0 || a.window == 0 || a.iters == Some(0) {
+        return Err("--reps, --window and --iters must be at least 1".into());
+    }
+    let (all, _) = weft::registry::providers();
+    let mut notes = vec![];
+    let providers: Vec<String> = match &a.providers {
+        Some(list) => {
+            let sel = weft::registry::Selection::parse(list).map_err(|e| e.to_string())?;
+            weft::registry::candidates(&sel, &all, None)
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(|f| f.name().to_string())
+                .collect()
+        }
+        None => {
+            let ctx = weft::provider::ProbeContext {
+                rank: 0,
+                size: a.n,
+                in_process: false,
+                hosts: 1,
+                local_ranks: a.n,
+            };
+            all.iter()
+                .filter(|f| match f.probe(&ctx) {
+                    Ok(()) => true,
+                    Err(why) => {
+                        if f.name() != "loopback" {
+                            notes.push(format!("{} skipped: {why}", f.name()));
+                        }
+                        false
+                    }
+                })
+                .map(|f| f.name().to_string())
+                .collect()
+        }
+    };
+    let variants = a
+        .variants
+        .iter()
+        .map(|v| parse_variant(v))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut columns = vec![];
+    for p in &providers {
+        if variants.is_empty() {
+            columns.push(bench::Column {
+                label: p.clone(),
+                provider: Some(p.clone()),
+                env: vec![],
+                baseline: None,
+            });
+        }
+        for (name, env) in &variants {
+            columns.push(bench::Column {
+                label: if providers.len() == 1 {
+                    name.clone()
+                } else {
+                    format!("{p}/{name}")
+                },
+                provider: Some(p.clone()),
+                env: env.clone(),
+                baseline: None,
+            });
+        }
+    }
+    if let Some(list) = &a.baseline {
+        for name in list.split(',') {
+            let b = bench::baseline::Baseline::parse(name)?;
+            match b.available() {
+                Ok(()) => columns.push(bench::Column {
+                    label: b.name.clone(),
+                    provider: None,
+                    env: vec![],
+                    baseline: Some(b),
+                }),
+                Err(note) => notes.push(note),
+            }
+        }
+    }
+    if columns.is_empty() {
+        return Err("nothing to compare: no provider can run here and no baseline is installed".into());
+    }
+    if let Some(r) = &a.ratio {
+        if !columns.iter().any(|c| &c.label == r) {
+            return Err(format!(
+                "--ratio {r}: no such column (columns: {})",
+                columns.iter().map(|c| c.label.as_str()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    Ok(bench::Plan {
+        tests,
+        columns,
+        sizes,
+        iters: a.iters,
+        warmup: a.warmup,
+        window: a.window,
+        n: a.n,
+        reps: a.reps,
+        env: a.env.clone(),
+        job_timeout: Duration::from_secs_f64(a.job_timeout.max(1.0)),
+        notes,
+    })
+}
+
+fn bench_main(a: &BenchArgs) -> ExitCode {
+    let plan = match bench_plan(a) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("weft bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let (report, notes) = bench::execute(&plan);
+    print!("{}", bench::render_tables(&plan, &report, a.ratio.as_deref()));
+    for n in &notes {
+        println!("note: {n}");
+    }
+    let mut ok = true;
+    if let Some(p) = &a.json {
+        let r = serde_json::to_string_pretty(&report)
+            .map_err(|e| e.to_string())
+            .and_then(|j| std::fs::write(p, j + "\n").map_err(|e| e.to_string()));
+        if let Err(e) = r {
+            eprintln!("weft bench: writing {}: {e}", p.display());
+            ok = false;
+        }
+    }
+    if let Some(p) = &a.csv {
+        if let Err(e) = std::fs::write(p, bench::to_csv(&report)) {
+            eprintln!("weft bench: writing {}: {e}", p.display());
+            ok = false;
+        }
+    }
+    if let Some(p) = &a.plot {
+        if let Err(e) = bench::plot_report(&plan, &report, p) {
+            eprintln!("weft bench: plot: {e}");
+            ok = false;
+        }
+    }
+    if report.results.is_empty() {
+        eprintln!("weft bench: no measurement succeeded");
+        return ExitCode::from(1);
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -72,6 +327,31 @@ fn main() -> ExitCode {
     weft::init_logging();
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Bench(a) => bench_main(&a),
+        Cmd::BenchRank {
+            test,
+            sizes,
+            iters,
+            warmup,
+            window,
+        } => {
+            let args = bench::tests::Test::parse(&test).and_then(|t| {
+                Ok(bench::rank::RankArgs {
+                    test: t,
+                    sizes: bench::tests::parse_sizes(&sizes)?,
+                    iters,
+                    warmup,
+                    window,
+                })
+            });
+            match args.map_err(weft::Error::invalid).and_then(|a| bench::rank::run(&a)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("weft bench-rank: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Cmd::Info { env, verbose } => {
             if env {
                 let (s, ok) = info::params_report();

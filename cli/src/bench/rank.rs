@@ -1,0 +1,172 @@
+//! The rank side of `weft bench`: each job runs one test over a list of sizes and rank 0 prints
+//! one `RESULT <size> <value>` line per size on stdout.
+
+use super::tests::Test;
+use std::time::Instant;
+use weft::{Comm, DynProvider, Result};
+
+/// What one job measures.
+#[derive(Debug, Clone)]
+pub struct RankArgs {
+    pub test: Test,
+    pub sizes: Vec<usize>,
+    pub iters: usize,
+    pub warmup: usize,
+    pub window: usize,
+}
+
+/// Iterations for `size`: the requested count, fewer for large messages so each point moves at
+/// most about `budget` bytes, but never below `floor`.
+pub fn scaled(iters: usize, size: usize, budget: usize, floor: usize) -> usize {
+    let cap = budget / size.max(1);
+    iters.min(cap).max(floor)
+}
+
+/// Window actually used for `size`: the requested one, reduced so that the receive buffers of
+/// one window (distinct buffers, as the API requires) stay under 256 MiB.
+pub fn effective_window(window: usize, size: usize) -> usize {
+    window.min((256usize << 20) / size.max(1)).max(1)
+}
+
+fn pattern(size: usize) -> Vec<u8> {
+    (0..size).map(|i| i as u8).collect()
+}
+
+fn latency(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> Result<f64> {
+    let r = c.rank();
+    let data = pattern(size);
+    let mut buf = vec![0u8; size];
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            c.barrier()?;
+            t0 = Instant::now();
+        }
+        match r {
+            0 => {
+                c.send(&data, 1, 1)?;
+                c.recv(&mut buf, 1, 1)?;
+            }
+            1 => {
+                c.recv(&mut buf, 0, 1)?;
+                c.send(&data, 0, 1)?;
+            }
+            _ => {}
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    Ok(dt * 1e6 / (2.0 * iters as f64))
+}
+
+/// Windowed streaming from `from` to `to`; both directions at once when `both`.
+/// Returns bytes moved per second (all directions) and messages per second.
+fn stream(
+    c: &Comm<DynProvider>,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+    window: usize,
+    both: bool,
+) -> Result<(f64, f64)> {
+    let r = c.rank();
+    let w = effective_window(window, size);
+    let data = pattern(size);
+    let mut bufs: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; size]).collect();
+    let mut ack = [0u8; 4];
+    let mut t0 = Instant::now();
+    if r > 1 {
+        c.barrier()?;
+        return Ok((0.0, 0.0));
+    }
+    let peer = 1 - r;
+    for i in 0..warmup + iters {
+        if i == warmup {
+            c.barrier()?;
+            t0 = Instant::now();
+        }
+        let sending = r == 0 || both;
+        let receiving = r == 1 || both;
+        c.scope(|s| -> Result<()> {
+            let mut reqs = Vec::with_capacity(2 * w);
+            if receiving {
+                for b in bufs.iter_mut() {
+                    reqs.push(c.irecv(s, b, peer, 2)?);
+                }
+            }
+            if sending {
+                for _ in 0..w {
+                    reqs.push(c.isend(s, &data, peer, 2)?);
+                }
+            }
+            weft::waitall(reqs)?;
+            Ok(())
+        })?;
+        // The receiver acknowledges each window (OSU style).
+        if r == 1 {
+            c.send(&ack, 0, 3)?;
+        } else {
+            c.recv(&mut ack, 1, 3)?;
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    let msgs = (iters * w) as f64 * if both { 2.0 } else { 1.0 };
+    Ok((msgs * size as f64 / dt, msgs / dt))
+}
+
+fn alltoall(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> Result<f64> {
+    let n = c.size() as usize;
+    let send = vec![1u8; size * n];
+    let mut recv = vec![0u8; size * n];
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            c.barrier()?;
+            t0 = Instant::now();
+        }
+        c.alltoall(&send, &mut recv)?;
+    }
+    let mine = [t0.elapsed().as_secs_f64() * 1e6 / iters as f64];
+    let mut worst = [0f64];
+    c.allreduce(&mine, &mut worst, weft::Op::Max)?;
+    Ok(worst[0])
+}
+
+/// Run one job's measurements; rank 0 prints the results.
+pub fn run(a: &RankArgs) -> Result<()> {
+    let world = weft::init()?;
+    let c = world.comm();
+    if c.size() < a.test.min_ranks() {
+        return Err(weft::Error::invalid(format!(
+            "{} needs at least {} ranks",
+            a.test.name(),
+            a.test.min_ranks()
+        )));
+    }
+    for &size in &a.sizes {
+        let v = match a.test {
+            Test::Latency => {
+                let it = scaled(a.iters, size, 512 << 20, 20);
+                latency(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
+            }
+            Test::Bw | Test::Bibw | Test::Mr => {
+                let w = effective_window(a.window, size);
+                let it = scaled(a.iters, size * w, 2 << 30, 3);
+                let wu = scaled(a.warmup, size * w, 256 << 20, 1);
+                let (bps, mps) = stream(c, size, it, wu, a.window, a.test == Test::Bibw)?;
+                if a.test == Test::Mr {
+                    mps
+                } else {
+                    bps / 1e6
+                }
+            }
+            Test::Alltoall => {
+                let it = scaled(a.iters, size * c.size() as usize, 512 << 20, 10);
+                alltoall(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
+            }
+        };
+        if c.rank() == 0 {
+            println!("RESULT {size} {v}");
+        }
+    }
+    world.finalize()
+}

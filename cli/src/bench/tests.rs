@@ -1,0 +1,169 @@
+//! The benchmark tests and the size-list syntax.
+
+/// A benchmark test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Test {
+    Latency,
+    Bw,
+    Bibw,
+    Mr,
+    Alltoall,
+}
+
+/// Every test name the command knows, with what it measures.
+pub const ALL: &[(&str, &str)] = &[
+    ("latency", "ping-pong, one-way latency in µs"),
+    ("bw", "windowed streaming bandwidth in MB/s (10^6 B/s)"),
+    ("bibw", "bidirectional windowed bandwidth in MB/s (both directions)"),
+    ("mr", "windowed message rate in messages/s"),
+    ("alltoall", "time of one alltoall with SIZE bytes per pair, µs (slowest rank)"),
+];
+
+impl Test {
+    pub fn parse(s: &str) -> Result<Test, String> {
+        Ok(match s.trim() {
+            "latency" | "lat" => Test::Latency,
+            "bw" => Test::Bw,
+            "bibw" => Test::Bibw,
+            "mr" => Test::Mr,
+            "alltoall" => Test::Alltoall,
+            other => {
+                return Err(format!(
+                    "unknown test '{other}'; tests: {}",
+                    ALL.iter().map(|t| t.0).collect::<Vec<_>>().join(", ")
+                ))
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Test::Latency => "latency",
+            Test::Bw => "bw",
+            Test::Bibw => "bibw",
+            Test::Mr => "mr",
+            Test::Alltoall => "alltoall",
+        }
+    }
+
+    pub fn unit(self) -> &'static str {
+        match self {
+            Test::Latency | Test::Alltoall => "us",
+            Test::Bw | Test::Bibw => "MB/s",
+            Test::Mr => "msg/s",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        ALL.iter()
+            .find(|t| t.0 == self.name())
+            .map(|t| t.1)
+            .unwrap_or("")
+    }
+
+    pub fn higher_is_better(self) -> bool {
+        matches!(self, Test::Bw | Test::Bibw | Test::Mr)
+    }
+
+    pub fn min_ranks(self) -> u32 {
+        2
+    }
+
+    pub fn default_sizes(self) -> Vec<usize> {
+        match self {
+            Test::Latency => vec![0, 8, 64, 512, 4096, 32768, 262144],
+            Test::Bw | Test::Bibw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24],
+            Test::Mr => vec![1, 8, 64, 512, 4096],
+            Test::Alltoall => vec![8, 512, 4096, 65536],
+        }
+    }
+
+    /// Default iteration count for small messages (large ones are scaled down).
+    pub fn default_iters(self) -> usize {
+        match self {
+            Test::Latency => 20_000,
+            Test::Bw | Test::Bibw | Test::Mr => 200,
+            Test::Alltoall => 1000,
+        }
+    }
+}
+
+/// Parse `LIST` (`8,64,4K`) or `MIN:MAX` (powers of two from MIN to MAX inclusive; MIN may be
+/// 0, which adds 0 and starts the doubling at 1).
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err("empty size list".into());
+    }
+    let one = |x: &str| {
+        weft::param::parse_size(x).ok_or_else(|| format!("'{x}' is not a size (e.g. 8, 64K, 1M)"))
+    };
+    let mut v = if let Some((a, b)) = s.split_once(':') {
+        let (lo, hi) = (one(a)?, one(b)?);
+        if lo > hi {
+            return Err(format!("size range {s} is empty (MIN > MAX)"));
+        }
+        if hi > 1 << 30 {
+            return Err("sizes above 1G are not supported".into());
+        }
+        let mut v = vec![];
+        if lo == 0 {
+            v.push(0);
+        }
+        let mut x = lo.max(1).next_power_of_two();
+        if lo > 0 && !lo.is_power_of_two() {
+            v.push(lo);
+        }
+        while x <= hi {
+            v.push(x);
+            x *= 2;
+        }
+        v
+    } else {
+        s.split(',').map(one).collect::<Result<Vec<_>, _>>()?
+    };
+    if v.iter().any(|x| *x > 1 << 30) {
+        return Err("sizes above 1G are not supported".into());
+    }
+    v.sort();
+    v.dedup();
+    Ok(v)
+}
+
+/// Human size: 4096 -> "4K".
+pub fn fmt_size(s: usize) -> String {
+    if s >= 1 << 20 && s % (1 << 20) == 0 {
+        format!("{}M", s >> 20)
+    } else if s >= 1 << 10 && s % (1 << 10) == 0 {
+        format!("{}K", s >> 10)
+    } else {
+        s.to_string()
+    }
+}
+
+#[cfg(test)]
+mod t {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_sizes("8,64,4K").unwrap(), vec![8, 64, 4096]);
+        assert_eq!(parse_sizes("0:8").unwrap(), vec![0, 1, 2, 4, 8]);
+        assert_eq!(parse_sizes("1K:4K").unwrap(), vec![1024, 2048, 4096]);
+        assert_eq!(parse_sizes("3:8").unwrap(), vec![3, 4, 8]);
+        assert!(parse_sizes("8:1").is_err());
+        assert!(parse_sizes("x").is_err());
+        assert!(parse_sizes("").is_err());
+        assert!(parse_sizes("2G").is_err());
+        assert_eq!(fmt_size(4096), "4K");
+        assert_eq!(fmt_size(3 << 20), "3M");
+        assert_eq!(fmt_size(1000), "1000");
+    }
+
+    #[test]
+    fn tests_parse() {
+        assert_eq!(Test::parse("bw").unwrap(), Test::Bw);
+        let e = Test::parse("nope").unwrap_err();
+        assert!(e.contains("unknown test 'nope'") && e.contains("latency"));
+    }
+}

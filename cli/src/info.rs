@@ -11,7 +11,12 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
     // Validate WEFT_PROVIDER the way init() would: unknown names are an error.
     let chosen = candidates(&sel, &all, None).map_err(|e| e.to_string())?;
     let mut s = String::new();
-    writeln!(s, "{:<10} {:<8} {:<4} {:<9} summary", "provider", "version", "prio", "origin").unwrap();
+    writeln!(
+        s,
+        "{:<10} {:<8} {:<4} {:<9} summary",
+        "provider", "version", "prio", "origin"
+    )
+    .unwrap();
     for f in &all {
         writeln!(
             s,
@@ -56,7 +61,11 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                 )
                 .unwrap();
                 if c.atomics.is_empty() {
-                    writeln!(s, "  native atomics: none (all atomics use active messages)").unwrap();
+                    writeln!(
+                        s,
+                        "  native atomics: none (all atomics use active messages)"
+                    )
+                    .unwrap();
                 } else {
                     writeln!(s, "  native atomics (x = native, - = active-message path):").unwrap();
                     write!(s, "    {:<8}", "").unwrap();
@@ -96,7 +105,11 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
         writeln!(
             s,
             "WEFT_PROVIDER selects, in order: {}",
-            chosen.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+            chosen
+                .iter()
+                .map(|f| f.name())
+                .collect::<Vec<_>>()
+                .join(", ")
         )
         .unwrap();
     }
@@ -130,7 +143,11 @@ pub fn params_report() -> (String, bool) {
             s,
             "    {}; type {ty}, default {}",
             p.doc,
-            if p.default.is_empty() { "\"\"" } else { p.default }
+            if p.default.is_empty() {
+                "\"\""
+            } else {
+                p.default
+            }
         )
         .unwrap();
         if let Some(e) = bad {

@@ -147,7 +147,9 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
         }
         let who = rank.map_or("an unidentified rank".to_string(), |r| format!("rank {r}"));
         if n > MAX_LINE || !line.ends_with('\n') {
-            job.fail(format!("PMI line from {who} is longer than {MAX_LINE} bytes or cut short"));
+            job.fail(format!(
+                "PMI line from {who} is longer than {MAX_LINE} bytes or cut short"
+            ));
             return;
         }
         let req = match parse_line(&line) {
@@ -168,8 +170,13 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                             std::mem::replace(&mut st.claimed[r as usize], true)
                         };
                         if dup {
-                            let _ = reply(w, &[("cmd", "initack"), ("rc", "-1"), ("msg", "duplicate_rank")]);
-                            job.fail(format!("duplicate rank {r}: a second process claimed PMI id {r}"));
+                            let _ = reply(
+                                w,
+                                &[("cmd", "initack"), ("rc", "-1"), ("msg", "duplicate_rank")],
+                            );
+                            job.fail(format!(
+                                "duplicate rank {r}: a second process claimed PMI id {r}"
+                            ));
                             return;
                         }
                         rank = Some(r);
@@ -193,9 +200,25 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                 let r = rank.unwrap_or(0) as usize;
                 job.st.lock().unwrap_or_else(|e| e.into_inner()).initialized[r] = true;
                 if req.get("pmi_version") != Some("1") {
-                    reply(w, &[("cmd", "response_to_init"), ("rc", "-1"), ("pmi_version", "1"), ("pmi_subversion", "1")])
+                    reply(
+                        w,
+                        &[
+                            ("cmd", "response_to_init"),
+                            ("rc", "-1"),
+                            ("pmi_version", "1"),
+                            ("pmi_subversion", "1"),
+                        ],
+                    )
                 } else {
-                    reply(w, &[("cmd", "response_to_init"), ("rc", "0"), ("pmi_version", "1"), ("pmi_subversion", "1")])
+                    reply(
+                        w,
+                        &[
+                            ("cmd", "response_to_init"),
+                            ("rc", "0"),
+                            ("pmi_version", "1"),
+                            ("pmi_subversion", "1"),
+                        ],
+                    )
                 }
             }
             "get_maxes" => reply(
@@ -209,23 +232,47 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                 ],
             ),
             "get_appnum" => reply(w, &[("cmd", "appnum"), ("rc", "0"), ("appnum", "0")]),
-            "get_universe_size" => {
-                reply(w, &[("cmd", "universe_size"), ("rc", "0"), ("size", &job.n.to_string())])
-            }
-            "get_my_kvsname" => {
-                reply(w, &[("cmd", "my_kvsname"), ("rc", "0"), ("kvsname", &job.kvsname)])
-            }
+            "get_universe_size" => reply(
+                w,
+                &[
+                    ("cmd", "universe_size"),
+                    ("rc", "0"),
+                    ("size", &job.n.to_string()),
+                ],
+            ),
+            "get_my_kvsname" => reply(
+                w,
+                &[
+                    ("cmd", "my_kvsname"),
+                    ("rc", "0"),
+                    ("kvsname", &job.kvsname),
+                ],
+            ),
             "put" => {
                 let (k, v) = (req.get("key").unwrap_or(""), req.get("value").unwrap_or(""));
                 if k.is_empty() || k.len() >= KEY_MAX || v.len() >= VAL_MAX {
-                    reply(w, &[("cmd", "put_result"), ("rc", "-1"), ("msg", "key_or_value_too_long")])
+                    reply(
+                        w,
+                        &[
+                            ("cmd", "put_result"),
+                            ("rc", "-1"),
+                            ("msg", "key_or_value_too_long"),
+                        ],
+                    )
                 } else {
                     let dup = {
                         let mut st = job.st.lock().unwrap_or_else(|e| e.into_inner());
                         st.kvs.insert(k.to_string(), v.to_string()).is_some()
                     };
                     if dup {
-                        reply(w, &[("cmd", "put_result"), ("rc", "-1"), ("msg", "duplicate_key")])
+                        reply(
+                            w,
+                            &[
+                                ("cmd", "put_result"),
+                                ("rc", "-1"),
+                                ("msg", "duplicate_key"),
+                            ],
+                        )
                     } else {
                         reply(w, &[("cmd", "put_result"), ("rc", "0"), ("msg", "success")])
                     }
@@ -241,8 +288,23 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                     .get(k)
                     .cloned();
                 match v {
-                    Some(v) => reply(w, &[("cmd", "get_result"), ("rc", "0"), ("msg", "success"), ("value", &v)]),
-                    None => reply(w, &[("cmd", "get_result"), ("rc", "-1"), ("msg", "key_not_found")]),
+                    Some(v) => reply(
+                        w,
+                        &[
+                            ("cmd", "get_result"),
+                            ("rc", "0"),
+                            ("msg", "success"),
+                            ("value", &v),
+                        ],
+                    ),
+                    None => reply(
+                        w,
+                        &[
+                            ("cmd", "get_result"),
+                            ("rc", "-1"),
+                            ("msg", "key_not_found"),
+                        ],
+                    ),
                 }
             }
             "barrier_in" => {
@@ -260,7 +322,10 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                 }
                 if st.failed.is_some() && st.generation == gen {
                     drop(st);
-                    let _ = reply(w, &[("cmd", "barrier_out"), ("rc", "-1"), ("msg", "job_failed")]);
+                    let _ = reply(
+                        w,
+                        &[("cmd", "barrier_out"), ("rc", "-1"), ("msg", "job_failed")],
+                    );
                     return;
                 }
                 drop(st);
@@ -272,18 +337,28 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                 reply(w, &[("cmd", "finalize_ack"), ("rc", "0")])
             }
             "abort" => {
-                let code = req.get("exitcode").and_then(|v| v.parse().ok()).unwrap_or(1);
+                let code = req
+                    .get("exitcode")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1);
                 let msg = req
                     .get("error_msg")
                     .and_then(|m| weft::bootstrap::pmi::unescape(m).ok())
                     .unwrap_or_default();
                 job.st.lock().unwrap_or_else(|e| e.into_inner()).abort_code = Some(code);
-                job.fail(format!("rank {} called abort (exit code {code}) {msg}", rank.unwrap_or(0)));
+                job.fail(format!(
+                    "rank {} called abort (exit code {code}) {msg}",
+                    rank.unwrap_or(0)
+                ));
                 return;
             }
             other => reply(
                 w,
-                &[("cmd", &format!("{other}_result")), ("rc", "-1"), ("msg", "unknown_command")],
+                &[
+                    ("cmd", &format!("{other}_result")),
+                    ("rc", "-1"),
+                    ("msg", "unknown_command"),
+                ],
             ),
         };
         if ok.is_err() {
@@ -292,7 +367,13 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
     }
 }
 
-fn forward(mut src: impl Read, rank: u32, tag: bool, to_stderr: bool, sink: Option<Arc<Mutex<Vec<u8>>>>) {
+fn forward(
+    mut src: impl Read,
+    rank: u32,
+    tag: bool,
+    to_stderr: bool,
+    sink: Option<Arc<Mutex<Vec<u8>>>>,
+) {
     let mut rd = BufReader::new(&mut src);
     let mut buf = Vec::new();
     loop {
@@ -302,7 +383,9 @@ fn forward(mut src: impl Read, rank: u32, tag: bool, to_stderr: bool, sink: Opti
             Ok(_) => {}
         }
         if let Some(s) = &sink {
-            s.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(&buf);
+            s.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(&buf);
             continue;
         }
         let mut line = Vec::with_capacity(buf.len() + 8);
@@ -408,14 +491,19 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
     };
 
     let cpus = if spec.bind { allowed_cpus() } else { vec![] };
-    let captured: Vec<Arc<Mutex<Vec<u8>>>> = (0..n).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
+    let captured: Vec<Arc<Mutex<Vec<u8>>>> =
+        (0..n).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut io_threads = Vec::new();
     let mut spawn_error = None;
     for r in 0..n {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
-            .stdin(if r == 0 { Stdio::inherit() } else { Stdio::null() })
+            .stdin(if r == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env("PMI_RANK", r.to_string())
@@ -430,7 +518,8 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
         let mut child_sock: Option<UnixStream> = None;
         let mut parent_sock: Option<UnixStream> = None;
         if let Some(addr) = listener {
-            cmd.env("PMI_PORT", addr.to_string()).env("PMI_ID", r.to_string());
+            cmd.env("PMI_PORT", addr.to_string())
+                .env("PMI_ID", r.to_string());
             cmd.env_remove("PMI_FD");
         } else {
             let (a, b) = UnixStream::pair()?;
@@ -549,7 +638,11 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
                     if !spec.quiet {
                         eprintln!(
                             "weft run: {w}{}",
-                            if alive > 0 { "; ending the other ranks" } else { "" }
+                            if alive > 0 {
+                                "; ending the other ranks"
+                            } else {
+                                ""
+                            }
                         );
                     }
                     failure = Some(w.clone());

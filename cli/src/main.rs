@@ -16,7 +16,11 @@ mod info;
 mod launch;
 
 #[derive(Parser)]
-#[command(name = "weft", version, about = "MPI-style messaging over pluggable fabric providers")]
+#[command(
+    name = "weft",
+    version,
+    about = "MPI-style messaging over pluggable fabric providers"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -165,7 +169,11 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
             ));
         }
     }
-    let sizes = a.sizes.as_deref().map(bench::tests::parse_sizes).transpose()?;
+    let sizes = a
+        .sizes
+        .as_deref()
+        .map(bench::tests::parse_sizes)
+        .transpose()?;
     if a.reps == 0 || a.window == 0 || a.iters == Some(0) {
         return Err("--reps, --window and --iters must be at least 1".into());
     }
@@ -245,13 +253,19 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
         }
     }
     if columns.is_empty() {
-        return Err("nothing to compare: no provider can run here and no baseline is installed".into());
+        return Err(
+            "nothing to compare: no provider can run here and no baseline is installed".into(),
+        );
     }
     if let Some(r) = &a.ratio {
         if !columns.iter().any(|c| &c.label == r) {
             return Err(format!(
                 "--ratio {r}: no such column (columns: {})",
-                columns.iter().map(|c| c.label.as_str()).collect::<Vec<_>>().join(", ")
+                columns
+                    .iter()
+                    .map(|c| c.label.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
     }
@@ -279,7 +293,10 @@ fn bench_main(a: &BenchArgs) -> ExitCode {
         }
     };
     let (report, notes) = bench::execute(&plan);
-    print!("{}", bench::render_tables(&plan, &report, a.ratio.as_deref()));
+    print!(
+        "{}",
+        bench::render_tables(&plan, &report, a.ratio.as_deref())
+    );
     for n in &notes {
         println!("note: {n}");
     }
@@ -344,7 +361,10 @@ fn main() -> ExitCode {
                     window,
                 })
             });
-            match args.map_err(weft::Error::invalid).and_then(|a| bench::rank::run(&a)) {
+            match args
+                .map_err(weft::Error::invalid)
+                .and_then(|a| bench::rank::run(&a))
+            {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("weft bench-rank: {e}");

@@ -33,15 +33,28 @@ fn ring_over_every_process_provider() {
             );
         }
     }
-    assert!(shm_leftovers().is_empty(), "left in /dev/shm: {:?}", shm_leftovers());
+    assert!(
+        shm_leftovers().is_empty(),
+        "left in /dev/shm: {:?}",
+        shm_leftovers()
+    );
 }
 
 #[test]
 fn ring_alone_is_a_world_of_one() {
     let ring = example("weft", "ring");
-    let o = run_bounded(Command::new(&ring).env_remove("PMI_FD").env_remove("PMI_PORT"), 60);
+    let o = run_bounded(
+        Command::new(&ring)
+            .env_remove("PMI_FD")
+            .env_remove("PMI_PORT"),
+        60,
+    );
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("ring: ok over 1 ranks"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("ring: ok over 1 ranks"),
+        "{}",
+        stdout(&o)
+    );
 }
 
 #[test]
@@ -51,7 +64,10 @@ fn tag_output_prefixes_ranks() {
     assert!(o.status.success());
     let out = stdout(&o);
     for r in 0..3 {
-        assert!(out.contains(&format!("[{r}] ring: rank {r} on host 0 ok=true")), "{out}");
+        assert!(
+            out.contains(&format!("[{r}] ring: rank {r} on host 0 ok=true")),
+            "{out}"
+        );
     }
     assert!(out.lines().all(|l| l.starts_with('[')), "{out}");
 }
@@ -59,8 +75,11 @@ fn tag_output_prefixes_ranks() {
 #[test]
 fn env_reaches_ranks_and_exit_status_is_worst() {
     let o = run_bounded(
-        weft_run(&["-n", "3", "--env", "CODE=5", "--"])
-            .args(["bash", "-c", "[ $PMI_RANK = 1 ] && exit $CODE; exit 0"]),
+        weft_run(&["-n", "3", "--env", "CODE=5", "--"]).args([
+            "bash",
+            "-c",
+            "[ $PMI_RANK = 1 ] && exit $CODE; exit 0",
+        ]),
         60,
     );
     assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
@@ -80,11 +99,19 @@ fn killed_rank_ends_the_job_with_no_survivors() {
             60,
         );
         assert_eq!(o.status.code(), Some(137), "{p}: {}", stderr(&o));
-        assert!(stderr(&o).contains("rank 2 was killed by signal 9"), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("rank 2 was killed by signal 9"),
+            "{}",
+            stderr(&o)
+        );
         assert!(t0.elapsed().as_secs() < 20);
         assert_eq!(survivors(&mark), Vec::<u32>::new(), "{p}: ranks survived");
     }
-    assert!(shm_leftovers().is_empty(), "left in /dev/shm: {:?}", shm_leftovers());
+    assert!(
+        shm_leftovers().is_empty(),
+        "left in /dev/shm: {:?}",
+        shm_leftovers()
+    );
 }
 
 #[test]
@@ -99,7 +126,11 @@ fn exit_without_finalize_fails_the_job() {
         60,
     );
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("rank 1 exited without finalizing"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("rank 1 exited without finalizing"),
+        "{}",
+        stderr(&o)
+    );
     assert!(survivors(&mark).is_empty());
 }
 
@@ -140,7 +171,11 @@ fn malformed_pmi_line_fails_the_job() {
         60,
     );
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("malformed PMI request from rank"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("malformed PMI request from rank"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -150,7 +185,9 @@ fn duplicate_rank_is_refused() {
         weft_run(&["-n", "2", "--pmi-port", "--"]).args([
             "bash".as_ref(),
             "-c".as_ref(),
-            format!("PMI_ID=0 exec {}", ring.display()).as_str().as_ref() as &std::ffi::OsStr,
+            format!("PMI_ID=0 exec {}", ring.display())
+                .as_str()
+                .as_ref() as &std::ffi::OsStr,
         ]),
         60,
     );
@@ -160,15 +197,25 @@ fn duplicate_rank_is_refused() {
 
 #[test]
 fn unknown_provider_is_a_usage_error() {
-    let o = run_bounded(&mut weft_run(&["-n", "2", "--provider", "nope", "--", "true"]), 30);
+    let o = run_bounded(
+        &mut weft_run(&["-n", "2", "--provider", "nope", "--", "true"]),
+        30,
+    );
     assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
-    assert!(e.contains("unknown provider 'nope'") && e.contains("shm"), "{e}");
+    assert!(
+        e.contains("unknown provider 'nope'") && e.contains("shm"),
+        "{e}"
+    );
 }
 
 #[test]
 fn missing_program_is_an_error() {
     let o = run_bounded(&mut weft_run(&["-n", "2", "--", "/nonexistent/prog"]), 30);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("cannot start /nonexistent/prog"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot start /nonexistent/prog"),
+        "{}",
+        stderr(&o)
+    );
 }

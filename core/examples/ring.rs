@@ -20,7 +20,11 @@ const SIZES: &[usize] = &[0, 1, 8, 100, 4096, 65_543, 1 << 20];
 
 fn payload(size: usize, lap: usize) -> Vec<u8> {
     (0..size)
-        .map(|i| (i as u64).wrapping_mul(2654435761).wrapping_add(lap as u64 * 7 + size as u64) as u8)
+        .map(|i| {
+            (i as u64)
+                .wrapping_mul(2654435761)
+                .wrapping_add(lap as u64 * 7 + size as u64) as u8
+        })
         .collect()
 }
 
@@ -28,9 +32,18 @@ fn run() -> weft::Result<u64> {
     let world = weft::init()?;
     let (r, n) = (world.rank(), world.size());
     let nodes = world.node_map();
-    let laps: usize = std::env::var("RING_LAPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
-    let kill: Option<u32> = std::env::var("RING_KILL_RANK").ok().and_then(|v| v.parse().ok());
-    if std::env::var("RING_NO_FINALIZE").ok().and_then(|v| v.parse::<u32>().ok()) == Some(r) {
+    let laps: usize = std::env::var("RING_LAPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let kill: Option<u32> = std::env::var("RING_KILL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    if std::env::var("RING_NO_FINALIZE")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        == Some(r)
+    {
         std::process::exit(0);
     }
     let (left, right) = ((r + n - 1) % n, (r + 1) % n);
@@ -53,7 +66,11 @@ fn run() -> weft::Result<u64> {
                 world.send(&buf, right, tag)?;
             }
             if buf != expect {
-                let at = buf.iter().zip(&expect).position(|(a, b)| a != b).unwrap_or(0);
+                let at = buf
+                    .iter()
+                    .zip(&expect)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 eprintln!("ring: rank {r}: {size}-byte payload of lap {lap} differs at byte {at}");
                 errors += 1;
             }
@@ -71,7 +88,11 @@ fn run() -> weft::Result<u64> {
             SIZES.len()
         );
     }
-    println!("ring: rank {r} on host {} ok={}", nodes.my_host, errors == 0);
+    println!(
+        "ring: rank {r} on host {} ok={}",
+        nodes.my_host,
+        errors == 0
+    );
     world.finalize()?;
     Ok(total[0])
 }

@@ -5,7 +5,7 @@ use crate::comm::{Comm, Source, TagSel};
 use crate::engine::{Layout, RecvBuf, SendBuf};
 use crate::provider::Provider;
 use crate::types::{apply_op, Element, Op};
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use bytemuck::Pod;
 
 const T_BARRIER: i32 = 1;
@@ -66,10 +66,10 @@ impl<P: Provider> Comm<P> {
     pub fn bcast<T: Pod>(&self, buf: &mut [T], root: u32) -> Result<()> {
         let n = self.size();
         if root >= n {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(ErrorDetail::InvalidRank {
                 rank: root as i64,
                 size: n,
-            });
+            }));
         }
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
         let vr = (self.rank() + n - root) % n;

@@ -14,7 +14,7 @@ use crate::datatype::Datatype;
 use crate::engine::{Engine, EngineConfig, Layout, Posted, RecvBuf, ReqId, SendBuf};
 use crate::provider::{DynProvider, Provider};
 use crate::types::Rank;
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use bytemuck::Pod;
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
@@ -151,13 +151,13 @@ impl<P: Provider> World<P> {
     pub fn from_parts(p: P, boot: Box<dyn Bootstrap>, cfg: EngineConfig) -> Result<Self> {
         let name = p.name().to_string();
         if p.size() != boot.size() || p.rank() != boot.rank() {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "provider '{name}' sees rank {}/{} but the bootstrap says {}/{}",
                 p.rank(),
                 p.size(),
                 boot.rank(),
                 boot.size()
-            )));
+            ))));
         }
         let rank = p.rank();
         let size = p.size();
@@ -214,12 +214,26 @@ impl<P: Provider> Drop for World<P> {
     }
 }
 
+/// Translate a result's world source rank into the communicator's rank.
+fn localize(group: &Option<Rc<Group>>, r: Result<Status>) -> Result<Status> {
+    match r {
+        Ok(s) => Ok(Comm::<DynProvider>::local_status(group, s)),
+        Err(e) => match e.truncated() {
+            Some((status, capacity)) => Err(Error::from(ErrorDetail::Truncated {
+                status: Comm::<DynProvider>::local_status(group, status),
+                capacity,
+            })),
+            None => Err(e),
+        },
+    }
+}
+
 fn check_tag(tag: i32) -> Result<i32> {
     if tag < 0 {
-        return Err(Error::InvalidTag {
+        return Err(Error::from(ErrorDetail::InvalidTag {
             tag: tag as i64,
             max: TAG_UB,
-        });
+        }));
     }
     Ok(tag)
 }
@@ -290,10 +304,10 @@ impl<P: Provider> Comm<P> {
     /// World rank of communicator rank `r`.
     pub fn world_rank(&self, r: u32) -> Result<Rank> {
         if r >= self.size {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(ErrorDetail::InvalidRank {
                 rank: r as i64,
                 size: self.size,
-            });
+            }));
         }
         Ok(match &self.group {
             None => r,
@@ -318,29 +332,44 @@ impl<P: Provider> Comm<P> {
     /// Translate a status's world source into this communicator's rank.
     pub(crate) fn local_status(group: &Option<Rc<Group>>, mut st: Status) -> Status {
         if let (Some(g), false) = (group, st.cancelled) {
-            st.source = g.comm_of.get(st.source as usize).copied().unwrap_or(u32::MAX);
+            st.source = g
+                .comm_of
+                .get(st.source as usize)
+                .copied()
+                .unwrap_or(u32::MAX);
         }
         st
     }
 
     fn finish(&self, r: Result<Status>) -> Result<Status> {
-        match r {
-            Ok(s) => Ok(Self::local_status(&self.group, s)),
-            Err(Error::Truncated { status, capacity }) => Err(Error::Truncated {
-                status: Self::local_status(&self.group, status),
-                capacity,
-            }),
-            Err(e) => Err(e),
-        }
+        localize(&self.group, r)
     }
 
-    fn post_send(&self, buf: SendBuf, dest: u32, tag: i32, sync: bool, ctx: u32, scope: u64) -> Result<Posted> {
+    fn post_send(
+        &self,
+        buf: SendBuf,
+        dest: u32,
+        tag: i32,
+        sync: bool,
+        ctx: u32,
+        scope: u64,
+    ) -> Result<Posted> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        self.sh.engine.borrow_mut().isend(w, ctx, tag, buf, sync, scope)
+        self.sh
+            .engine
+            .borrow_mut()
+            .isend(w, ctx, tag, buf, sync, scope)
     }
 
-    fn post_recv(&self, buf: RecvBuf, src: Source, tag: TagSel, ctx: u32, scope: u64) -> Result<Posted> {
+    fn post_recv(
+        &self,
+        buf: RecvBuf,
+        src: Source,
+        tag: TagSel,
+        ctx: u32,
+        scope: u64,
+    ) -> Result<Posted> {
         let s = self.source(src)?;
         let t = Self::tag_sel(tag)?;
         self.sh.engine.borrow_mut().irecv(s, ctx, t, buf, scope)
@@ -368,7 +397,7 @@ impl<P: Provider> Comm<P> {
         self.complete(p).map(|_| ())
     }
 
-    /// Blocking receive (MPI_Recv). A message longer than `buf` is a [`Error::Truncated`]
+    /// Blocking receive (MPI_Recv). A message longer than `buf` is a [`Error::from(ErrorDetail::Truncated)`]
     /// error; nothing is written past `buf`.
     pub fn recv<T: Pod>(
         &self,
@@ -381,7 +410,14 @@ impl<P: Provider> Comm<P> {
     }
 
     /// Send `count` instances of `dt` from `buf` (offsets relative to `buf`'s start).
-    pub fn send_typed(&self, buf: &[u8], count: usize, dt: &Datatype, dest: u32, tag: i32) -> Result<()> {
+    pub fn send_typed(
+        &self,
+        buf: &[u8],
+        count: usize,
+        dt: &Datatype,
+        dest: u32,
+        tag: i32,
+    ) -> Result<()> {
         let p = self.post_send(typed_send(buf, count, dt)?, dest, tag, false, self.ctx, 0)?;
         self.complete(p).map(|_| ())
     }
@@ -410,7 +446,15 @@ impl<P: Provider> Comm<P> {
         src: impl Into<Source>,
         rtag: impl Into<TagSel>,
     ) -> Result<Status> {
-        self.sendrecv_ctx(bytes_of(sbuf), dest, stag, bytes_of_mut(rbuf), src.into(), rtag.into(), self.ctx)
+        self.sendrecv_ctx(
+            bytes_of(sbuf),
+            dest,
+            stag,
+            bytes_of_mut(rbuf),
+            src.into(),
+            rtag.into(),
+            self.ctx,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -475,7 +519,10 @@ impl<P: Provider> Comm<P> {
         if let Some(e) = err {
             return Err(e);
         }
-        Ok(Self::local_status(&self.group, found.expect("set when done")))
+        Ok(Self::local_status(
+            &self.group,
+            found.expect("set when done"),
+        ))
     }
 
     /// Is a matching message waiting? (MPI_Iprobe)
@@ -582,7 +629,14 @@ impl<P: Provider> Comm<P> {
         tag: i32,
     ) -> Result<Request<'s, P>> {
         self.check_scope(s)?;
-        let p = self.post_send(typed_send(buf, count, dt)?, dest, tag, false, self.ctx, s.id)?;
+        let p = self.post_send(
+            typed_send(buf, count, dt)?,
+            dest,
+            tag,
+            false,
+            self.ctx,
+            s.id,
+        )?;
         Ok(self.request(s, p, false))
     }
 
@@ -611,7 +665,9 @@ impl<P: Provider> Comm<P> {
         self.allreduce(&mine, &mut agreed, crate::Op::Max)?;
         let ctx = agreed[0];
         if ctx > u32::MAX - 4 {
-            return Err(Error::Unsupported("out of communicator context ids".into()));
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "out of communicator context ids".into(),
+            )));
         }
         self.sh.next_ctx.set(ctx + 2);
         Ok(ctx)
@@ -712,14 +768,7 @@ pub struct Request<'s, P: Provider> {
 
 impl<P: Provider> Request<'_, P> {
     fn localize(&self, r: Result<Status>) -> Result<Status> {
-        match r {
-            Ok(s) => Ok(Comm::<P>::local_status(&self.group, s)),
-            Err(Error::Truncated { status, capacity }) => Err(Error::Truncated {
-                status: Comm::<P>::local_status(&self.group, status),
-                capacity,
-            }),
-            Err(e) => Err(e),
-        }
+        localize(&self.group, r)
     }
 
     /// Block until the operation completes (MPI_Wait).
@@ -806,37 +855,41 @@ pub fn waitall<'s, P: Provider>(
 
 /// Wait for any one request (MPI_Waitany): returns its index and status and empties its slot;
 /// `Ok(None)` when every slot is empty.
-pub fn waitany<P: Provider>(reqs: &mut [Option<Request<'_, P>>]) -> Result<Option<(usize, Status)>> {
+pub fn waitany<P: Provider>(
+    reqs: &mut [Option<Request<'_, P>>],
+) -> Result<Option<(usize, Status)>> {
     let Some(sh) = reqs.iter().flatten().next().map(|r| r.sh.clone()) else {
         return Ok(None);
     };
     let mut found = None;
     let mut err = None;
-    sh.engine.borrow_mut().wait_until("any of several requests", |e| {
-        for (i, slot) in reqs.iter_mut().enumerate() {
-            let Some(r) = slot else { continue };
-            let done = match &r.state {
-                ReqState::Pending(id) => e.is_done(*id),
-                ReqState::Done(_) => true,
-            };
-            if done {
-                let res = match std::mem::replace(&mut r.state, ReqState::Done(None)) {
-                    ReqState::Pending(id) => e.try_take(id).unwrap_or_else(|| {
-                        Err(Error::invalid("request vanished"))
-                    }),
-                    ReqState::Done(Some(x)) => x,
-                    ReqState::Done(None) => Err(Error::invalid("request already completed")),
+    sh.engine
+        .borrow_mut()
+        .wait_until("any of several requests", |e| {
+            for (i, slot) in reqs.iter_mut().enumerate() {
+                let Some(r) = slot else { continue };
+                let done = match &r.state {
+                    ReqState::Pending(id) => e.is_done(*id),
+                    ReqState::Done(_) => true,
                 };
-                match r.localize(res) {
-                    Ok(s) => found = Some((i, s)),
-                    Err(x) => err = Some(x),
+                if done {
+                    let res = match std::mem::replace(&mut r.state, ReqState::Done(None)) {
+                        ReqState::Pending(id) => e
+                            .try_take(id)
+                            .unwrap_or_else(|| Err(Error::invalid("request vanished"))),
+                        ReqState::Done(Some(x)) => x,
+                        ReqState::Done(None) => Err(Error::invalid("request already completed")),
+                    };
+                    match r.localize(res) {
+                        Ok(s) => found = Some((i, s)),
+                        Err(x) => err = Some(x),
+                    }
+                    *slot = None;
+                    return true;
                 }
-                *slot = None;
-                return true;
             }
-        }
-        false
-    })?;
+            false
+        })?;
     if let Some(e) = err {
         return Err(e);
     }

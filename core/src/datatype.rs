@@ -139,7 +139,12 @@ impl Datatype {
     }
 
     /// Like [`Self::vector`] with the stride in bytes.
-    pub fn hvector(count: usize, blocklen: usize, stride_bytes: isize, t: &Datatype) -> Result<Self> {
+    pub fn hvector(
+        count: usize,
+        blocklen: usize,
+        stride_bytes: isize,
+        t: &Datatype,
+    ) -> Result<Self> {
         let blocks = (0..count)
             .map(|i| {
                 (i as isize)
@@ -324,7 +329,9 @@ impl Datatype {
             .map(|s| s.off + s.len as isize)
             .max()
             .unwrap_or(0);
-        let last = (count as isize - 1).checked_mul(self.extent()).ok_or_else(ovf)?;
+        let last = (count as isize - 1)
+            .checked_mul(self.extent())
+            .ok_or_else(ovf)?;
         Ok((lo + last.min(0), hi + last.max(0)))
     }
 
@@ -561,14 +568,20 @@ mod tests {
         let s = Datatype::structure(
             &[1, 2],
             &[0, 8],
-            &[Datatype::basic(BasicType::U8), Datatype::basic(BasicType::F64)],
+            &[
+                Datatype::basic(BasicType::U8),
+                Datatype::basic(BasicType::F64),
+            ],
         )
         .unwrap();
         assert_eq!(s.size(), 17);
         assert_eq!(s.extent(), 24);
         assert_eq!(s.basic_type(), None);
         let r = Datatype::resized(&s, 0, 32).unwrap().commit();
-        assert_eq!(r.iovecs(2).unwrap(), vec![(0, 1), (8, 16), (32, 1), (40, 16)]);
+        assert_eq!(
+            r.iovecs(2).unwrap(),
+            vec![(0, 1), (8, 16), (32, 1), (40, 16)]
+        );
     }
 
     #[test]
@@ -584,7 +597,9 @@ mod tests {
 
     #[test]
     fn range_in_middle() {
-        let v = Datatype::vector(2, 3, 5, &Datatype::bytes()).unwrap().commit();
+        let v = Datatype::vector(2, 3, 5, &Datatype::bytes())
+            .unwrap()
+            .commit();
         // instance: bytes 0..3 and 5..8; extent 8
         let mut got = vec![];
         v.for_range(2, 2, 6, |o, l| got.push((o, l))).unwrap();
@@ -634,19 +649,23 @@ mod tests {
                 (0usize..4, inner.clone()).prop_map(|(c, t)| Datatype::contiguous(c, &t).unwrap()),
                 (0usize..4, 0usize..3, 0isize..5, inner.clone())
                     .prop_map(|(c, b, s, t)| Datatype::vector(c, b, s, &t).unwrap()),
-                (proptest::collection::vec((0usize..3, 0isize..6), 0..4), inner.clone()).prop_map(
-                    |(bl, t)| {
+                (
+                    proptest::collection::vec((0usize..3, 0isize..6), 0..4),
+                    inner.clone()
+                )
+                    .prop_map(|(bl, t)| {
                         let (l, d): (Vec<_>, Vec<_>) = bl.into_iter().unzip();
                         Datatype::indexed(&l, &d, &t).unwrap()
-                    }
-                ),
-                (proptest::collection::vec((0usize..3, 0isize..40), 1..3), inner.clone()).prop_map(
-                    |(bl, t)| {
+                    }),
+                (
+                    proptest::collection::vec((0usize..3, 0isize..40), 1..3),
+                    inner.clone()
+                )
+                    .prop_map(|(bl, t)| {
                         let n = bl.len();
                         let (l, d): (Vec<_>, Vec<_>) = bl.into_iter().unzip();
                         Datatype::structure(&l, &d, &vec![t; n]).unwrap()
-                    }
-                ),
+                    }),
                 (inner, 0isize..64).prop_map(|(t, e)| Datatype::resized(&t, 0, e).unwrap()),
             ]
         })

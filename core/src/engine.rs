@@ -17,11 +17,11 @@
 use crate::datatype::Datatype;
 use crate::matching::{Matcher, PostedHandle};
 use crate::provider::{
-    Access, Caps, Completed, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome,
-    Sink, Token,
+    Access, Caps, Completed, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink,
+    Token,
 };
 use crate::types::Rank;
-use crate::{Error, Result, Status};
+use crate::{Error, ErrorDetail, Result, Status};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -173,7 +173,9 @@ impl RecvBuf {
             Layout::Contig => {
                 // SAFETY: off+len <= cap = the borrowed buffer's length; the request holds the
                 // unique borrow, and `data` (provider or unexpected memory) cannot overlap it.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(off), data.len()) }
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(off), data.len())
+                }
             }
             Layout::Typed(dt, count) => {
                 let mut at = 0;
@@ -190,7 +192,10 @@ impl RecvBuf {
 
     fn pieces(&self, len: usize, out: &mut SmallVec<[RawIovMut; 8]>) {
         match &self.layout {
-            Layout::Contig => out.push(RawIovMut { ptr: self.base, len }),
+            Layout::Contig => out.push(RawIovMut {
+                ptr: self.base,
+                len,
+            }),
             Layout::Typed(dt, count) => {
                 let _ = dt.for_range(*count, 0, len, |o, l| {
                     out.push(RawIovMut {
@@ -226,7 +231,8 @@ struct SendReq {
     buf: SendBuf,
     sync: bool,
     phase: SendPhase,
-    mr: Option<MemRegion>,
+    /// Registration of the send buffer for a receiver-side RMA read (rare: boxed).
+    mr: Option<Box<MemRegion>>,
 }
 
 #[derive(Debug)]
@@ -262,7 +268,10 @@ enum Kind {
     Send(SendReq),
     Recv(RecvReq),
     /// A send handed to the provider's native tagged messaging (`tmp` holds packed data).
-    NSend { dest: Rank, _tmp: Option<Vec<u8>> },
+    NSend {
+        dest: Rank,
+        _tmp: Option<Vec<u8>>,
+    },
     /// A receive handed to the provider (`tmp` receives packed data to unpack at the end).
     NRecv {
         src: Option<Rank>,
@@ -348,7 +357,10 @@ impl Slab {
 
 /// What an unexpected message carries.
 enum Unexp {
-    Eager { data: Vec<u8>, sreq: Option<u64> },
+    Eager {
+        data: Vec<u8>,
+        sreq: Option<u64>,
+    },
     Rts {
         total: usize,
         sreq: u64,
@@ -406,11 +418,11 @@ impl EngineConfig {
         let e = EAGER_LIMIT.get_size()?;
         let t = TIMEOUT.get_f64()?;
         if !(t >= 0.0 && t.is_finite()) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: TIMEOUT.env_name(),
                 value: TIMEOUT.raw(),
                 expected: "a non-negative number of seconds".into(),
-            });
+            }));
         }
         Ok(EngineConfig {
             eager_limit: (e > 0).then_some(e),
@@ -461,10 +473,10 @@ fn status(source: Rank, tag: i32, bytes: usize) -> Status {
 
 fn recv_result(st: Status, cap: usize) -> Result<Status> {
     if st.bytes > cap {
-        Err(Error::Truncated {
+        Err(Error::from(ErrorDetail::Truncated {
             status: st,
             capacity: cap,
-        })
+        }))
     } else {
         Ok(st)
     }
@@ -474,17 +486,17 @@ impl<P: Provider> Engine<P> {
     pub(crate) fn new(p: P, cfg: EngineConfig) -> Result<Self> {
         let caps = p.caps().clone();
         if caps.max_am_header < MIN_AM_HEADER {
-            return Err(Error::Unsupported(format!(
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
                 "provider '{}' offers {}-byte active-message headers; weft needs {MIN_AM_HEADER}",
                 p.name(),
                 caps.max_am_header
-            )));
+            ))));
         }
         if caps.max_am_payload == 0 || caps.max_iov == 0 {
-            return Err(Error::Unsupported(format!(
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
                 "provider '{}' declares no active-message payload",
                 p.name()
-            )));
+            ))));
         }
         let size = p.size();
         let eager_limit = cfg
@@ -517,10 +529,10 @@ impl<P: Provider> Engine<P> {
 
     fn check_peer(&self, r: Rank) -> Result<()> {
         if r >= self.st.size {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(ErrorDetail::InvalidRank {
                 rank: r as i64,
                 size: self.st.size,
-            });
+            }));
         }
         if let Some(why) = &self.st.failed[r as usize] {
             return Err(Error::peer_failed(r, why.clone()));
@@ -577,11 +589,15 @@ impl<P: Provider> Engine<P> {
         if self.st.rma_read && matches!(buf.layout, Layout::Contig) {
             // SAFETY: the send request borrows `buf` until it completes, and completion waits
             // for FIN, sent only after the peer's read finished; we deregister before completing.
-            match unsafe { self.p.mr_register(buf.base as *mut u8, buf.len, Access::READ) } {
-                Ok(m) => mr = Some(m),
+            match unsafe {
+                self.p
+                    .mr_register(buf.base as *mut u8, buf.len, Access::READ)
+            } {
+                Ok(m) => mr = Some(Box::new(m)),
                 Err(e) => tracing::debug!("registration failed, streaming instead: {e}"),
             }
         }
+        let remote = mr.as_ref().map(|m| (m.addr, m.key));
         let id = self.st.reqs.insert(Req {
             scope,
             done: None,
@@ -600,13 +616,13 @@ impl<P: Provider> Engine<P> {
             }),
         });
         let mut h = Hdr::new(H_RTS);
-        h.u8(if mr.is_some() { F_REMOTE } else { 0 })
+        h.u8(if remote.is_some() { F_REMOTE } else { 0 })
             .u32(ctx)
             .u32(tag as u32)
             .u64(buf.len as u64)
             .u64(id);
-        if let Some(m) = mr {
-            h.u64(m.addr).u64(m.key);
+        if let Some((addr, key)) = remote {
+            h.u64(addr).u64(key);
         }
         self.st.push_out(dest, Out::Ctrl(h));
         self.flush_out()?;
@@ -617,7 +633,14 @@ impl<P: Provider> Engine<P> {
     fn send_eager_now(&mut self, dest: Rank, h: &Hdr, buf: &SendBuf) -> Result<SendOutcome> {
         let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
         buf.pieces(0, buf.len, &mut pieces);
-        send_pieces(&mut self.p, &mut self.st.scratch, dest, h.bytes(), &pieces)
+        send_pieces(
+            &mut self.p,
+            self.st.caps.max_iov,
+            &mut self.st.scratch,
+            dest,
+            h.bytes(),
+            &pieces,
+        )
     }
 
     fn native_send(
@@ -831,16 +854,13 @@ impl<P: Provider> Engine<P> {
                     Out::Owned(h, _) => {
                         let h = *h;
                         // The payload is ours; move it out while sending to satisfy borrows.
-                        let data = std::mem::take(
-                            match self.st.outq[dest as usize].front_mut() {
-                                Some(Out::Owned(_, d)) => d,
-                                _ => unreachable!(),
-                            },
-                        );
+                        let data = std::mem::take(match self.st.outq[dest as usize].front_mut() {
+                            Some(Out::Owned(_, d)) => d,
+                            _ => unreachable!(),
+                        });
                         let r = self.p.am_send(dest, h.bytes(), &[IoSlice::new(&data)])?;
                         if r == SendOutcome::Busy {
-                            if let Some(Out::Owned(_, d)) =
-                                self.st.outq[dest as usize].front_mut()
+                            if let Some(Out::Owned(_, d)) = self.st.outq[dest as usize].front_mut()
                             {
                                 *d = data;
                             }
@@ -862,7 +882,8 @@ impl<P: Provider> Engine<P> {
                                 if r.sync {
                                     h.u64(id);
                                 }
-                                let (buf, sync, rdest, tag) = (r.buf.clone(), r.sync, r.dest, r.tag);
+                                let (buf, sync, rdest, tag) =
+                                    (r.buf.clone(), r.sync, r.dest, r.tag);
                                 let o = self.send_eager_now(rdest, &h, &buf)?;
                                 if o == SendOutcome::Sent {
                                     if sync {
@@ -925,7 +946,15 @@ impl<P: Provider> Engine<P> {
                 h.u64(rreq).u64(off as u64);
                 let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
                 buf.pieces(off, n, &mut pieces);
-                match send_pieces(&mut self.p, &mut self.st.scratch, dest, h.bytes(), &pieces)? {
+                let max_iov = self.st.caps.max_iov;
+                match send_pieces(
+                    &mut self.p,
+                    max_iov,
+                    &mut self.st.scratch,
+                    dest,
+                    h.bytes(),
+                    &pieces,
+                )? {
                     SendOutcome::Sent => {
                         off += n;
                         sent += 1;
@@ -1048,10 +1077,10 @@ impl<P: Provider> Engine<P> {
             if rounds % 256 == 0 {
                 if let Some((t0, limit)) = start {
                     if t0.elapsed() > limit {
-                        return Err(Error::Timeout {
+                        return Err(Error::from(ErrorDetail::Timeout {
                             what: what.to_string(),
                             secs: limit.as_secs_f64(),
-                        });
+                        }));
                     }
                 }
             }
@@ -1177,12 +1206,12 @@ fn gather(buf: &SendBuf, out: &mut [u8]) {
 /// iovec limit.
 fn send_pieces<P: Provider>(
     p: &mut P,
+    max_iov: usize,
     scratch: &mut Vec<u8>,
     dest: Rank,
     hdr: &[u8],
     pieces: &[RawIov],
 ) -> Result<SendOutcome> {
-    let max_iov = p.caps().max_iov;
     if pieces.len() <= max_iov && pieces.len() <= 8 {
         let mut iov: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
         for pc in pieces {
@@ -1409,7 +1438,7 @@ impl State {
         }
         let tag = s.tag;
         if let Some(m) = s.mr.take() {
-            self.deregs.push(m);
+            self.deregs.push(*m);
         }
         if len == 0 {
             self.finish(sreq, Ok(status(src, tag, 0)));
@@ -1473,7 +1502,7 @@ impl State {
             return Some(());
         }
         if let Some(m) = s.mr.take() {
-            self.deregs.push(m);
+            self.deregs.push(*m);
         }
         let (tag, len) = (s.tag, s.buf.len);
         self.finish(sreq, Ok(status(src, tag, len)));
@@ -1520,13 +1549,9 @@ impl State {
                     RecvPhase::Posted(_) => {
                         r.src == Some(rank) || (r.src.is_none() && all_others_gone)
                     }
-                    RecvPhase::Stream { src, .. } | RecvPhase::Reading { src, .. } => {
-                        *src == rank
-                    }
+                    RecvPhase::Stream { src, .. } | RecvPhase::Reading { src, .. } => *src == rank,
                 },
-                Kind::NRecv { src, .. } => {
-                    *src == Some(rank) || (src.is_none() && all_others_gone)
-                }
+                Kind::NRecv { src, .. } => *src == Some(rank) || (src.is_none() && all_others_gone),
                 Kind::Rma => false,
             };
             if hit {
@@ -1544,7 +1569,7 @@ impl State {
                 }) = self.reqs.get_mut(id)
                 {
                     if let Some(m) = s.mr.take() {
-                        self.deregs.push(m);
+                        self.deregs.push(*m);
                     }
                 }
                 self.finish(id, Err(err()));

@@ -40,10 +40,10 @@ pub enum ErrorKind {
     Cancelled,
 }
 
-/// weft's error type.
+/// What went wrong, in detail. Reach it through [`Error::detail`].
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum ErrorDetail {
     #[error("invalid rank {rank}: the communicator has {size} ranks")]
     InvalidRank { rank: i64, size: u32 },
     #[error("invalid tag {tag}: tags are 0..={max}")]
@@ -56,7 +56,10 @@ pub enum Error {
     )]
     Truncated { status: Status, capacity: usize },
     #[error("unknown provider '{requested}'; available: {available}")]
-    UnknownProvider { requested: String, available: String },
+    UnknownProvider {
+        requested: String,
+        available: String,
+    },
     #[error("no usable provider for WEFT_PROVIDER='{requested}'; {details}")]
     ProviderUnavailable { requested: String, details: String },
     #[error("ABI mismatch in {file}: provider speaks ABI {found}, weft speaks ABI {expected}")]
@@ -93,9 +96,37 @@ pub enum Error {
     Cancelled,
 }
 
-impl Error {
-    /// The class of this error.
-    pub fn kind(&self) -> ErrorKind {
+/// weft's error type: one pointer wide, so `Result<T>` stays small on hot paths.
+#[derive(Clone)]
+pub struct Error(Box<ErrorDetail>);
+
+impl From<ErrorDetail> for Error {
+    fn from(d: ErrorDetail) -> Self {
+        Error(Box::new(d))
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)
+    }
+}
+
+impl ErrorDetail {
+    fn kind(&self) -> ErrorKind {
+        use ErrorDetail as Error;
         match self {
             Error::InvalidRank { .. } => ErrorKind::InvalidRank,
             Error::InvalidTag { .. } => ErrorKind::InvalidTag,
@@ -115,13 +146,35 @@ impl Error {
             Error::Cancelled => ErrorKind::Cancelled,
         }
     }
+}
+
+impl Error {
+    /// The class of this error.
+    pub fn kind(&self) -> ErrorKind {
+        self.0.kind()
+    }
+
+    /// The details.
+    pub fn detail(&self) -> &ErrorDetail {
+        &self.0
+    }
+
+    /// For a truncated receive: the status (its `bytes` is the message length) and the
+    /// receive buffer's capacity.
+    pub fn truncated(&self) -> Option<(Status, usize)> {
+        match &*self.0 {
+            ErrorDetail::Truncated { status, capacity } => Some((*status, *capacity)),
+            _ => None,
+        }
+    }
 
     /// An I/O error with a description of what was being done.
     pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io {
+        ErrorDetail::Io {
             what: what.into(),
             source: std::sync::Arc::new(source),
         }
+        .into()
     }
 
     /// The last OS error (errno) with a description.
@@ -130,21 +183,23 @@ impl Error {
     }
 
     pub fn peer_failed(rank: u32, reason: impl Into<String>) -> Self {
-        Error::PeerFailed {
+        ErrorDetail::PeerFailed {
             rank,
             reason: reason.into(),
         }
+        .into()
     }
 
     pub fn malformed(peer: u32, what: impl Into<String>) -> Self {
-        Error::Malformed {
+        ErrorDetail::Malformed {
             peer,
             what: what.into(),
         }
+        .into()
     }
 
     pub fn invalid(what: impl Into<String>) -> Self {
-        Error::InvalidArgument(what.into())
+        ErrorDetail::InvalidArgument(what.into()).into()
     }
 }
 

@@ -36,10 +36,13 @@ pub mod registry;
 pub mod testing;
 pub mod types;
 
-pub use comm::{waitall, waitany, Comm, Request, Scope, Source, Status, TagSel, World, ANY_SOURCE, ANY_TAG, TAG_UB};
+pub use comm::{
+    waitall, waitany, Comm, Request, Scope, Source, Status, TagSel, World, ANY_SOURCE, ANY_TAG,
+    TAG_UB,
+};
 pub use datatype::Datatype;
 pub use engine::EngineConfig;
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorDetail, ErrorKind, Result};
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
 pub use types::{BasicType, Element, Op, Rank};
 
@@ -75,11 +78,11 @@ pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
     if Pmi::in_env() {
         let t = PMI_TIMEOUT.get_f64()?;
         if !(t > 0.0 && t.is_finite()) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: PMI_TIMEOUT.env_name(),
                 value: PMI_TIMEOUT.raw(),
                 expected: "a positive number of seconds".into(),
-            });
+            }));
         }
         Ok(Box::new(Pmi::from_env(Duration::from_secs_f64(t))?))
     } else {
@@ -118,10 +121,10 @@ pub fn init_static<P: StaticProvider>() -> Result<World<P>> {
         bootstrap::allgather(boot.as_mut(), "weft.static", &mine)?
     };
     if let Some((r, v)) = votes.iter().enumerate().find(|(_, v)| *v != "ok") {
-        return Err(Error::ProviderUnavailable {
+        return Err(Error::from(ErrorDetail::ProviderUnavailable {
             requested: P::NAME.into(),
             details: format!("{}: {} (rank {r})", P::NAME, v.trim_start_matches("no:")),
-        });
+        }));
     }
     let p = P::open(boot.as_mut())?;
     comm::world_from(p, boot)

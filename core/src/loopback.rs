@@ -15,7 +15,7 @@ use crate::provider::{
     SendOutcome, Sink, StaticProvider, Token,
 };
 use crate::types::Rank;
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
@@ -50,7 +50,8 @@ impl LoopbackConfig {
 struct Msg {
     src: Rank,
     hdr: SmallVec<[u8; 64]>,
-    data: Vec<u8>,
+    /// Small payloads stay inline (no allocation per message).
+    data: SmallVec<[u8; 64]>,
 }
 
 #[derive(Default)]
@@ -117,10 +118,10 @@ impl Loopback {
             }
         };
         if fab.boxes.len() != size as usize {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "loopback job '{}' exists with another size",
                 boot.job_id()
-            )));
+            ))));
         }
         // Everyone holds the fabric before anyone can drop it.
         boot.fence()?;
@@ -172,15 +173,18 @@ impl Provider for Loopback {
         self.size
     }
 
-    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
-        let mb = self
-            .fab
-            .boxes
-            .get(dest as usize)
-            .ok_or(Error::InvalidRank {
+    fn am_send(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+    ) -> Result<SendOutcome> {
+        let mb = self.fab.boxes.get(dest as usize).ok_or_else(|| {
+            Error::from(ErrorDetail::InvalidRank {
                 rank: dest as i64,
                 size: self.size,
-            })?;
+            })
+        })?;
         if !self.fab.alive[dest as usize].load(Ordering::Acquire) {
             return Err(Error::peer_failed(dest, "rank exited"));
         }
@@ -194,7 +198,7 @@ impl Provider for Loopback {
         if mb.len.load(Ordering::Acquire) >= self.depth {
             return Ok(SendOutcome::Busy);
         }
-        let mut data = Vec::with_capacity(total);
+        let mut data = SmallVec::with_capacity(total);
         for s in payload {
             data.extend_from_slice(s);
         }
@@ -232,7 +236,9 @@ impl Provider for Loopback {
             if d != self.seen_deaths {
                 self.seen_deaths = d;
                 for r in 0..self.size {
-                    if !self.reported[r as usize] && !self.fab.alive[r as usize].load(Ordering::Acquire) {
+                    if !self.reported[r as usize]
+                        && !self.fab.alive[r as usize].load(Ordering::Acquire)
+                    {
                         self.reported[r as usize] = true;
                         sink.peer_failed(r, "rank exited");
                         n += 1;
@@ -243,9 +249,16 @@ impl Provider for Loopback {
         Ok(n)
     }
 
-    unsafe fn mr_register(&mut self, base: *mut u8, len: usize, access: Access) -> Result<MemRegion> {
+    unsafe fn mr_register(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemRegion> {
         if self.caps.rma.is_none() {
-            return Err(Error::Unsupported("loopback RMA is off (WEFT_LOOPBACK_RMA)".into()));
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "loopback RMA is off (WEFT_LOOPBACK_RMA)".into(),
+            )));
         }
         let key = self.fab.next_key.fetch_add(1, Ordering::Relaxed);
         self.fab
@@ -291,10 +304,10 @@ impl Provider for Loopback {
             Some(r) if r.owner == src && r.access.remote_read => {
                 let start = remote.addr as usize;
                 if start < r.base || start.saturating_add(total) > r.base + r.len {
-                    Err(Error::RemoteAccess {
+                    Err(Error::from(ErrorDetail::RemoteAccess {
                         rank: src,
                         what: "read outside the registered region".into(),
-                    })
+                    }))
                 } else {
                     let mut at = start;
                     for l in local {
@@ -308,10 +321,10 @@ impl Provider for Loopback {
                     Ok(Completed::Done)
                 }
             }
-            _ => Err(Error::RemoteAccess {
+            _ => Err(Error::from(ErrorDetail::RemoteAccess {
                 rank: src,
                 what: format!("bad key {}", remote.key),
-            }),
+            })),
         };
         drop(regs);
         self.done.push((token, res));

@@ -76,6 +76,9 @@ pub struct Matcher<R, M> {
     posted: HashMap<PKey, List>,
     wild_posted: usize,
     posted_count: usize,
+    /// Empty buckets kept in `posted` / the unexpected maps (see `purge`).
+    posted_empty: usize,
+    unexpected_empty: usize,
 
     unodes: Vec<UNode<M>>,
     ufree: Vec<u32>,
@@ -123,14 +126,16 @@ fn list_push<N: Links>(nodes: &mut [N], list: &mut List, idx: u32, which: usize)
     list.tail = idx;
 }
 
-/// Unlink node `idx` from the list stored under `key` in `map`, removing the entry when empty.
+/// Unlink node `idx` from the list stored under `key` in `map`. Returns true when the list
+/// became empty; the entry stays in the map (reused by the next post with the same key, so a
+/// steady post/match cycle costs one lookup and no insert/remove) until [`purge`] drops it.
 fn list_unlink<N: Links, K: std::hash::Hash + Eq>(
     nodes: &mut [N],
     map: &mut HashMap<K, List>,
     key: &K,
     idx: u32,
     which: usize,
-) {
+) -> bool {
     let (prev, next) = *nodes[idx as usize].link(which);
     if prev != NIL {
         nodes[prev as usize].link(which).1 = next;
@@ -138,7 +143,7 @@ fn list_unlink<N: Links, K: std::hash::Hash + Eq>(
     if next != NIL {
         nodes[next as usize].link(which).0 = prev;
     }
-    let empty = match map.get_mut(key) {
+    match map.get_mut(key) {
         Some(list) => {
             if list.head == idx {
                 list.head = next;
@@ -149,9 +154,43 @@ fn list_unlink<N: Links, K: std::hash::Hash + Eq>(
             list.head == NIL
         }
         None => false,
-    };
-    if empty {
-        map.remove(key);
+    }
+}
+
+/// Drop empty buckets once there are many (bounds memory when keys are many and short-lived,
+/// e.g. one tag per message).
+fn purge<K: std::hash::Hash + Eq>(maps: &mut [&mut HashMap<K, List>], empty: &mut usize) {
+    if *empty > 4096 {
+        for m in maps.iter_mut() {
+            m.retain(|_, l| l.head != NIL);
+        }
+        *empty = 0;
+    }
+}
+
+/// Append node `idx` to the bucket `key`, reviving a kept empty bucket or creating one.
+fn bucket_push<K: std::hash::Hash + Eq, N: Links>(
+    map: &mut HashMap<K, List>,
+    key: K,
+    nodes: &mut [N],
+    idx: u32,
+    which: usize,
+    empty: &mut usize,
+) {
+    match map.get_mut(&key) {
+        Some(l) => {
+            if l.head == NIL {
+                *empty -= 1;
+            }
+            list_push(nodes, l, idx, which);
+        }
+        None => {
+            let l = map.entry(key).or_insert(List {
+                head: NIL,
+                tail: NIL,
+            });
+            list_push(nodes, l, idx, which);
+        }
     }
 }
 
@@ -163,6 +202,8 @@ impl<R, M> Matcher<R, M> {
             posted: HashMap::new(),
             wild_posted: 0,
             posted_count: 0,
+            posted_empty: 0,
+            unexpected_empty: 0,
             unodes: Vec::new(),
             ufree: Vec::new(),
             u_exact: HashMap::new(),
@@ -216,11 +257,14 @@ impl<R, M> Matcher<R, M> {
                 (self.pnodes.len() - 1) as u32
             }
         };
-        let list = self.posted.entry(key).or_insert(List {
-            head: NIL,
-            tail: NIL,
-        });
-        list_push(&mut self.pnodes, list, idx, 0);
+        bucket_push(
+            &mut self.posted,
+            key,
+            &mut self.pnodes,
+            idx,
+            0,
+            &mut self.posted_empty,
+        );
         if src.is_none() || tag.is_none() {
             self.wild_posted += 1;
         }
@@ -230,7 +274,10 @@ impl<R, M> Matcher<R, M> {
 
     fn remove_posted(&mut self, idx: u32) -> R {
         let key = self.pnodes[idx as usize].key;
-        list_unlink(&mut self.pnodes, &mut self.posted, &key, idx, 0);
+        if list_unlink(&mut self.pnodes, &mut self.posted, &key, idx, 0) {
+            self.posted_empty += 1;
+            purge(&mut [&mut self.posted], &mut self.posted_empty);
+        }
         if key.src == ANY_SRC || key.tag == ANY_TAG {
             self.wild_posted -= 1;
         }
@@ -246,7 +293,7 @@ impl<R, M> Matcher<R, M> {
     pub fn take_posted(&mut self, ctx: u32, src: u32, tag: i32) -> Option<R> {
         let mut best: Option<(u64, u32)> = None;
         let mut consider = |this: &Self, key: PKey| {
-            if let Some(l) = this.posted.get(&key) {
+            if let Some(l) = this.posted.get(&key).filter(|l| l.head != NIL) {
                 let s = this.pnodes[l.head as usize].seq;
                 if best.is_none_or(|(bs, _)| s < bs) {
                     best = Some((s, l.head));
@@ -313,18 +360,18 @@ impl<R, M> Matcher<R, M> {
                 (self.unodes.len() - 1) as u32
             }
         };
-        let empty = List {
-            head: NIL,
-            tail: NIL,
-        };
-        let l = self.u_exact.entry((ctx, src, tag)).or_insert(empty);
-        list_push(&mut self.unodes, l, idx, 0);
-        let l = self.u_src.entry((ctx, src)).or_insert(empty);
-        list_push(&mut self.unodes, l, idx, 1);
-        let l = self.u_tag.entry((ctx, tag)).or_insert(empty);
-        list_push(&mut self.unodes, l, idx, 2);
-        let l = self.u_ctx.entry(ctx).or_insert(empty);
-        list_push(&mut self.unodes, l, idx, 3);
+        let e = &mut self.unexpected_empty;
+        bucket_push(
+            &mut self.u_exact,
+            (ctx, src, tag),
+            &mut self.unodes,
+            idx,
+            0,
+            e,
+        );
+        bucket_push(&mut self.u_src, (ctx, src), &mut self.unodes, idx, 1, e);
+        bucket_push(&mut self.u_tag, (ctx, tag), &mut self.unodes, idx, 2, e);
+        bucket_push(&mut self.u_ctx, ctx, &mut self.unodes, idx, 3, e);
         self.unexpected_count += 1;
     }
 
@@ -335,7 +382,7 @@ impl<R, M> Matcher<R, M> {
             (None, Some(t)) => self.u_tag.get(&(ctx, t)),
             (None, None) => self.u_ctx.get(&ctx),
         }?;
-        Some(l.head)
+        (l.head != NIL).then_some(l.head)
     }
 
     /// Take the earliest unexpected message matching a receive pattern.
@@ -350,10 +397,20 @@ impl<R, M> Matcher<R, M> {
             let n = &self.unodes[idx as usize];
             (n.ctx, n.src, n.tag)
         };
-        list_unlink(&mut self.unodes, &mut self.u_exact, &(c, s, t), idx, 0);
-        list_unlink(&mut self.unodes, &mut self.u_src, &(c, s), idx, 1);
-        list_unlink(&mut self.unodes, &mut self.u_tag, &(c, t), idx, 2);
-        list_unlink(&mut self.unodes, &mut self.u_ctx, &c, idx, 3);
+        let emptied = list_unlink(&mut self.unodes, &mut self.u_exact, &(c, s, t), idx, 0) as usize
+            + list_unlink(&mut self.unodes, &mut self.u_src, &(c, s), idx, 1) as usize
+            + list_unlink(&mut self.unodes, &mut self.u_tag, &(c, t), idx, 2) as usize
+            + list_unlink(&mut self.unodes, &mut self.u_ctx, &c, idx, 3) as usize;
+        if emptied > 0 {
+            self.unexpected_empty += emptied;
+            if self.unexpected_empty > 4096 {
+                self.u_exact.retain(|_, l| l.head != NIL);
+                self.u_src.retain(|_, l| l.head != NIL);
+                self.u_tag.retain(|_, l| l.head != NIL);
+                self.u_ctx.retain(|_, l| l.head != NIL);
+                self.unexpected_empty = 0;
+            }
+        }
         self.unexpected_count -= 1;
         self.ufree.push(idx);
         let m = self.unodes[idx as usize]
@@ -372,11 +429,18 @@ impl<R, M> Matcher<R, M> {
     ) -> Option<(u32, i32, &M)> {
         let idx = self.find_unexpected(ctx, src, tag)?;
         let n = &self.unodes[idx as usize];
-        Some((n.src, n.tag, n.val.as_ref().expect("unexpected node holds a value")))
+        Some((
+            n.src,
+            n.tag,
+            n.val.as_ref().expect("unexpected node holds a value"),
+        ))
     }
 
     /// Remove every posted receive and unexpected message for which `f` says so (peer failure).
-    pub fn drain_posted_where(&mut self, mut f: impl FnMut(u32, Option<u32>, &R) -> bool) -> Vec<R> {
+    pub fn drain_posted_where(
+        &mut self,
+        mut f: impl FnMut(u32, Option<u32>, &R) -> bool,
+    ) -> Vec<R> {
         let mut victims = Vec::new();
         for (i, n) in self.pnodes.iter().enumerate() {
             if let Some(v) = &n.val {
@@ -441,9 +505,10 @@ mod tests {
 
     impl Naive {
         fn post(&mut self, c: u32, s: Option<u32>, t: Option<i32>, id: u32) -> Option<u32> {
-            let i = self.unexpected.iter().position(|u| {
-                u.0 == c && s.is_none_or(|s| s == u.1) && t.is_none_or(|t| t == u.2)
-            });
+            let i = self
+                .unexpected
+                .iter()
+                .position(|u| u.0 == c && s.is_none_or(|s| s == u.1) && t.is_none_or(|t| t == u.2));
             match i {
                 Some(i) => Some(self.unexpected.remove(i).3),
                 None => {
@@ -453,9 +518,10 @@ mod tests {
             }
         }
         fn arrive(&mut self, c: u32, s: u32, t: i32, id: u32) -> Option<u32> {
-            let i = self.posted.iter().position(|p| {
-                p.0 == c && p.1.is_none_or(|x| x == s) && p.2.is_none_or(|x| x == t)
-            });
+            let i = self
+                .posted
+                .iter()
+                .position(|p| p.0 == c && p.1.is_none_or(|x| x == s) && p.2.is_none_or(|x| x == t));
             match i {
                 Some(i) => Some(self.posted.remove(i).3),
                 None => {

@@ -7,7 +7,7 @@
 //! let chunk: usize = CHUNK.get()?;
 //! ```
 
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 
 /// The type of a parameter's value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,11 +119,11 @@ impl ParamDesc {
     }
 
     fn bad(&self, value: &str) -> Error {
-        Error::Param {
+        Error::from(ErrorDetail::Param {
             var: self.env_name(),
             value: value.to_string(),
             expected: self.ty.describe(),
-        }
+        })
     }
 
     /// Check that the current value parses.

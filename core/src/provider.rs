@@ -17,7 +17,7 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::types::{AtomicTable, BasicType, Op, Rank};
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use std::io::IoSlice;
 
 /// Identifies an operation whose completion a provider reports later through [`Sink::complete`].
@@ -218,15 +218,15 @@ pub trait Sink {
 }
 
 fn unsupported<T>(what: &str) -> Result<T> {
-    Err(Error::Unsupported(format!(
+    Err(Error::from(ErrorDetail::Unsupported(format!(
         "{what} is not a native capability of this provider"
-    )))
+    ))))
 }
 
 /// A fabric provider. See the module documentation for the contract.
 ///
 /// Only `caps`, `rank`, `size`, `am_send` and `progress` are mandatory; every other method has a
-/// default that reports [`Error::Unsupported`] and is only called when [`Caps`] advertises it.
+/// default that reports [`Error::from(ErrorDetail::Unsupported)`] and is only called when [`Caps`] advertises it.
 pub trait Provider: 'static {
     /// Name as registered (`shm`, `tcp-sim`, ...).
     fn name(&self) -> &str;
@@ -238,8 +238,12 @@ pub trait Provider: 'static {
 
     /// Send an active message: `header.len() <= caps.max_am_header`, total payload
     /// `<= caps.max_am_payload`, `payload.len() <= caps.max_iov`.
-    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>])
-        -> Result<SendOutcome>;
+    fn am_send(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+    ) -> Result<SendOutcome>;
 
     /// Deliver arrivals and completions to `sink`; never blocks. Returns how many events were
     /// delivered (0 means nothing happened, which lets waiters back off).
@@ -307,7 +311,12 @@ pub trait Provider: 'static {
     ///
     /// # Safety
     /// The memory must stay valid until `mr_deregister`.
-    unsafe fn mr_register(&mut self, _base: *mut u8, _len: usize, _access: Access) -> Result<MemRegion> {
+    unsafe fn mr_register(
+        &mut self,
+        _base: *mut u8,
+        _len: usize,
+        _access: Access,
+    ) -> Result<MemRegion> {
         unsupported("memory registration")
     }
 
@@ -442,7 +451,12 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
     fn tagged_cancel(&mut self, token: Token) -> Result<bool> {
         (**self).tagged_cancel(token)
     }
-    unsafe fn mr_register(&mut self, base: *mut u8, len: usize, access: Access) -> Result<MemRegion> {
+    unsafe fn mr_register(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemRegion> {
         (**self).mr_register(base, len, access)
     }
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {

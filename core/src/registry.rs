@@ -11,7 +11,7 @@
 
 use crate::bootstrap::{allgather, Bootstrap};
 use crate::provider::{Caps, DynProvider, ProbeContext, StaticProvider};
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use std::path::PathBuf;
 
 /// A built-in provider's registration.
@@ -61,7 +61,11 @@ macro_rules! register_provider {
         #[$crate::__linkme::distributed_slice($crate::registry::PROVIDERS)]
         #[linkme(crate = $crate::__linkme)]
         static __WEFT_PROVIDER_DESCRIPTOR: $crate::registry::ProviderDescriptor =
-            $crate::registry::ProviderDescriptor::of::<$ty>(env!("CARGO_PKG_VERSION"), $prio, $summary);
+            $crate::registry::ProviderDescriptor::of::<$ty>(
+                env!("CARGO_PKG_VERSION"),
+                $prio,
+                $summary,
+            );
     };
 }
 
@@ -191,11 +195,11 @@ impl Selection {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         }) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: "WEFT_PROVIDER".into(),
                 value: s.into(),
                 expected: "a provider name, a list 'a,b' or exclusions '^a,b'".into(),
-            });
+            }));
         }
         Ok(if exclude {
             Selection::Exclude(names)
@@ -242,10 +246,10 @@ pub fn candidates(
         Selection::Prefer(names) | Selection::Exclude(names) => {
             for n in names {
                 if find(n).is_none() {
-                    return Err(Error::UnknownProvider {
+                    return Err(Error::from(ErrorDetail::UnknownProvider {
                         requested: n.clone(),
                         available: describe_available(all, ctx),
-                    });
+                    }));
                 }
             }
             Ok(match sel {
@@ -306,7 +310,7 @@ pub fn select_and_open(
         let p = f.open(boot)?;
         return Ok((p, *f));
     }
-    Err(Error::ProviderUnavailable {
+    Err(Error::from(ErrorDetail::ProviderUnavailable {
         requested: if requested.is_empty() {
             "(any)".into()
         } else {
@@ -324,7 +328,7 @@ pub fn select_and_open(
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
-    })
+    }))
 }
 
 #[cfg(test)]

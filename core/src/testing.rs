@@ -58,14 +58,22 @@ pub fn world<R: Send>(n: u32, f: impl Fn(&Comm<Loopback>) -> R + Sync) -> Vec<R>
 }
 
 /// Like [`world`] with explicit options.
-pub fn world_with<R: Send>(n: u32, opts: &Options, f: impl Fn(&Comm<Loopback>) -> R + Sync) -> Vec<R> {
+pub fn world_with<R: Send>(
+    n: u32,
+    opts: &Options,
+    f: impl Fn(&Comm<Loopback>) -> R + Sync,
+) -> Vec<R> {
     let lb = opts.loopback.clone();
     run(n, opts, move |b| Loopback::open_with(b, &lb), f)
 }
 
 /// Run `f` on `n` ranks through the **dynamic** path: the provider is chosen at run time by
 /// name through the registry (`Comm<Box<dyn Provider>>`).
-pub fn world_dyn<R: Send>(n: u32, provider: &str, f: impl Fn(&Comm<DynProvider>) -> R + Sync) -> Vec<R> {
+pub fn world_dyn<R: Send>(
+    n: u32,
+    provider: &str,
+    f: impl Fn(&Comm<DynProvider>) -> R + Sync,
+) -> Vec<R> {
     world_dyn_with(n, provider, &Options::default(), f)
 }
 

@@ -30,7 +30,18 @@ macro_rules! both_paths {
     };
 }
 
-const SIZES: &[usize] = &[0, 1, 8, 1000, 16383, 16384, 16385, 100_000, 1 << 20, (4 << 20) + 3];
+const SIZES: &[usize] = &[
+    0,
+    1,
+    8,
+    1000,
+    16383,
+    16384,
+    16385,
+    100_000,
+    1 << 20,
+    (4 << 20) + 3,
+];
 
 fn pingpong<P: Provider>(c: &Comm<P>) {
     for (i, &n) in SIZES.iter().enumerate() {
@@ -158,14 +169,13 @@ fn truncation<P: Provider>(c: &Comm<P>) {
             let mut buf = vec![0xEEu8; 64];
             let e = c.recv(&mut buf[..10], 0, tag).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Truncated);
-            match e {
-                weft::Error::Truncated { status, capacity } => {
-                    assert_eq!((status.bytes, capacity, status.source), (n, 10, 0));
-                }
-                other => panic!("{other}"),
-            }
+            let (status, capacity) = e.truncated().expect("a truncation error");
+            assert_eq!((status.bytes, capacity, status.source), (n, 10, 0));
             assert_eq!(&buf[..10], &pattern(n, 1)[..10]);
-            assert!(buf[10..].iter().all(|b| *b == 0xEE), "wrote past the buffer");
+            assert!(
+                buf[10..].iter().all(|b| *b == 0xEE),
+                "wrote past the buffer"
+            );
         }
     }
     // Later messages still flow.
@@ -218,7 +228,10 @@ fn ssend_waits_for_match<P: Provider>(c: &Comm<P>) {
             c.scope(|s| {
                 let mut r = c.issend(s, &data, 1, 10).unwrap();
                 for _ in 0..200 {
-                    assert!(r.test().unwrap().is_none(), "ssend completed before the match");
+                    assert!(
+                        r.test().unwrap().is_none(),
+                        "ssend completed before the match"
+                    );
                 }
                 c.send(&[0u8], 1, 11).unwrap();
                 r.wait().unwrap();
@@ -284,11 +297,22 @@ fn drop_and_scope_end<P: Provider>(c: &Comm<P>) {
 both_paths!(dropped_requests_complete, 2, drop_and_scope_end);
 
 fn bad_arguments<P: Provider>(c: &Comm<P>) {
-    assert_eq!(c.send(&[1u8], 9, 0).unwrap_err().kind(), ErrorKind::InvalidRank);
-    assert_eq!(c.send(&[1u8], 0, -3).unwrap_err().kind(), ErrorKind::InvalidTag);
+    assert_eq!(
+        c.send(&[1u8], 9, 0).unwrap_err().kind(),
+        ErrorKind::InvalidRank
+    );
+    assert_eq!(
+        c.send(&[1u8], 0, -3).unwrap_err().kind(),
+        ErrorKind::InvalidTag
+    );
     let mut b = [0u8];
-    assert_eq!(c.recv(&mut b, 5u32, 0).unwrap_err().kind(), ErrorKind::InvalidRank);
-    let v = Datatype::vector(4, 1, 2, &Datatype::of::<u32>()).unwrap().commit();
+    assert_eq!(
+        c.recv(&mut b, 5u32, 0).unwrap_err().kind(),
+        ErrorKind::InvalidRank
+    );
+    let v = Datatype::vector(4, 1, 2, &Datatype::of::<u32>())
+        .unwrap()
+        .commit();
     assert_eq!(
         c.send_typed(&[0u8; 16], 1, &v, 0, 0).unwrap_err().kind(),
         ErrorKind::InvalidArgument
@@ -326,7 +350,8 @@ fn datatypes<P: Provider>(c: &Comm<P>) {
             .commit();
         if c.rank() == 0 {
             let m: Vec<f64> = (0..rows * cols).map(|i| i as f64).collect();
-            c.send_typed(bytemuck::cast_slice(&m[2..]), 1, &col, 1, 1).unwrap();
+            c.send_typed(bytemuck::cast_slice(&m[2..]), 1, &col, 1, 1)
+                .unwrap();
         } else {
             let mut v = vec![0f64; rows];
             let st = c.recv(&mut v, 0, 1).unwrap();
@@ -341,7 +366,8 @@ fn datatypes<P: Provider>(c: &Comm<P>) {
             c.send(&v, 1, 2).unwrap();
         } else {
             let mut m = vec![0f64; rows * cols];
-            c.recv_typed(bytemuck::cast_slice_mut(&mut m), 1, &col, 0, 2).unwrap();
+            c.recv_typed(bytemuck::cast_slice_mut(&mut m), 1, &col, 0, 2)
+                .unwrap();
             for r in 0..rows {
                 assert_eq!(m[r * cols], -(r as f64));
                 assert_eq!(m[r * cols + 1], 0.0);
@@ -382,7 +408,10 @@ fn comms<P: Provider>(c: &Comm<P>) {
     s.bcast(&mut top, 0).unwrap_or(());
     let mut mine = [c.rank()];
     s.bcast(&mut mine, 0).unwrap();
-    assert_eq!(mine[0], (0..n).filter(|r| r % 2 == c.rank() % 2).max().unwrap());
+    assert_eq!(
+        mine[0],
+        (0..n).filter(|r| r % 2 == c.rank() % 2).max().unwrap()
+    );
     // Status sources are ranks of the sub-communicator.
     if s.size() > 1 {
         if s.rank() == 1 {
@@ -402,16 +431,22 @@ fn collectives<P: Provider>(c: &Comm<P>) {
     let r = c.rank();
     c.barrier().unwrap();
     for root in 0..n {
-        let mut b = if r == root { [root as u64 + 1, 9] } else { [0, 0] };
+        let mut b = if r == root {
+            [root as u64 + 1, 9]
+        } else {
+            [0, 0]
+        };
         c.bcast(&mut b, root).unwrap();
         assert_eq!(b, [root as u64 + 1, 9]);
     }
     let mut s = [0i64; 3];
-    c.allreduce(&[r as i64, -(r as i64), 1], &mut s, Op::Sum).unwrap();
+    c.allreduce(&[r as i64, -(r as i64), 1], &mut s, Op::Sum)
+        .unwrap();
     let tri = (n * (n - 1) / 2) as i64;
     assert_eq!(s, [tri, -tri, n as i64]);
     let mut m = [0f64; 2];
-    c.allreduce(&[r as f64 * 0.5, -(r as f64)], &mut m, Op::Max).unwrap();
+    c.allreduce(&[r as f64 * 0.5, -(r as f64)], &mut m, Op::Max)
+        .unwrap();
     assert_eq!(m, [(n - 1) as f64 * 0.5, 0.0]);
     let mut mi = [0u32];
     c.allreduce(&[r + 10], &mut mi, Op::Min).unwrap();
@@ -438,7 +473,9 @@ fn collectives_bad_arguments() {
     testing::world(2, |c| {
         let mut r = [0i32; 2];
         assert!(c.allreduce(&[1i32], &mut r, Op::Sum).is_err());
-        assert!(c.allreduce(&[1.0f32, 2.0], &mut [0.0f32; 2], Op::Bxor).is_err());
+        assert!(c
+            .allreduce(&[1.0f32, 2.0], &mut [0.0f32; 2], Op::Bxor)
+            .is_err());
         assert!(c.alltoall(&[1u8; 3], &mut [0u8; 3]).is_err());
         assert!(c.bcast(&mut [0u8], 7).is_err());
     });
@@ -479,7 +516,10 @@ fn peer_failure_fails_pending_requests() {
             assert_eq!(e.kind(), ErrorKind::PeerFailed, "{e}");
             assert!(e.to_string().contains("peer failed: rank 1"), "{e}");
             // Later operations on the dead peer fail at once.
-            assert_eq!(w.send(&[1u8], 1, 0).unwrap_err().kind(), ErrorKind::PeerFailed);
+            assert_eq!(
+                w.send(&[1u8], 1, 0).unwrap_err().kind(),
+                ErrorKind::PeerFailed
+            );
             // A rendezvous send to it fails instead of hanging.
         });
         let b = s.spawn(move || {
@@ -497,9 +537,11 @@ fn peer_failure_fails_pending_requests() {
 #[test]
 fn unknown_provider_is_an_error_listing_providers() {
     let (all, _) = weft::registry::providers();
-    let Err(e) =
-        weft::registry::candidates(&weft::registry::Selection::parse("nope").unwrap(), &all, None)
-    else {
+    let Err(e) = weft::registry::candidates(
+        &weft::registry::Selection::parse("nope").unwrap(),
+        &all,
+        None,
+    ) else {
         panic!("'nope' was accepted");
     };
     assert_eq!(e.kind(), ErrorKind::UnknownProvider);

@@ -18,7 +18,10 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Tool {
     Ucx(&'static str),
-    Ofi { prov: &'static str, ep: &'static str },
+    Ofi {
+        prov: &'static str,
+        ep: &'static str,
+    },
     Ompi,
     Mpich,
     NpTcp,
@@ -32,7 +35,15 @@ pub struct Baseline {
 }
 
 pub const NAMES: &[&str] = &[
-    "ucx:posix", "ucx:sysv", "ucx:cma", "ucx:tcp", "ofi:tcp", "ofi:udp", "ofi:shm", "ompi", "mpich",
+    "ucx:posix",
+    "ucx:sysv",
+    "ucx:cma",
+    "ucx:tcp",
+    "ofi:tcp",
+    "ofi:udp",
+    "ofi:shm",
+    "ompi",
+    "mpich",
     "nptcp",
 ];
 
@@ -43,9 +54,18 @@ impl Baseline {
             "ucx:sysv" => Tool::Ucx("sysv,self"),
             "ucx:cma" => Tool::Ucx("posix,cma,self"),
             "ucx:tcp" => Tool::Ucx("tcp,self"),
-            "ofi:tcp" => Tool::Ofi { prov: "tcp", ep: "msg" },
-            "ofi:udp" => Tool::Ofi { prov: "udp", ep: "dgram" },
-            "ofi:shm" => Tool::Ofi { prov: "shm", ep: "rdm" },
+            "ofi:tcp" => Tool::Ofi {
+                prov: "tcp",
+                ep: "msg",
+            },
+            "ofi:udp" => Tool::Ofi {
+                prov: "udp",
+                ep: "dgram",
+            },
+            "ofi:shm" => Tool::Ofi {
+                prov: "shm",
+                ep: "rdm",
+            },
             "ompi" => Tool::Ompi,
             "mpich" => Tool::Mpich,
             "nptcp" => Tool::NpTcp,
@@ -200,7 +220,10 @@ fn output(mut c: Command, what: &str) -> Result<String, String> {
         Ok(Ok(o)) => Err(format!(
             "{what} failed ({}): {}",
             o.status,
-            String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("")
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
         )),
         Ok(Err(e)) => Err(format!("{what}: {e}")),
         Err(_) => {
@@ -260,7 +283,10 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
             Test::Latency => {
                 let n = (1usize << 28) / s.max(8);
                 let n = n.clamp(1000, 100_000);
-                batch.push_str(&format!("L{s} -t tag_lat -s {s} -n {n} -w {}\n", n / 10 + 1));
+                batch.push_str(&format!(
+                    "L{s} -t tag_lat -s {s} -n {n} -w {}\n",
+                    n / 10 + 1
+                ));
             }
             _ => {
                 let n = ((1usize << 30) / s).clamp(64, 100_000);
@@ -272,7 +298,8 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
     std::fs::write(&file, batch).map_err(|e| e.to_string())?;
     let port = free_port();
     let mut srv = Command::new("ucx_perftest");
-    srv.args(["-c", "0", "-p", &port.to_string(), "-b"]).arg(&file);
+    srv.args(["-c", "0", "-p", &port.to_string(), "-b"])
+        .arg(&file);
     base_env(&mut srv);
     srv.env("UCX_TLS", tls);
     let server = start_server(srv, port, "ucx_perftest server");
@@ -304,16 +331,31 @@ pub fn parse_fi(text: &str) -> Option<f64> {
     text.lines()
         .filter_map(|l| {
             let c: Vec<&str> = l.split_whitespace().collect();
-            (c.len() == 8 && c[0] != "bytes").then(|| c[6].parse::<f64>().ok()).flatten()
+            (c.len() == 8 && c[0] != "bytes")
+                .then(|| c[6].parse::<f64>().ok())
+                .flatten()
         })
         .last()
 }
 
 fn run_ofi(prov: &str, ep: &str, t: Test, s: usize) -> Result<f64, String> {
-    let iters = if s <= 1024 { 10_000 } else { ((1usize << 28) / s).max(16) };
+    let iters = if s <= 1024 {
+        10_000
+    } else {
+        ((1usize << 28) / s).max(16)
+    };
     let port = free_port();
     let common = |c: &mut Command| {
-        c.args(["-p", prov, "-e", ep, "-I", &iters.to_string(), "-S", &s.to_string()]);
+        c.args([
+            "-p",
+            prov,
+            "-e",
+            ep,
+            "-I",
+            &iters.to_string(),
+            "-S",
+            &s.to_string(),
+        ]);
         base_env(c);
     };
     let mut srv = Command::new("taskset");
@@ -336,7 +378,11 @@ fn run_ofi(prov: &str, ep: &str, t: Test, s: usize) -> Result<f64, String> {
     let out = output(cli, "fi_pingpong");
     drop(server);
     let us = parse_fi(&out?).ok_or("fi_pingpong printed no result")?;
-    Ok(if t == Test::Latency { us } else { s as f64 / us })
+    Ok(if t == Test::Latency {
+        us
+    } else {
+        s as f64 / us
+    })
 }
 
 /// Parse a NetPIPE output file: rows `bytes Mbps seconds` (Mbps are 2^20 bit/s). Returns
@@ -365,9 +411,23 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
         Tool::Ompi => {
             let mut c = Command::new("mpirun.openmpi");
             c.args([
-                "--allow-run-as-root", "-np", "2", "--bind-to", "core", "--map-by", "core",
-                "--mca", "oob_tcp_if_include", "lo", "--mca", "pml", "ob1", "--mca", "btl",
-                "self,vader", "NPopenmpi",
+                "--allow-run-as-root",
+                "-np",
+                "2",
+                "--bind-to",
+                "core",
+                "--map-by",
+                "core",
+                "--mca",
+                "oob_tcp_if_include",
+                "lo",
+                "--mca",
+                "pml",
+                "ob1",
+                "--mca",
+                "btl",
+                "self,vader",
+                "NPopenmpi",
             ])
             .args(np)
             .arg(&out);
@@ -376,9 +436,17 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
         }
         Tool::Mpich => {
             let mut c = Command::new("mpiexec.hydra");
-            c.args(["-launcher", "fork", "-n", "2", "-bind-to", "user:0,1", "NPmpich2"])
-                .args(np)
-                .arg(&out);
+            c.args([
+                "-launcher",
+                "fork",
+                "-n",
+                "2",
+                "-bind-to",
+                "user:0,1",
+                "NPmpich2",
+            ])
+            .args(np)
+            .arg(&out);
             base_env(&mut c);
             output(c, "NPmpich2")
         }
@@ -390,9 +458,17 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
             base_env(&mut rcv);
             let server = start_server(rcv, port, "NPtcp receiver")?;
             let mut tx = Command::new("taskset");
-            tx.args(["-c", "1", "NPtcp", "-h", "127.0.0.1", "-P", &port.to_string()])
-                .args(np)
-                .arg(&out);
+            tx.args([
+                "-c",
+                "1",
+                "NPtcp",
+                "-h",
+                "127.0.0.1",
+                "-P",
+                &port.to_string(),
+            ])
+            .args(np)
+            .arg(&out);
             base_env(&mut tx);
             let r = output(tx, "NPtcp");
             drop(server);
@@ -403,7 +479,10 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
     let _ = std::fs::remove_file(&out);
     r?;
     let rows = parse_netpipe(&text.map_err(|e| format!("NetPIPE output: {e}"))?);
-    let row = rows.iter().find(|r| r.0 == s).ok_or("NetPIPE printed no row")?;
+    let row = rows
+        .iter()
+        .find(|r| r.0 == s)
+        .ok_or("NetPIPE printed no row")?;
     Ok(if t == Test::Latency { row.1 } else { row.2 })
 }
 
@@ -412,7 +491,9 @@ mod t {
     use super::*;
 
     fn data(name: &str) -> String {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name);
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name);
         std::fs::read_to_string(p).unwrap()
     }
 

@@ -113,7 +113,11 @@ fn utc_now() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", rem / 3600, (rem % 3600) / 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
+        rem / 3600,
+        (rem % 3600) / 60
+    )
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -159,7 +163,12 @@ fn parse_results(out: &[u8]) -> Vec<(usize, f64)> {
 }
 
 /// Run one job of `test` for a weft column.
-fn run_weft(plan: &Plan, test: Test, col: &Column, sizes: &[usize]) -> Result<Vec<(usize, f64)>, String> {
+fn run_weft(
+    plan: &Plan,
+    test: Test,
+    col: &Column,
+    sizes: &[usize],
+) -> Result<Vec<(usize, f64)>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut spec = launch::Spec::new(plan.n, exe);
     let csv: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
@@ -170,7 +179,10 @@ fn run_weft(plan: &Plan, test: Test, col: &Column, sizes: &[usize]) -> Result<Ve
         "--sizes".into(),
         csv.join(",").into(),
         "--iters".into(),
-        plan.iters.unwrap_or(test.default_iters()).to_string().into(),
+        plan.iters
+            .unwrap_or(test.default_iters())
+            .to_string()
+            .into(),
         "--warmup".into(),
         plan.warmup
             .unwrap_or((plan.iters.unwrap_or(test.default_iters()) / 10).max(2))
@@ -187,7 +199,9 @@ fn run_weft(plan: &Plan, test: Test, col: &Column, sizes: &[usize]) -> Result<Ve
     spec.timeout = Some(plan.job_timeout);
     let o = launch::run(&spec).map_err(|e| e.to_string())?;
     if o.code != 0 {
-        return Err(o.failure.unwrap_or_else(|| format!("exit status {}", o.code)));
+        return Err(o
+            .failure
+            .unwrap_or_else(|| format!("exit status {}", o.code)));
     }
     let r = parse_results(&o.stdout[0]);
     if r.is_empty() {
@@ -290,7 +304,12 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
         let cols: Vec<&Column> = plan
             .columns
             .iter()
-            .filter(|c| report.results.iter().any(|r| r.test == test.name() && r.provider == c.label))
+            .filter(|c| {
+                report
+                    .results
+                    .iter()
+                    .any(|r| r.test == test.name() && r.provider == c.label)
+            })
             .collect();
         if cols.is_empty() {
             continue;
@@ -313,7 +332,12 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
             m.get("date").map_or("", |x| x)
         )
         .unwrap();
-        let width = cols.iter().map(|c| c.label.len() + 2).max().unwrap_or(10).max(10);
+        let width = cols
+            .iter()
+            .map(|c| c.label.len() + 2)
+            .max()
+            .unwrap_or(10)
+            .max(10);
         write!(s, "{:<10}", "size").unwrap();
         for c in &cols {
             let mark = if c.baseline.is_some() { "*" } else { "" };
@@ -369,7 +393,12 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
                 .collect::<Vec<_>>();
             write!(s, "* third-party baseline").unwrap();
             if test.higher_is_better() && !pp.is_empty() {
-                write!(s, "; {} bandwidth is size / one-way ping-pong time", pp.join(", ")).unwrap();
+                write!(
+                    s,
+                    "; {} bandwidth is size / one-way ping-pong time",
+                    pp.join(", ")
+                )
+                .unwrap();
             }
             writeln!(s).unwrap();
         }

@@ -57,9 +57,20 @@ pub fn plot(path: &Path, title: &str, panels: &[(Test, Vec<Series>)]) -> Result<
         .map(|e| e.to_ascii_lowercase());
     let h = 480 * panels.len().max(1) as u32;
     match ext.as_deref() {
-        Some("svg") => draw(SVGBackend::new(path, (900, h)).into_drawing_area(), title, panels),
-        Some("png") => draw(BitMapBackend::new(path, (900, h)).into_drawing_area(), title, panels),
-        _ => Err(format!("--plot {}: the file must end in .svg or .png", path.display())),
+        Some("svg") => draw(
+            SVGBackend::new(path, (900, h)).into_drawing_area(),
+            title,
+            panels,
+        ),
+        Some("png") => draw(
+            BitMapBackend::new(path, (900, h)).into_drawing_area(),
+            title,
+            panels,
+        ),
+        _ => Err(format!(
+            "--plot {}: the file must end in .svg or .png",
+            path.display()
+        )),
     }
 }
 
@@ -129,7 +140,15 @@ fn draw<DB: DrawingBackend>(
             let filled = !s.baseline;
             chart
                 .draw_series(data.into_iter().map(move |p| {
-                    Circle::new(p, 3, if filled { color.filled() } else { color.stroke_width(1) })
+                    Circle::new(
+                        p,
+                        3,
+                        if filled {
+                            color.filled()
+                        } else {
+                            color.stroke_width(1)
+                        },
+                    )
                 }))
                 .map_err(err)?;
         }

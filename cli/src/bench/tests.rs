@@ -14,9 +14,15 @@ pub enum Test {
 pub const ALL: &[(&str, &str)] = &[
     ("latency", "ping-pong, one-way latency in µs"),
     ("bw", "windowed streaming bandwidth in MB/s (10^6 B/s)"),
-    ("bibw", "bidirectional windowed bandwidth in MB/s (both directions)"),
+    (
+        "bibw",
+        "bidirectional windowed bandwidth in MB/s (both directions)",
+    ),
     ("mr", "windowed message rate in messages/s"),
-    ("alltoall", "time of one alltoall with SIZE bytes per pair, µs (slowest rank)"),
+    (
+        "alltoall",
+        "time of one alltoall with SIZE bytes per pair, µs (slowest rank)",
+    ),
 ];
 
 impl Test {
@@ -72,7 +78,15 @@ impl Test {
     pub fn default_sizes(self) -> Vec<usize> {
         match self {
             Test::Latency => vec![0, 8, 64, 512, 4096, 32768, 262144],
-            Test::Bw | Test::Bibw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24],
+            Test::Bw | Test::Bibw => vec![
+                1 << 10,
+                1 << 13,
+                1 << 16,
+                1 << 18,
+                1 << 20,
+                1 << 22,
+                1 << 24,
+            ],
             Test::Mr => vec![1, 8, 64, 512, 4096],
             Test::Alltoall => vec![8, 512, 4096, 65536],
         }

@@ -14,7 +14,10 @@ pub fn weft() -> PathBuf {
 
 /// `target/<profile>`, where the weft binary was built.
 pub fn profile_dir() -> PathBuf {
-    weft().parent().expect("binary has a directory").to_path_buf()
+    weft()
+        .parent()
+        .expect("binary has a directory")
+        .to_path_buf()
 }
 
 /// Build an example of crate `pkg` with the profile the tests use (once per test binary).
@@ -50,7 +53,9 @@ pub fn run_bounded(cmd: &mut Command, secs: u64) -> Output {
         .stderr(Stdio::piped())
         .process_group(0);
     let desc = format!("{cmd:?}");
-    let child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {desc}: {e}"));
+    let child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {desc}: {e}"));
     let pid = child.id() as i32;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {

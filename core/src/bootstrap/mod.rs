@@ -9,7 +9,7 @@
 pub mod pmi;
 
 use crate::types::Rank;
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -176,10 +176,11 @@ impl Bootstrap for Singleton {
         Ok(())
     }
     fn get(&mut self, key: &str) -> Result<String> {
-        self.kv
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::Bootstrap(format!("key '{key}' was never published")))
+        self.kv.get(key).cloned().ok_or_else(|| {
+            Error::from(ErrorDetail::Bootstrap(format!(
+                "key '{key}' was never published"
+            )))
+        })
     }
     fn nodes(&self) -> &NodeMap {
         &self.nodes
@@ -275,7 +276,9 @@ impl Bootstrap for InProcess {
             st.kv.insert(k, v);
         }
         if let Some(b) = &st.broken {
-            return Err(Error::Bootstrap(format!("job broken: {b}")));
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                "job broken: {b}"
+            ))));
         }
         let gen = st.generation;
         st.arrived += 1;
@@ -287,14 +290,16 @@ impl Bootstrap for InProcess {
         }
         while st.generation == gen {
             if let Some(b) = &st.broken {
-                return Err(Error::Bootstrap(format!("job broken: {b}")));
+                return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                    "job broken: {b}"
+                ))));
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout {
+                return Err(Error::from(ErrorDetail::Timeout {
                     what: format!("bootstrap fence (rank {})", self.rank),
                     secs: self.job.timeout.as_secs_f64(),
-                });
+                }));
             }
             st = self
                 .job
@@ -307,10 +312,11 @@ impl Bootstrap for InProcess {
     }
     fn get(&mut self, key: &str) -> Result<String> {
         let st = self.job.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.kv
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::Bootstrap(format!("key '{key}' was never published")))
+        st.kv.get(key).cloned().ok_or_else(|| {
+            Error::from(ErrorDetail::Bootstrap(format!(
+                "key '{key}' was never published"
+            )))
+        })
     }
     fn nodes(&self) -> &NodeMap {
         &self.nodes
@@ -329,7 +335,10 @@ mod tests {
 
     #[test]
     fn node_map_from_ids() {
-        let ids: Vec<String> = ["a", "b", "a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let ids: Vec<String> = ["a", "b", "a", "b", "c"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let m = NodeMap::from_ids(&ids, 2);
         assert_eq!(m.host_of, vec![0, 1, 0, 1, 2]);
         assert_eq!(m.hosts(), 3);

@@ -10,7 +10,7 @@
 
 use super::{host_id, Bootstrap, NodeMap};
 use crate::types::Rank;
-use crate::{Error, Result};
+use crate::{Error, ErrorDetail, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::io::FromRawFd;
 use std::os::unix::net::UnixStream;
@@ -39,9 +39,11 @@ impl Line {
     pub fn rc(&self) -> Result<i64> {
         match self.get("rc") {
             None => Ok(0),
-            Some(v) => v
-                .parse()
-                .map_err(|_| Error::Bootstrap(format!("bad rc '{v}' in PMI response"))),
+            Some(v) => v.parse().map_err(|_| {
+                Error::from(ErrorDetail::Bootstrap(format!(
+                    "bad rc '{v}' in PMI response"
+                )))
+            }),
         }
     }
 
@@ -68,36 +70,36 @@ pub const MAX_LINE: usize = 64 * 1024;
 pub fn parse_line(line: &str) -> Result<Line> {
     let line = line.strip_suffix('\n').unwrap_or(line);
     if line.len() > MAX_LINE {
-        return Err(Error::Bootstrap(format!(
+        return Err(Error::from(ErrorDetail::Bootstrap(format!(
             "PMI line of {} bytes exceeds the {MAX_LINE}-byte limit",
             line.len()
-        )));
+        ))));
     }
     let mut fields = Vec::new();
     for tok in line.split_ascii_whitespace() {
         let Some((k, v)) = tok.split_once('=') else {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "malformed PMI line: token '{}' has no '='",
                 truncate(tok)
-            )));
+            ))));
         };
         if k.is_empty() || k.bytes().any(|b| !(33..=126).contains(&b)) {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "malformed PMI line: bad key '{}'",
                 truncate(k)
-            )));
+            ))));
         }
         fields.push((k.to_string(), v.to_string()));
     }
     if fields.is_empty() {
-        return Err(Error::Bootstrap("empty PMI line".into()));
+        return Err(Error::from(ErrorDetail::Bootstrap("empty PMI line".into())));
     }
     let l = Line { fields };
     if l.get("cmd").is_none() && l.get("mcmd").is_none() {
-        return Err(Error::Bootstrap(format!(
+        return Err(Error::from(ErrorDetail::Bootstrap(format!(
             "malformed PMI line: no cmd= in '{}'",
             truncate(line)
-        )));
+        ))));
     }
     Ok(l)
 }
@@ -137,7 +139,12 @@ pub fn unescape(v: &str) -> Result<String> {
             let hex = v
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| Error::Bootstrap(format!("bad escape in PMI value '{}'", truncate(v))))?;
+                .ok_or_else(|| {
+                    Error::from(ErrorDetail::Bootstrap(format!(
+                        "bad escape in PMI value '{}'",
+                        truncate(v)
+                    )))
+                })?;
             out.push(hex);
             i += 3;
         } else {
@@ -145,7 +152,8 @@ pub fn unescape(v: &str) -> Result<String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| Error::Bootstrap("PMI value is not UTF-8".into()))
+    String::from_utf8(out)
+        .map_err(|_| Error::from(ErrorDetail::Bootstrap("PMI value is not UTF-8".into())))
 }
 
 /// Split an escaped value into chunks that fit `max` bytes each, never splitting an escape.
@@ -228,10 +236,12 @@ impl std::fmt::Debug for Pmi {
 fn env_u32(name: &str) -> Result<Option<u32>> {
     match std::env::var(name) {
         Err(_) => Ok(None),
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Param {
-            var: name.into(),
-            value: v,
-            expected: "a non-negative integer".into(),
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+            Error::from(ErrorDetail::Param {
+                var: name.into(),
+                value: v,
+                expected: "a non-negative integer".into(),
+            })
         }),
     }
 }
@@ -252,17 +262,24 @@ impl Pmi {
             let fd = fd as i32;
             // SAFETY: fcntl(F_GETFD) only inspects the descriptor.
             if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-                return Err(Error::Bootstrap(format!(
+                return Err(Error::from(ErrorDetail::Bootstrap(format!(
                     "PMI_FD={fd} is not an open file descriptor"
-                )));
+                ))));
             }
             // SAFETY: the launcher passes this descriptor to us for our exclusive use as the PMI
             // connection, and nothing else in the process owns or closes it; ownership moves
             // into the UnixStream.
             let s = unsafe { UnixStream::from_raw_fd(fd) };
-            let rank = rank.ok_or_else(|| Error::Bootstrap("PMI_RANK is not set".into()))?;
-            let size = size.ok_or_else(|| Error::Bootstrap("PMI_SIZE is not set".into()))?;
-            return Self::handshake(Conn::Unix(BufReader::new(s)), Some((rank, size)), None, timeout);
+            let rank = rank
+                .ok_or_else(|| Error::from(ErrorDetail::Bootstrap("PMI_RANK is not set".into())))?;
+            let size = size
+                .ok_or_else(|| Error::from(ErrorDetail::Bootstrap("PMI_SIZE is not set".into())))?;
+            return Self::handshake(
+                Conn::Unix(BufReader::new(s)),
+                Some((rank, size)),
+                None,
+                timeout,
+            );
         }
         if let Ok(port) = std::env::var("PMI_PORT") {
             let s = std::net::TcpStream::connect(port.trim())
@@ -275,12 +292,19 @@ impl Pmi {
             };
             return Self::handshake(Conn::Tcp(BufReader::new(s)), known, id, timeout);
         }
-        Err(Error::Bootstrap("no PMI_FD or PMI_PORT in the environment".into()))
+        Err(Error::from(ErrorDetail::Bootstrap(
+            "no PMI_FD or PMI_PORT in the environment".into(),
+        )))
     }
 
     /// Run the PMI-1 handshake over an already connected socket (what `PMI_FD` names).
     pub fn over_socket(s: UnixStream, rank: Rank, size: u32, timeout: Duration) -> Result<Pmi> {
-        Self::handshake(Conn::Unix(BufReader::new(s)), Some((rank, size)), None, timeout)
+        Self::handshake(
+            Conn::Unix(BufReader::new(s)),
+            Some((rank, size)),
+            None,
+            timeout,
+        )
     }
 
     fn handshake(
@@ -313,15 +337,18 @@ impl Pmi {
             p.send(&format!("cmd=initack pmiid={id}\n"))?;
             let l = p.recv("initack")?;
             if l.cmd() != "initack" || l.rc()? != 0 {
-                return Err(Error::Bootstrap(format!(
+                return Err(Error::from(ErrorDetail::Bootstrap(format!(
                     "the PMI server refused id {id}: {}",
                     l.get("msg").unwrap_or("no reason given")
-                )));
+                ))));
             }
             for _ in 0..3 {
                 let l = p.recv("set")?;
                 if l.cmd() != "set" {
-                    return Err(Error::Bootstrap(format!("expected cmd=set, got cmd={}", l.cmd())));
+                    return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                        "expected cmd=set, got cmd={}",
+                        l.cmd()
+                    ))));
                 }
                 if let Some(v) = l.get("size") {
                     size = v.parse().ok();
@@ -331,20 +358,25 @@ impl Pmi {
                 }
             }
         }
-        p.rank = rank.ok_or_else(|| Error::Bootstrap("PMI rank is unknown".into()))?;
-        p.size = size.ok_or_else(|| Error::Bootstrap("PMI size is unknown".into()))?;
+        p.rank =
+            rank.ok_or_else(|| Error::from(ErrorDetail::Bootstrap("PMI rank is unknown".into())))?;
+        p.size =
+            size.ok_or_else(|| Error::from(ErrorDetail::Bootstrap("PMI size is unknown".into())))?;
         if p.size == 0 || p.rank >= p.size {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "PMI rank {} is outside a job of size {}",
                 p.rank, p.size
-            )));
+            ))));
         }
-        let r = p.call("cmd=init pmi_version=1 pmi_subversion=1\n", "response_to_init")?;
+        let r = p.call(
+            "cmd=init pmi_version=1 pmi_subversion=1\n",
+            "response_to_init",
+        )?;
         if r.get("pmi_version").is_some_and(|v| v != "1") {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "server speaks PMI version {}, weft speaks 1",
                 r.get("pmi_version").unwrap_or("?")
-            )));
+            ))));
         }
         let r = p.call("cmd=get_maxes\n", "maxes")?;
         let num = |k: &str, d: usize| r.get(k).and_then(|v| v.parse().ok()).unwrap_or(d);
@@ -356,7 +388,11 @@ impl Pmi {
         let r = p.call("cmd=get_my_kvsname\n", "my_kvsname")?;
         p.kvsname = r
             .get("kvsname")
-            .ok_or_else(|| Error::Bootstrap("my_kvsname response has no kvsname".into()))?
+            .ok_or_else(|| {
+                Error::from(ErrorDetail::Bootstrap(
+                    "my_kvsname response has no kvsname".into(),
+                ))
+            })?
             .to_string();
         // Node map: everybody publishes its host identity.
         let ids = super::allgather(&mut p, "weft.host", &host_id())?;
@@ -383,26 +419,26 @@ impl Pmi {
         let mut buf = std::mem::take(&mut self.line);
         let r = self.conn.recv(&mut buf);
         let out = match r {
-            Ok(0) => Err(Error::Bootstrap(format!(
+            Ok(0) => Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "the PMI server closed the connection while rank {} waited for {what}",
                 self.rank
-            ))),
-            Ok(n) if n > MAX_LINE => Err(Error::Bootstrap(format!(
+            )))),
+            Ok(n) if n > MAX_LINE => Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "PMI response longer than {MAX_LINE} bytes"
-            ))),
-            Ok(_) if !buf.ends_with('\n') => Err(Error::Bootstrap(format!(
+            )))),
+            Ok(_) if !buf.ends_with('\n') => Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "the PMI server closed the connection mid-line while rank {} waited for {what}",
                 self.rank
-            ))),
+            )))),
             Ok(_) => parse_line(&buf),
             Err(e)
                 if e.kind() == std::io::ErrorKind::WouldBlock
                     || e.kind() == std::io::ErrorKind::TimedOut =>
             {
-                Err(Error::Timeout {
+                Err(Error::from(ErrorDetail::Timeout {
                     what: format!("the PMI server ({what}); is a rank missing?"),
                     secs: self.timeout.as_secs_f64(),
-                })
+                }))
             }
             Err(e) => Err(Error::io(format!("reading the PMI {what} response"), e)),
         };
@@ -415,17 +451,17 @@ impl Pmi {
         self.send(req)?;
         let l = self.recv(expect)?;
         if l.cmd() != expect {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "expected cmd={expect} from the PMI server, got cmd={}",
                 l.cmd()
-            )));
+            ))));
         }
         if l.rc()? != 0 {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "PMI {expect} failed: rc={} {}",
                 l.rc()?,
                 l.get("msg").unwrap_or("")
-            )));
+            ))));
         }
         Ok(l)
     }
@@ -455,13 +491,15 @@ impl Pmi {
         self.send(&req)?;
         let l = self.recv("get_result")?;
         if l.cmd() != "get_result" {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "expected cmd=get_result, got cmd={}",
                 l.cmd()
-            )));
+            ))));
         }
         if l.rc()? != 0 {
-            return Err(Error::Bootstrap(format!("PMI key '{key}' not found")));
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                "PMI key '{key}' not found"
+            ))));
         }
         Ok(l.get("value").unwrap_or("").to_string())
     }
@@ -509,11 +547,15 @@ impl Bootstrap for Pmi {
         let (n, first) = head
             .split_once(':')
             .and_then(|(n, rest)| n.parse::<usize>().ok().map(|n| (n, rest)))
-            .ok_or_else(|| Error::Bootstrap(format!("PMI value of '{key}' is not weft's")))?;
+            .ok_or_else(|| {
+                Error::from(ErrorDetail::Bootstrap(format!(
+                    "PMI value of '{key}' is not weft's"
+                )))
+            })?;
         if n == 0 || n > 1 << 16 {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "PMI value of '{key}' claims {n} parts"
-            )));
+            ))));
         }
         let mut esc = first.to_string();
         for i in 1..n {
@@ -554,7 +596,15 @@ mod tests {
 
     #[test]
     fn malformed_lines_are_errors() {
-        for bad in ["", "\n", "cmd", "cmd=put oops", "key=v", "=v cmd=x", "cmd=x a==b c"] {
+        for bad in [
+            "",
+            "\n",
+            "cmd",
+            "cmd=put oops",
+            "key=v",
+            "=v cmd=x",
+            "cmd=x a==b c",
+        ] {
             assert!(parse_line(bad).is_err(), "{bad:?} parsed");
         }
         assert!(parse_line(&"x".repeat(MAX_LINE + 10)).is_err());
@@ -671,7 +721,9 @@ mod tests {
                 let req = parse_line(&l).unwrap();
                 let reply = match req.cmd() {
                     "init" => HELLO[0].unwrap().to_string(),
-                    "get_maxes" => "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=32\n".into(),
+                    "get_maxes" => {
+                        "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=32\n".into()
+                    }
                     "get_appnum" => HELLO[2].unwrap().to_string(),
                     "get_my_kvsname" => HELLO[3].unwrap().to_string(),
                     "barrier_in" => "cmd=barrier_out rc=0\n".into(),
@@ -691,7 +743,9 @@ mod tests {
             }
         });
         let mut p = Pmi::over_socket(a, 0, 1, Duration::from_secs(10)).unwrap();
-        let long: String = (0..200).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let long: String = (0..200)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
         let long = format!("{long} with spaces = and %");
         p.put("addr", &long).unwrap();
         p.fence().unwrap();

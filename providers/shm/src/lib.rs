@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft::bootstrap::Bootstrap;
 use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
-use weft::{Error, Rank, Result};
+use weft::{Error, ErrorDetail, Rank, Result};
 
 weft::param!(CHUNK: Size = "shm", "CHUNK", "32K",
     "largest active-message payload: the eager limit and the rendezvous chunk (see docs/benchmarks.md)");
@@ -79,25 +79,25 @@ impl Config {
         let ring = RING.get_size()?;
         let cells = CELLS.get_u64()? as usize;
         if !(1024..=(4 << 20)).contains(&chunk) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: CHUNK.env_name(),
                 value: CHUNK.raw(),
                 expected: "a size from 1K to 4M".into(),
-            });
+            }));
         }
         if ring < 2 * chunk {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: RING.env_name(),
                 value: RING.raw(),
                 expected: format!("at least twice WEFT_SHM_CHUNK ({} bytes)", 2 * chunk),
-            });
+            }));
         }
         if !(2..=1 << 20).contains(&cells) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: CELLS.env_name(),
                 value: CELLS.raw(),
                 expected: "2 to 1048576 cells".into(),
-            });
+            }));
         }
         let kind = match QUEUE.get_enum()? {
             "mpsc" => Kind::Mpsc,
@@ -152,10 +152,10 @@ impl Shm {
     fn open_with(boot: &mut dyn Bootstrap, cfg: &Config) -> Result<Self> {
         let nodes = boot.nodes().clone();
         if nodes.hosts() > 1 {
-            return Err(Error::ProviderUnavailable {
+            return Err(Error::from(ErrorDetail::ProviderUnavailable {
                 requested: "shm".into(),
                 details: "ranks on other hosts are unreachable through shared memory".into(),
-            });
+            }));
         }
         let rank = boot.rank();
         let size = boot.size();
@@ -182,16 +182,19 @@ impl Shm {
         };
         // Everyone passes the fence, even if creation failed, so nobody hangs on it.
         let created_ok = created.as_ref().is_none_or(|r| r.is_ok());
-        boot.put(&format!("shm.ok.{rank}"), if created_ok { "1" } else { "0" })?;
+        boot.put(
+            &format!("shm.ok.{rank}"),
+            if created_ok { "1" } else { "0" },
+        )?;
         boot.fence()?;
         let first = locals[0];
         let mut seg = match created {
             Some(r) => r?,
             None => {
                 if boot.get(&format!("shm.ok.{first}"))? != "1" {
-                    return Err(Error::Bootstrap(format!(
+                    return Err(Error::from(ErrorDetail::Bootstrap(format!(
                         "rank {first} could not create the shared segment {name}"
-                    )));
+                    ))));
                 }
                 Segment::open(&name)?
             }
@@ -258,7 +261,8 @@ impl Shm {
                 }
             };
             let from = meta.src as usize;
-            let ds = (from < nlocal).then(|| (&mut self.data[from], self.seg.pair_tail(from, me), nunits));
+            let ds = (from < nlocal)
+                .then(|| (&mut self.data[from], self.seg.pair_tail(from, me), nunits));
             queue::release(cells, pos, &meta, ds);
             match src {
                 Some(s) => self.recv_pos[s] += 1,
@@ -337,7 +341,12 @@ impl Provider for Shm {
         self.size
     }
 
-    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
+    fn am_send(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+    ) -> Result<SendOutcome> {
         let total: usize = payload.iter().map(|s| s.len()).sum();
         if header.len() > MAX_HEADER || total > self.caps.max_am_payload {
             return Err(Error::invalid(format!(
@@ -357,15 +366,15 @@ impl Provider for Shm {
         let li = match self.local_of.get(dest as usize) {
             Some(&l) if l != u32::MAX => l as usize,
             Some(_) => {
-                return Err(Error::Unsupported(format!(
+                return Err(Error::from(ErrorDetail::Unsupported(format!(
                     "rank {dest} is on another host; shm reaches only ranks on this host"
-                )))
+                ))))
             }
             None => {
-                return Err(Error::InvalidRank {
+                return Err(Error::from(ErrorDetail::InvalidRank {
                     rank: dest as i64,
                     size: self.size,
-                })
+                }))
             }
         };
         if self.failed[li] {

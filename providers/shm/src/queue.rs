@@ -166,7 +166,8 @@ fn write_data(data: &[Unit], p: Plan, parts: &[&[u8]]) {
             bytes.extend_from_slice(part);
         }
         for (k, chunk) in bytes.chunks(UNIT).enumerate() {
-            data[first + k].with_mut(|u| unsafe { (&mut *u)[..chunk.len()].copy_from_slice(chunk) });
+            data[first + k]
+                .with_mut(|u| unsafe { (&mut *u)[..chunk.len()].copy_from_slice(chunk) });
         }
     }
 }
@@ -358,7 +359,10 @@ fn read_inline(cell: &Cell, at: usize, len: usize) -> Cow<'_, [u8]> {
     }
     #[cfg(loom)]
     {
-        Cow::Owned(cell.inline.with(|b| unsafe { (&*b)[at..at + len].to_vec() }))
+        Cow::Owned(
+            cell.inline
+                .with(|b| unsafe { (&*b)[at..at + len].to_vec() }),
+        )
     }
 }
 
@@ -510,7 +514,17 @@ mod loom_tests {
                     let mut st = SendState::default();
                     for i in 0..2u8 {
                         let m = [src as u8, i];
-                        while !mpsc_send(&q.enq, &q.cells, &q.data, &q.tail, &mut st, src, &[], &[&m], 2) {
+                        while !mpsc_send(
+                            &q.enq,
+                            &q.cells,
+                            &q.data,
+                            &q.tail,
+                            &mut st,
+                            src,
+                            &[],
+                            &[&m],
+                            2,
+                        ) {
                             thread::yield_now();
                         }
                     }
@@ -553,7 +567,16 @@ mod loom_tests {
             let q = p.clone();
             let prod = thread::spawn(move || {
                 let mut st = SendState::default();
-                assert!(ring_send(&q.cells, &q.data, &q.tail, &mut st, 0, &[7], &[], 0));
+                assert!(ring_send(
+                    &q.cells,
+                    &q.data,
+                    &q.tail,
+                    &mut st,
+                    0,
+                    &[7],
+                    &[],
+                    0
+                ));
                 ring_bell(&q.bell, 0);
             });
             clear_bell(&p.bell, 0);

@@ -5,7 +5,7 @@
 use crate::queue::{Cell, Line, Unit, CELL_SIZE, UNIT};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
-use weft::{Error, Result};
+use weft::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
 
@@ -114,7 +114,13 @@ unsafe impl Send for Segment {}
 pub fn segment_name(job: &str, host: u32) -> String {
     let clean: String = job
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .take(180)
         .collect();
     format!("/weft-{clean}-h{host}")
@@ -174,7 +180,9 @@ impl Segment {
         if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) < 4096 {
             // SAFETY: closing our own fd.
             unsafe { libc::close(fd) };
-            return Err(Error::Bootstrap(format!("shared memory {name} is missing or too small")));
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                "shared memory {name} is missing or too small"
+            ))));
         }
         let mut seg = Segment {
             base: std::ptr::null_mut(),
@@ -190,14 +198,18 @@ impl Segment {
         r?;
         let h = seg.header();
         if h.magic.load(Ordering::Acquire) != MAGIC || h.version != 1 {
-            return Err(Error::Bootstrap(format!(
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "shared memory {name} is not an initialised weft segment"
-            )));
+            ))));
         }
         let kind = match h.kind {
             1 => Kind::Ring,
             2 => Kind::Mpsc,
-            k => return Err(Error::Bootstrap(format!("unknown queue kind {k} in {name}"))),
+            k => {
+                return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                    "unknown queue kind {k} in {name}"
+                ))))
+            }
         };
         let lay = Layout::new(
             h.nlocal as usize,
@@ -207,7 +219,9 @@ impl Segment {
             kind,
         );
         if lay.total != h.total as usize || lay.total > seg.lay.total {
-            return Err(Error::Bootstrap(format!("shared memory {name} has an inconsistent layout")));
+            return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                "shared memory {name} has an inconsistent layout"
+            ))));
         }
         seg.lay = lay;
         Ok(seg)
@@ -338,13 +352,21 @@ impl Segment {
     }
 
     pub fn pair_cells(&self, s: usize, r: usize) -> &[Cell] {
-        let n = if self.lay.kind == Kind::Ring { self.lay.ncells } else { 0 };
+        let n = if self.lay.kind == Kind::Ring {
+            self.lay.ncells
+        } else {
+            0
+        };
         // SAFETY: within the pair region.
         unsafe { self.slice::<Cell>(self.pair_off(s, r) + 64, n) }
     }
 
     pub fn pair_data(&self, s: usize, r: usize) -> &[Unit] {
-        let cells = if self.lay.kind == Kind::Ring { self.lay.ncells } else { 0 };
+        let cells = if self.lay.kind == Kind::Ring {
+            self.lay.ncells
+        } else {
+            0
+        };
         // SAFETY: within the pair region.
         unsafe {
             self.slice::<Unit>(

@@ -137,7 +137,10 @@ mod tests {
         assert_eq!(decode(&b, LIM), Err(FrameError::HeaderTooLong(65, 64)));
         b[2] = 0;
         b[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(decode(&b, LIM), Err(FrameError::PayloadTooLong(..))));
+        assert!(matches!(
+            decode(&b, LIM),
+            Err(FrameError::PayloadTooLong(..))
+        ));
         b[0] = 9;
         assert_eq!(decode(&b, LIM), Err(FrameError::Version(9)));
         b[0] = VERSION;

@@ -24,7 +24,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 use weft::bootstrap::Bootstrap;
 use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
-use weft::{Error, Rank, Result};
+use weft::{Error, ErrorDetail, Rank, Result};
 
 weft::param!(BIND: Str = "tcp-sim", "BIND", "auto",
     "address or interface to listen on (auto: loopback when every rank is on this host, else the first non-loopback IPv4 address)");
@@ -59,19 +59,19 @@ impl Config {
     fn from_env() -> Result<Config> {
         let chunk = CHUNK.get_size()?;
         if !(4096..=(64 << 20)).contains(&chunk) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: CHUNK.env_name(),
                 value: CHUNK.raw(),
                 expected: "a size from 4K to 64M".into(),
-            });
+            }));
         }
         let bw = BW_MBPS.get_f64()?;
         if !(bw >= 0.0 && bw.is_finite()) {
-            return Err(Error::Param {
+            return Err(Error::from(ErrorDetail::Param {
                 var: BW_MBPS.env_name(),
                 value: BW_MBPS.raw(),
                 expected: "a non-negative rate in MB/s".into(),
-            });
+            }));
         }
         Ok(Config {
             bind: BIND.get_str(),
@@ -138,21 +138,21 @@ fn bind_ip(spec: &str, one_host: bool) -> Result<IpAddr> {
             return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
         }
         return interface_addr(None).map(IpAddr::V4).ok_or_else(|| {
-            Error::Unsupported(
+            Error::from(ErrorDetail::Unsupported(
                 "no up, non-loopback IPv4 interface to listen on; set WEFT_TCP_SIM_BIND".into(),
-            )
+            ))
         });
     }
     if let Ok(ip) = s.parse::<IpAddr>() {
         return Ok(ip);
     }
-    interface_addr(Some(s))
-        .map(IpAddr::V4)
-        .ok_or_else(|| Error::Param {
+    interface_addr(Some(s)).map(IpAddr::V4).ok_or_else(|| {
+        Error::from(ErrorDetail::Param {
             var: BIND.env_name(),
             value: s.into(),
             expected: "auto, an IP address or an interface with an IPv4 address".into(),
         })
+    })
 }
 
 enum Role {
@@ -274,8 +274,11 @@ impl TcpSim {
             .into_iter()
             .enumerate()
             .map(|(r, a)| {
-                a.parse::<SocketAddr>()
-                    .map_err(|_| Error::Bootstrap(format!("rank {r} published a bad address '{a}'")))
+                a.parse::<SocketAddr>().map_err(|_| {
+                    Error::from(ErrorDetail::Bootstrap(format!(
+                        "rank {r} published a bad address '{a}'"
+                    )))
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let sim = cfg.simulating().then(|| Sim {
@@ -330,7 +333,11 @@ impl TcpSim {
         let _ = stream.set_nodelay(true);
         self.poll
             .registry()
-            .register(&mut stream, Token(slot), Interest::READABLE | Interest::WRITABLE)
+            .register(
+                &mut stream,
+                Token(slot),
+                Interest::READABLE | Interest::WRITABLE,
+            )
             .map_err(|e| Error::io("registering a connection", e))?;
         let cap = self.rx_capacity();
         self.conns[slot] = Some(Conn {
@@ -614,7 +621,9 @@ impl TcpSim {
             let mut failed = None;
             {
                 let p = &mut self.peers[r as usize];
-                let c = self.conns[slot].as_mut().expect("established connection exists");
+                let c = self.conns[slot]
+                    .as_mut()
+                    .expect("established connection exists");
                 while let Some(f) = p.outq.front_mut() {
                     if let (Some(d), Some(n)) = (f.due, now) {
                         if d > n {
@@ -666,7 +675,12 @@ impl Provider for TcpSim {
         self.size
     }
 
-    fn am_send(&mut self, dest: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<SendOutcome> {
+    fn am_send(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+    ) -> Result<SendOutcome> {
         let total: usize = payload.iter().map(|s| s.len()).sum();
         if header.len() > MAX_HEADER || total > self.cfg.chunk {
             return Err(Error::invalid(format!(
@@ -676,10 +690,10 @@ impl Provider for TcpSim {
             )));
         }
         if dest >= self.size {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(ErrorDetail::InvalidRank {
                 rank: dest as i64,
                 size: self.size,
-            });
+            }));
         }
         if dest == self.rank {
             let mut d = Vec::with_capacity(total);
@@ -709,7 +723,9 @@ impl Provider for TcpSim {
             iov.push(IoSlice::new(&fh));
             iov.push(IoSlice::new(header));
             iov.extend(payload.iter().map(|s| IoSlice::new(s)));
-            let c = self.conns[slot].as_mut().expect("established connection exists");
+            let c = self.conns[slot]
+                .as_mut()
+                .expect("established connection exists");
             match c.stream.write_vectored(&iov) {
                 Ok(n) if n == flen => return Ok(SendOutcome::Sent),
                 Ok(n) => written = n,

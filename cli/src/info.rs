@@ -24,7 +24,7 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
             f.name(),
             f.version(),
             f.priority(),
-            f.origin(),
+            f.origin().to_string(),
             f.summary()
         )
         .unwrap();

@@ -69,8 +69,6 @@ pub struct Outcome {
     /// The launcher's exit code: 0, the worst rank exit code, 128+signal, or 1 for a job the
     /// launcher ended (abort, protocol error, timeout).
     pub code: i32,
-    /// Each rank's exit status.
-    pub statuses: Vec<Option<ExitStatus>>,
     /// Captured stdout per rank (when `capture`).
     pub stdout: Vec<Vec<u8>>,
     /// Why the launcher ended the job, if it did.
@@ -698,7 +696,6 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
     }
     Ok(Outcome {
         code,
-        statuses,
         stdout: captured
             .iter()
             .map(|c| std::mem::take(&mut *c.lock().unwrap_or_else(|e| e.into_inner())))

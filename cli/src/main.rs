@@ -66,7 +66,7 @@ enum Cmd {
     },
     /// Benchmark providers side by side: TESTS is a comma-separated list of latency, bw, bibw,
     /// mr, alltoall.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// (internal) The rank side of a bench job.
     #[command(hide = true)]
     BenchRank {

@@ -30,14 +30,13 @@ use std::time::{Duration, Instant};
 /// Header bytes the core needs from every provider.
 pub const MIN_AM_HEADER: usize = 64;
 
-// Active-message handler ids (first header byte). 16.. are the RMA module's.
+// Active-message handler ids (first header byte).
 const H_EAGER: u8 = 1;
 const H_RTS: u8 = 2;
 const H_CTS: u8 = 3;
 const H_DATA: u8 = 4;
 const H_FIN: u8 = 5;
 const H_SACK: u8 = 6;
-pub(crate) const H_RMA_FIRST: u8 = 16;
 
 const F_SYNC: u8 = 1;
 const F_REMOTE: u8 = 2;
@@ -278,8 +277,6 @@ enum Kind {
         buf: RecvBuf,
         tmp: Option<Vec<u8>>,
     },
-    /// Completion of an RMA-module operation.
-    Rma,
 }
 
 #[derive(Debug)]
@@ -372,8 +369,6 @@ enum Out {
     /// A queued eager send; header and payload come from the request.
     Eager(ReqId),
     Ctrl(Hdr),
-    /// An RMA-module message with an owned payload.
-    Owned(Hdr, Vec<u8>),
 }
 
 /// Result of posting an operation.
@@ -406,7 +401,7 @@ impl Default for EngineConfig {
 }
 
 crate::param!(EAGER_LIMIT: Size = "", "EAGER_LIMIT", "0",
-    "eager/rendezvous switch-over in bytes (0: the provider's payload limit)");
+    "eager/rendezvous switch-over in bytes (0: the provider's own threshold)");
 crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
     "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
 crate::param!(POLL_SPIN: Uint = "", "POLL_SPIN", "1000",
@@ -434,7 +429,6 @@ impl EngineConfig {
 
 /// Core state: everything but the provider. It is the provider's [`Sink`].
 pub(crate) struct State {
-    pub(crate) rank: Rank,
     pub(crate) size: u32,
     pub(crate) caps: Caps,
     eager_limit: usize,
@@ -505,7 +499,6 @@ impl<P: Provider> Engine<P> {
             .min(caps.max_am_payload);
         let rma_read = caps.rma.is_some_and(|r| r.read);
         let st = State {
-            rank: p.rank(),
             size,
             eager_limit,
             chunk: caps.max_am_payload,
@@ -851,22 +844,6 @@ impl<P: Provider> Engine<P> {
                         let h = *h;
                         self.p.am_send(dest, h.bytes(), &[])?
                     }
-                    Out::Owned(h, _) => {
-                        let h = *h;
-                        // The payload is ours; move it out while sending to satisfy borrows.
-                        let data = std::mem::take(match self.st.outq[dest as usize].front_mut() {
-                            Some(Out::Owned(_, d)) => d,
-                            _ => unreachable!(),
-                        });
-                        let r = self.p.am_send(dest, h.bytes(), &[IoSlice::new(&data)])?;
-                        if r == SendOutcome::Busy {
-                            if let Some(Out::Owned(_, d)) = self.st.outq[dest as usize].front_mut()
-                            {
-                                *d = data;
-                            }
-                        }
-                        r
-                    }
                     Out::Eager(id) => {
                         let id = *id;
                         match self.st.reqs.get(id) {
@@ -1170,14 +1147,6 @@ impl<P: Provider> Engine<P> {
     pub(crate) fn live_requests(&self) -> usize {
         self.st.reqs.live
     }
-
-    pub(crate) fn new_rma_request(&mut self, scope: u64) -> ReqId {
-        self.st.reqs.insert(Req {
-            scope,
-            done: None,
-            kind: Kind::Rma,
-        })
-    }
 }
 
 fn cancelled_status() -> Status {
@@ -1249,25 +1218,12 @@ unsafe fn raw_slice<'a>(pc: &RawIov) -> &'a [u8] {
 // ---------------------------------------------------------------------------------- handlers
 
 impl State {
-    pub(crate) fn push_out(&mut self, dest: Rank, o: Out) {
+    fn push_out(&mut self, dest: Rank, o: Out) {
         self.outq[dest as usize].push_back(o);
         if !self.out_flag[dest as usize] {
             self.out_flag[dest as usize] = true;
             self.out_pending.push(dest);
         }
-    }
-
-    /// Queue an RMA-module message with an owned payload.
-    pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, payload: Vec<u8>) {
-        self.push_out(dest, Out::Owned(h, payload));
-    }
-
-    pub(crate) fn push_ctrl(&mut self, dest: Rank, h: Hdr) {
-        self.push_out(dest, Out::Ctrl(h));
-    }
-
-    pub(crate) fn is_failed(&self, r: Rank) -> Option<&str> {
-        self.failed.get(r as usize).and_then(|f| f.as_deref())
     }
 
     fn set_send_phase(&mut self, id: ReqId, phase: SendPhase) {
@@ -1552,7 +1508,6 @@ impl State {
                     RecvPhase::Stream { src, .. } | RecvPhase::Reading { src, .. } => *src == rank,
                 },
                 Kind::NRecv { src, .. } => *src == Some(rank) || (src.is_none() && all_others_gone),
-                Kind::Rma => false,
             };
             if hit {
                 if let Kind::Recv(RecvReq {
@@ -1658,9 +1613,6 @@ impl Sink for State {
                     Err(e) => Err(e),
                 };
                 self.finish(token, res);
-            }
-            Kind::Rma => {
-                self.finish(token, result.map(|_| status(0, 0, 0)));
             }
             _ => tracing::warn!(token, "unexpected completion"),
         }

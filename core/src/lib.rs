@@ -129,3 +129,8 @@ pub fn init_static<P: StaticProvider>() -> Result<World<P>> {
     let p = P::open(boot.as_mut())?;
     comm::world_from(p, boot)
 }
+
+/// The README's code, compiled and run as a doctest so it stays true.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -328,14 +328,12 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
 /// Parse `fi_pingpong` output: the last data row
 /// `bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec`; returns usec/xfer (one-way).
 pub fn parse_fi(text: &str) -> Option<f64> {
-    text.lines()
-        .filter_map(|l| {
-            let c: Vec<&str> = l.split_whitespace().collect();
-            (c.len() == 8 && c[0] != "bytes")
-                .then(|| c[6].parse::<f64>().ok())
-                .flatten()
-        })
-        .last()
+    text.lines().rev().find_map(|l| {
+        let c: Vec<&str> = l.split_whitespace().collect();
+        (c.len() == 8 && c[0] != "bytes")
+            .then(|| c[6].parse::<f64>().ok())
+            .flatten()
+    })
 }
 
 fn run_ofi(prov: &str, ep: &str, t: Test, s: usize) -> Result<f64, String> {

@@ -16,7 +16,6 @@ use baseline::Baseline;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::time::Duration;
 use tests::{fmt_size, Test};
 
@@ -431,7 +430,7 @@ pub fn to_csv(report: &Report) -> String {
 }
 
 /// Plot panels from a report.
-pub fn plot_report(plan: &Plan, report: &Report, path: &PathBuf) -> Result<(), String> {
+pub fn plot_report(plan: &Plan, report: &Report, path: &std::path::Path) -> Result<(), String> {
     let panels: Vec<(Test, Vec<plot::Series>)> = plan
         .tests
         .iter()

@@ -748,10 +748,7 @@ impl Provider for TcpSim {
         for s in payload {
             data.extend_from_slice(s);
         }
-        let due = match self.sim.as_mut() {
-            Some(sim) => Some(sim.due(p, flen)),
-            None => None,
-        };
+        let due = self.sim.as_mut().map(|sim| sim.due(p, flen));
         p.out_bytes += flen;
         p.outq.push_back(OutFrame {
             data,

@@ -1,0 +1,231 @@
+//! Interop with MPICH's Hydra (`mpiexec.hydra`, PMI-1 over PMI_FD) and a two-host run across
+//! two network namespaces joined by a veth pair.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Make sure `mpiexec.hydra` exists, installing Debian's `mpich` when it is missing.
+/// `None` (with the reason printed) only where installing is impossible.
+fn hydra() -> Option<PathBuf> {
+    let find = || {
+        ["/usr/bin/mpiexec.hydra", "/usr/local/bin/mpiexec.hydra"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+    };
+    if let Some(p) = find() {
+        return Some(p);
+    }
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new("/usr/bin/apt-get").exists() {
+        eprintln!("SKIP: mpiexec.hydra is missing and this machine cannot install mpich (not root or no apt-get)");
+        return None;
+    }
+    let sh = "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mpich";
+    let o = run_bounded(Command::new("sh").args(["-c", sh]), 900);
+    if !o.status.success() {
+        eprintln!("SKIP: installing mpich failed: {}", stderr(&o));
+        return None;
+    }
+    find()
+}
+
+#[test]
+fn hydra_runs_ring_over_every_process_provider() {
+    let Some(mpiexec) = hydra() else { return };
+    let ring = example("weft", "ring");
+    for p in ["shm", "tcp-sim"] {
+        let o = run_bounded(
+            Command::new(&mpiexec)
+                .args(["-n", "4", "-genv", "WEFT_PROVIDER", p])
+                .arg(&ring),
+            120,
+        );
+        assert!(o.status.success(), "{p}: {}\n{}", stdout(&o), stderr(&o));
+        assert!(
+            stdout(&o).contains(&format!("ring: ok over 4 ranks on 1 host(s), provider {p}")),
+            "{}",
+            stdout(&o)
+        );
+    }
+    assert!(
+        shm_leftovers().is_empty(),
+        "left in /dev/shm: {:?}",
+        shm_leftovers()
+    );
+}
+
+/// Two network namespaces joined by a veth pair; removed on drop.
+struct TwoHosts {
+    ns: [String; 2],
+    ip: [String; 2],
+    dir: PathBuf,
+}
+
+impl TwoHosts {
+    fn create() -> Result<TwoHosts, String> {
+        let id = std::process::id();
+        let net = 16 + id % 200;
+        let ns = [format!("wefta{id}"), format!("weftb{id}")];
+        let ip = [format!("10.{net}.7.1"), format!("10.{net}.7.2")];
+        let (va, vb) = (format!("wa{id}"), format!("wb{id}"));
+        let t = TwoHosts {
+            ns: ns.clone(),
+            ip: ip.clone(),
+            dir: std::env::temp_dir().join(format!("weft-netns-{id}")),
+        };
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), ns[0].clone()],
+            vec!["netns".into(), "add".into(), ns[1].clone()],
+            vec![
+                "link".into(),
+                "add".into(),
+                va.clone(),
+                "type".into(),
+                "veth".into(),
+                "peer".into(),
+                "name".into(),
+                vb.clone(),
+            ],
+            vec![
+                "link".into(),
+                "set".into(),
+                va.clone(),
+                "netns".into(),
+                ns[0].clone(),
+            ],
+            vec![
+                "link".into(),
+                "set".into(),
+                vb.clone(),
+                "netns".into(),
+                ns[1].clone(),
+            ],
+            vec![
+                "-n".into(),
+                ns[0].clone(),
+                "addr".into(),
+                "add".into(),
+                format!("{}/24", ip[0]),
+                "dev".into(),
+                va.clone(),
+            ],
+            vec![
+                "-n".into(),
+                ns[1].clone(),
+                "addr".into(),
+                "add".into(),
+                format!("{}/24", ip[1]),
+                "dev".into(),
+                vb.clone(),
+            ],
+            vec![
+                "-n".into(),
+                ns[0].clone(),
+                "link".into(),
+                "set".into(),
+                va,
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                ns[1].clone(),
+                "link".into(),
+                "set".into(),
+                vb,
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                ns[0].clone(),
+                "link".into(),
+                "set".into(),
+                "lo".into(),
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                ns[1].clone(),
+                "link".into(),
+                "set".into(),
+                "lo".into(),
+                "up".into(),
+            ],
+        ];
+        for s in steps {
+            let o = run_bounded(Command::new("ip").args(&s), 30);
+            if !o.status.success() {
+                return Err(format!("ip {}: {}", s.join(" "), stderr(&o).trim()));
+            }
+        }
+        std::fs::create_dir_all(&t.dir).map_err(|e| e.to_string())?;
+        // Hydra's launcher calls `LAUNCHER -x HOST "proxy command" args...` as it would ssh.
+        let script = format!(
+            "#!/bin/sh\n[ \"$1\" = \"-x\" ] && shift\nhost=$1; shift\ncase $host in\n  {}) ns={};;\n  {}) ns={};;\n  *) echo \"unknown host $host\" >&2; exit 1;;\nesac\nexec ip netns exec $ns sh -c \"$*\"\n",
+            ip[0], ns[0], ip[1], ns[1]
+        );
+        let path = t.dir.join("launcher");
+        std::fs::write(&path, script).map_err(|e| e.to_string())?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        Ok(t)
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for n in &self.ns {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn two_namespaces_are_two_hosts() {
+    let Some(mpiexec) = hydra() else { return };
+    let hosts = match TwoHosts::create() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("SKIP: this machine does not allow network namespaces here: {e}");
+            return;
+        }
+    };
+    let ring = example("weft", "ring");
+    let run = |extra: &[&str]| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &hosts.ns[0]])
+            .arg(&mpiexec)
+            .args(["-launcher", "ssh", "-launcher-exec"])
+            .arg(hosts.dir.join("launcher"))
+            .args(["-localhost", &hosts.ip[0]])
+            .args(["-hosts", &format!("{},{}", hosts.ip[0], hosts.ip[1])])
+            .args(["-ppn", "2", "-n", "4"])
+            .args(extra)
+            .arg(&ring);
+        run_bounded(&mut c, 180)
+    };
+    // Default selection: shared memory cannot span the hosts, so tcp-sim carries the job.
+    let o = run(&[]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("ring: ok over 4 ranks on 2 host(s), provider tcp-sim"),
+        "{out}"
+    );
+    assert!(
+        out.contains("on host 0 ok=true") && out.contains("on host 1 ok=true"),
+        "{out}"
+    );
+    // Asking for shm across hosts is a clear error, not a hang.
+    let o = run(&["-genv", "WEFT_PROVIDER", "shm"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("shared memory reaches only ranks on one host"),
+        "{}",
+        stderr(&o)
+    );
+}

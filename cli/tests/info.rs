@@ -1,0 +1,75 @@
+//! `weft info` and `weft info -e`, snapshot-tested with a clean environment.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn weft_clean() -> Command {
+    let mut c = Command::new(weft());
+    c.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default());
+    c
+}
+
+#[test]
+fn info_lists_providers() {
+    let o = run_bounded(weft_clean().arg("info"), 30);
+    assert!(o.status.success(), "{}", stderr(&o));
+    insta::assert_snapshot!(stdout(&o));
+}
+
+#[test]
+fn info_env_lists_parameters() {
+    let o = run_bounded(weft_clean().args(["info", "-e"]), 30);
+    assert!(o.status.success(), "{}", stderr(&o));
+    insta::assert_snapshot!(stdout(&o));
+}
+
+#[test]
+fn info_env_reports_bad_values() {
+    let o = run_bounded(
+        weft_clean()
+            .args(["info", "-e"])
+            .env("WEFT_SHM_CHUNK", "lots"),
+        30,
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stdout(&o).contains("ERROR: bad value for WEFT_SHM_CHUNK='lots': expected a size in bytes"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn unknown_provider_fails_and_lists_providers() {
+    let o = run_bounded(weft_clean().arg("info").env("WEFT_PROVIDER", "nope"), 30);
+    assert_eq!(o.status.code(), Some(2));
+    insta::assert_snapshot!(stderr(&o));
+}
+
+#[test]
+fn provider_selection_is_shown() {
+    let o = run_bounded(weft_clean().arg("info").env("WEFT_PROVIDER", "^shm"), 30);
+    assert!(o.status.success());
+    assert!(
+        stdout(&o).contains("WEFT_PROVIDER selects, in order: tcp-sim, loopback"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn every_parameter_is_documented() {
+    let o = run_bounded(weft_clean().args(["info", "-e"]), 30);
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/environment.md"),
+    )
+    .expect("docs/environment.md");
+    let missing: Vec<String> = stdout(&o)
+        .lines()
+        .filter_map(|l| l.split_once(" = ").map(|(k, _)| k.to_string()))
+        .filter(|k| k.starts_with("WEFT_") && !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(missing.is_empty(), "docs/environment.md lacks {missing:?}");
+}

@@ -280,7 +280,7 @@ mod tests {
         let o = bytemuck::cast_slice::<i32, u8>(&[5, 7, 3]).to_vec();
         apply_op(Op::Sum, BasicType::I32, &mut t, &o).unwrap();
         assert_eq!(bytemuck::cast_slice::<u8, i32>(&t), &[6, 5, 3]);
-        apply_op(Op::Land, BasicType::I32, &mut t, &[0u8; 12][..].to_vec()).unwrap();
+        apply_op(Op::Land, BasicType::I32, &mut t, &[0u8; 12]).unwrap();
         assert_eq!(bytemuck::cast_slice::<u8, i32>(&t), &[0, 0, 0]);
         let mut f = bytemuck::cast_slice::<f64, u8>(&[1.5, 2.0]).to_vec();
         let g = bytemuck::cast_slice::<f64, u8>(&[0.5, 9.0]).to_vec();

@@ -166,7 +166,7 @@ fn truncation<P: Provider>(c: &Comm<P>) {
         if c.rank() == 0 {
             c.send(&pattern(n, 1), 1, tag).unwrap();
         } else {
-            let mut buf = vec![0xEEu8; 64];
+            let mut buf = [0xEEu8; 64];
             let e = c.recv(&mut buf[..10], 0, tag).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Truncated);
             let (status, capacity) = e.truncated().expect("a truncation error");

@@ -104,6 +104,21 @@ impl<'a> Rd<'a> {
         self.at += 8;
         Some(u64::from_le_bytes(v.try_into().ok()?))
     }
+    /// The next `n` bytes.
+    pub(crate) fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        let v = self.b.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(v)
+    }
+    /// Everything not read yet.
+    pub(crate) fn rest(&mut self) -> &'a [u8] {
+        let v = &self.b[self.at.min(self.b.len())..];
+        self.at = self.b.len();
+        v
+    }
+    pub(crate) fn remaining(&self) -> usize {
+        self.b.len().saturating_sub(self.at)
+    }
 }
 
 /// The memory layout of a message buffer.
@@ -365,10 +380,15 @@ enum Unexp {
     },
 }
 
-enum Out {
+pub(crate) enum Out {
     /// A queued eager send; header and payload come from the request.
     Eager(ReqId),
     Ctrl(Hdr),
+    /// Header and an owned payload (RMA replies, aggregated batches).
+    Owned(Hdr, Vec<u8>),
+    /// Header and a payload in user memory that stays valid until the outbox is drained (RMA
+    /// origin buffers, borrowed by their epoch, which drains the outbox before it ends).
+    Raw(Hdr, RawIov),
 }
 
 /// Result of posting an operation.
@@ -444,6 +464,7 @@ pub(crate) struct State {
     deregs: Vec<MemRegion>,
     failed: Vec<Option<String>>,
     nfailed: u32,
+    pub(crate) rma: crate::rma::RmaState,
     /// Finalize passed its barrier: peers going away now is expected.
     pub(crate) closing: bool,
     scratch: Vec<u8>,
@@ -514,6 +535,7 @@ impl<P: Provider> Engine<P> {
             deregs: Vec::new(),
             failed: vec![None; size as usize],
             nfailed: 0,
+            rma: Default::default(),
             closing: false,
             scratch: Vec::new(),
         };
@@ -843,6 +865,14 @@ impl<P: Provider> Engine<P> {
                     Out::Ctrl(h) => {
                         let h = *h;
                         self.p.am_send(dest, h.bytes(), &[])?
+                    }
+                    Out::Owned(h, data) => {
+                        self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)])?
+                    }
+                    Out::Raw(h, r) => {
+                        // SAFETY: see `Out::Raw`: the memory outlives the queued message.
+                        let data = unsafe { raw_slice(r) };
+                        self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)])?
                     }
                     Out::Eager(id) => {
                         let id = *id;
@@ -1218,7 +1248,20 @@ unsafe fn raw_slice<'a>(pc: &RawIov) -> &'a [u8] {
 // ---------------------------------------------------------------------------------- handlers
 
 impl State {
-    fn push_out(&mut self, dest: Rank, o: Out) {
+    /// Nothing queued for sending and no rendezvous stream running.
+    pub(crate) fn out_idle(&self) -> bool {
+        self.out_pending.is_empty() && self.streams.is_empty()
+    }
+
+    pub(crate) fn push_ctrl(&mut self, dest: Rank, h: Hdr) {
+        self.push_out(dest, Out::Ctrl(h));
+    }
+
+    pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, data: Vec<u8>) {
+        self.push_out(dest, Out::Owned(h, data));
+    }
+
+    pub(crate) fn push_out(&mut self, dest: Rank, o: Out) {
         self.outq[dest as usize].push_back(o);
         if !self.out_flag[dest as usize] {
             self.out_flag[dest as usize] = true;
@@ -1531,6 +1574,7 @@ impl State {
                 affected += 1;
             }
         }
+        self.rma.peer_failed(rank, reason);
         // A peer that leaves while nothing waits for it has most likely finished normally.
         if affected > 0 && !self.closing {
             tracing::warn!(rank, affected, "peer failed: {reason}");
@@ -1555,6 +1599,7 @@ impl Sink for State {
             Some(H_DATA) => self.on_data(src, &mut rd, payload),
             Some(H_FIN) => self.on_fin(src, &mut rd),
             Some(H_SACK) => self.on_sack(src, &mut rd),
+            Some(k) if k >= crate::rma::H_PUT => crate::rma::on_am(self, src, k, &mut rd, payload),
             _ => None,
         };
         if ok.is_none() {
@@ -1563,6 +1608,10 @@ impl Sink for State {
     }
 
     fn complete(&mut self, token: Token, result: Result<Completed>) {
+        if token & crate::rma::RMA_TOKEN != 0 {
+            self.rma.complete(token, result.map(|_| ()));
+            return;
+        }
         let Some(req) = self.reqs.get_mut(token) else {
             tracing::warn!(token, "completion for an unknown operation");
             return;

@@ -33,8 +33,10 @@ pub mod matching;
 pub mod param;
 pub mod provider;
 pub mod registry;
+mod rma;
 pub mod testing;
 pub mod types;
+mod window;
 
 pub use comm::{
     waitall, waitany, Comm, Request, Scope, Source, Status, TagSel, World, ANY_SOURCE, ANY_TAG,
@@ -45,6 +47,7 @@ pub use engine::EngineConfig;
 pub use error::{Error, ErrorDetail, ErrorKind, Result};
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
 pub use types::{BasicType, Element, Op, Rank};
+pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinInfo, Window};
 
 #[doc(hidden)]
 pub use linkme as __linkme;

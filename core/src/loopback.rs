@@ -11,8 +11,8 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::provider::{
-    Access, Caps, Completed, MemRegion, ProbeContext, Provider, RawIovMut, RemoteAddr, RmaCaps,
-    SendOutcome, Sink, StaticProvider, Token,
+    Access, Caps, Completed, MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr,
+    RmaCaps, SendOutcome, Sink, StaticProvider, Token,
 };
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};
@@ -61,17 +61,19 @@ struct Mailbox {
 }
 
 struct Region {
-    owner: Rank,
     base: usize,
     len: usize,
     access: Access,
+    /// Addressed by offset (scalable registration) rather than by absolute address.
+    keyed: bool,
 }
 
 struct Fabric {
     boxes: Vec<Mailbox>,
     alive: Vec<AtomicBool>,
     deaths: AtomicU64,
-    regions: Mutex<HashMap<u64, Region>>,
+    /// Registered memory by (owner rank, key).
+    regions: Mutex<HashMap<(Rank, u64), Region>>,
     next_key: AtomicU64,
 }
 
@@ -130,9 +132,9 @@ impl Loopback {
         if cfg.rma {
             caps.rma = Some(RmaCaps {
                 read: true,
-                write: false,
+                write: true,
                 max_iov: 16,
-                scalable_keys: false,
+                scalable_keys: true,
                 alloc: false,
             });
         }
@@ -155,7 +157,7 @@ impl Drop for Loopback {
         self.fab.alive[self.rank as usize].store(false, Ordering::Release);
         self.fab.deaths.fetch_add(1, Ordering::AcqRel);
         let mut regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
-        regs.retain(|_, r| r.owner != self.rank);
+        regs.retain(|k, _| k.0 != self.rank);
     }
 }
 
@@ -231,14 +233,21 @@ impl Provider for Loopback {
                 n += 1;
             }
         } else {
-            // Report ranks that exited, once everything they sent has been delivered.
+            // Report ranks that exited, once everything they sent has been delivered. Order
+            // matters: first learn who is dead (acquire, which makes everything they sent
+            // visible), then check the mailbox; a message that raced with our first look is
+            // delivered by the next call, and the deaths are reported after it.
             let d = self.fab.deaths.load(Ordering::Acquire);
             if d != self.seen_deaths {
-                self.seen_deaths = d;
-                for r in 0..self.size {
-                    if !self.reported[r as usize]
-                        && !self.fab.alive[r as usize].load(Ordering::Acquire)
-                    {
+                let dead: Vec<Rank> = (0..self.size)
+                    .filter(|r| {
+                        !self.reported[*r as usize]
+                            && !self.fab.alive[*r as usize].load(Ordering::Acquire)
+                    })
+                    .collect();
+                if mb.len.load(Ordering::Acquire) == 0 {
+                    self.seen_deaths = d;
+                    for r in dead {
                         self.reported[r as usize] = true;
                         sink.peer_failed(r, "rank exited");
                         n += 1;
@@ -255,31 +264,18 @@ impl Provider for Loopback {
         len: usize,
         access: Access,
     ) -> Result<MemRegion> {
-        if self.caps.rma.is_none() {
-            return Err(Error::from(ErrorDetail::Unsupported(
-                "loopback RMA is off (WEFT_LOOPBACK_RMA)".into(),
-            )));
-        }
-        let key = self.fab.next_key.fetch_add(1, Ordering::Relaxed);
-        self.fab
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                key,
-                Region {
-                    owner: self.rank,
-                    base: base as usize,
-                    len,
-                    access,
-                },
-            );
-        Ok(MemRegion {
-            key,
-            addr: base as u64,
-            len,
-            handle: key,
-        })
+        let key = self.fab.next_key.fetch_add(1, Ordering::Relaxed) | (1 << 62);
+        self.register(base, len, access, key, false)
+    }
+
+    unsafe fn mr_register_keyed(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+        key: u64,
+    ) -> Result<MemRegion> {
+        self.register(base, len, access, key, true)
     }
 
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
@@ -287,7 +283,7 @@ impl Provider for Loopback {
             .regions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&mr.key);
+            .remove(&(self.rank, mr.key));
         Ok(())
     }
 
@@ -298,37 +294,113 @@ impl Provider for Loopback {
         remote: RemoteAddr,
         token: Token,
     ) -> Result<()> {
-        let regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
         let total: usize = local.iter().map(|l| l.len).sum();
-        let res = match regs.get(&remote.key) {
-            Some(r) if r.owner == src && r.access.remote_read => {
-                let start = remote.addr as usize;
-                if start < r.base || start.saturating_add(total) > r.base + r.len {
-                    Err(Error::from(ErrorDetail::RemoteAccess {
-                        rank: src,
-                        what: "read outside the registered region".into(),
-                    }))
-                } else {
-                    let mut at = start;
-                    for l in local {
-                        // SAFETY: the source range lies inside a region its owner registered
-                        // and keeps alive until it deregisters (we hold the registry lock, so it
-                        // cannot deregister meanwhile); `l` is the caller's buffer, valid per
-                        // this function's contract, in another thread's memory (no overlap).
-                        std::ptr::copy_nonoverlapping(at as *const u8, l.ptr, l.len);
-                        at += l.len;
-                    }
-                    Ok(Completed::Done)
-                }
+        let res = self.with_region(src, remote, total, false, |mut at| {
+            for l in local {
+                // SAFETY: `at..at+total` lies in a region its owner registered and keeps alive
+                // until it deregisters, which cannot happen while we hold the registry lock;
+                // `l` is the caller's buffer, valid per this function's contract.
+                std::ptr::copy_nonoverlapping(at as *const u8, l.ptr, l.len);
+                at += l.len;
             }
-            _ => Err(Error::from(ErrorDetail::RemoteAccess {
-                rank: src,
-                what: format!("bad key {}", remote.key),
-            })),
-        };
-        drop(regs);
+        });
         self.done.push((token, res));
         Ok(())
+    }
+
+    unsafe fn rma_write(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        token: Token,
+    ) -> Result<()> {
+        let total: usize = local.iter().map(|l| l.len).sum();
+        let res = self.with_region(dest, remote, total, true, |mut at| {
+            for l in local {
+                // SAFETY: as in rma_read, in the other direction.
+                std::ptr::copy_nonoverlapping(l.ptr, at as *mut u8, l.len);
+                at += l.len;
+            }
+        });
+        self.done.push((token, res));
+        Ok(())
+    }
+}
+
+impl Loopback {
+    fn register(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+        key: u64,
+        keyed: bool,
+    ) -> Result<MemRegion> {
+        if self.caps.rma.is_none() {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "loopback RMA is off (WEFT_LOOPBACK_RMA)".into(),
+            )));
+        }
+        let mut regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
+        if regs.contains_key(&(self.rank, key)) {
+            return Err(Error::invalid(format!("key {key} is already registered")));
+        }
+        regs.insert(
+            (self.rank, key),
+            Region {
+                base: base as usize,
+                len,
+                access,
+                keyed,
+            },
+        );
+        Ok(MemRegion {
+            key,
+            addr: if keyed { 0 } else { base as u64 },
+            len,
+            handle: key,
+        })
+    }
+
+    /// Run `f` on the absolute start address of `[remote, remote + n)` in `owner`'s region,
+    /// checking key, access and bounds, under the registry lock.
+    fn with_region(
+        &self,
+        owner: Rank,
+        remote: RemoteAddr,
+        n: usize,
+        write: bool,
+        f: impl FnOnce(usize),
+    ) -> Result<Completed> {
+        let regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = regs.get(&(owner, remote.key)) else {
+            return Err(Error::from(ErrorDetail::RemoteAccess {
+                rank: owner,
+                what: format!("no region with key {}", remote.key),
+            }));
+        };
+        if (write && !r.access.remote_write) || (!write && !r.access.remote_read) {
+            return Err(Error::from(ErrorDetail::RemoteAccess {
+                rank: owner,
+                what: "the region does not allow this access".into(),
+            }));
+        }
+        let start = if r.keyed {
+            r.base.checked_add(remote.addr as usize)
+        } else {
+            Some(remote.addr as usize)
+        };
+        match start {
+            Some(s) if s >= r.base && s.checked_add(n).is_some_and(|e| e <= r.base + r.len) => {
+                f(s);
+                Ok(Completed::Done)
+            }
+            _ => Err(Error::from(ErrorDetail::RemoteAccess {
+                rank: owner,
+                what: "access outside the registered region".into(),
+            })),
+        }
     }
 }
 

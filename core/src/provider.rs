@@ -320,6 +320,22 @@ pub trait Provider: 'static {
         unsupported("memory registration")
     }
 
+    /// Register with a key chosen by the caller (scalable registration, `caps.rma.scalable_keys`):
+    /// peers then address the region as (`key`, byte offset from its start) without any
+    /// exchange.
+    ///
+    /// # Safety
+    /// As for [`Provider::mr_register`].
+    unsafe fn mr_register_keyed(
+        &mut self,
+        _base: *mut u8,
+        _len: usize,
+        _access: Access,
+        _key: u64,
+    ) -> Result<MemRegion> {
+        unsupported("scalable memory registration")
+    }
+
     fn mr_deregister(&mut self, _mr: &MemRegion) -> Result<()> {
         unsupported("memory registration")
     }
@@ -458,6 +474,15 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
         access: Access,
     ) -> Result<MemRegion> {
         (**self).mr_register(base, len, access)
+    }
+    unsafe fn mr_register_keyed(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+        key: u64,
+    ) -> Result<MemRegion> {
+        (**self).mr_register_keyed(base, len, access, key)
     }
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
         (**self).mr_deregister(mr)

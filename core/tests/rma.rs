@@ -1,0 +1,632 @@
+//! One-sided communication: every synchronisation mode, every operation, both paths (active
+//! messages on plain loopback; native put/get with scalable keys on loopback's RMA mode), every
+//! scheduling policy, static and dynamic dispatch.
+
+use weft::testing::{self, Options};
+use weft::{Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinInfo};
+
+fn opts(native: bool) -> Options {
+    let mut o = Options::default();
+    o.loopback.rma = native;
+    o
+}
+
+fn info(s: Sched) -> WinInfo {
+    WinInfo {
+        accumulate_ops: None,
+        sched: Some(s),
+    }
+}
+
+const SCHEDS: [Sched; 4] = [Sched::Off, Sched::Reorder, Sched::Aggregate, Sched::Full];
+
+/// Run `$body(comm, sched)` on `$n` ranks for every path x policy x dispatch.
+macro_rules! every_way {
+    ($name:ident, $n:expr, $body:path) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn static_am() {
+                for s in SCHEDS {
+                    testing::world_with($n, &opts(false), |c| $body(c, s));
+                }
+            }
+            #[test]
+            fn static_native() {
+                for s in SCHEDS {
+                    testing::world_with($n, &opts(true), |c| $body(c, s));
+                }
+            }
+            #[test]
+            fn dynamic_am() {
+                for s in SCHEDS {
+                    testing::world_dyn_with($n, "loopback", &opts(false), |c| $body(c, s));
+                }
+            }
+            #[test]
+            fn dynamic_native() {
+                for s in SCHEDS {
+                    testing::world_dyn_with($n, "loopback", &opts(true), |c| $body(c, s));
+                }
+            }
+        }
+    };
+}
+
+fn fence_put_get<P: Provider>(c: &Comm<P>, s: Sched) {
+    let n = c.size();
+    let me = c.rank();
+    let mut mem = vec![0u64; 8 * n as usize];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    // Each rank writes its row into every other rank's window.
+    let row: Vec<u64> = (0..8).map(|i| (me as u64) << 32 | i).collect();
+    win.fence_epoch(Assert::NONE, |e| {
+        for t in 0..n {
+            e.put(&row, t, 8 * me as usize)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    let mut mine = vec![0u64; 8 * n as usize];
+    win.read_local(0, &mut mine);
+    for r in 0..n as u64 {
+        for i in 0..8u64 {
+            assert_eq!(mine[(r * 8 + i) as usize], r << 32 | i, "{s:?}");
+        }
+    }
+    // Read the right neighbour's whole window back.
+    let right = (me + 1) % n;
+    let mut got = vec![0u64; 8 * n as usize];
+    win.fence_epoch(Assert::NONE, |e| e.get(&mut got, right, 0))
+        .unwrap();
+    assert_eq!(got, mine, "{s:?}");
+    // A fence with NOPRECEDE and no operations.
+    win.fence(Assert::NOPRECEDE).unwrap();
+    win.free().unwrap();
+}
+every_way!(fence_put_and_get, 3, fence_put_get);
+
+fn pscw<P: Provider>(c: &Comm<P>, s: Sched) {
+    // Ring: each rank accesses its right neighbour and exposes to its left one, 3 rounds.
+    let n = c.size();
+    let me = c.rank();
+    let (left, right) = ((me + n - 1) % n, (me + 1) % n);
+    let mut mem = vec![0i32; 4];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    for round in 0..3i32 {
+        win.post(&[left]).unwrap();
+        let v = [me as i32 * 10 + round; 2];
+        let one = [1i32];
+        let mut old = 0i32;
+        win.start_epoch(&[right], |e| {
+            e.put(&v, right, 0)?;
+            e.accumulate(&one, right, 2, Op::Sum)?;
+            e.fetch_and_op(&one[0], &mut old, right, 3, Op::Sum)
+        })
+        .unwrap();
+        assert_eq!(old, round, "{s:?}");
+        win.wait().unwrap();
+        let mut m = [0i32; 4];
+        win.read_local(0, &mut m);
+        assert_eq!(
+            m,
+            [
+                left as i32 * 10 + round,
+                left as i32 * 10 + round,
+                round + 1,
+                round + 1
+            ]
+        );
+    }
+    win.free().unwrap();
+}
+every_way!(post_start_complete_wait, 3, pscw);
+
+fn locks<P: Provider>(c: &Comm<P>, s: Sched) {
+    let n = c.size();
+    let me = c.rank();
+    let mut mem = vec![0u64; 2];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    // Everybody increments a counter on rank 0 under an exclusive lock, 5 times, with a
+    // get-modify-put (only correct if the lock excludes).
+    for _ in 0..5 {
+        win.lock_epoch(0, LockKind::Exclusive, |e| {
+            let mut v = [0u64];
+            e.local(|l| l.get(&mut v, 0, 0))?;
+            let w = [v[0] + 1];
+            e.local(|l| l.put(&w, 0, 0))?;
+            e.flush(0)
+        })
+        .unwrap();
+    }
+    // Shared locks with atomic adds.
+    let one = [1u64];
+    win.lock_epoch(0, LockKind::Shared, |e| {
+        e.accumulate(&one, 0, 1, Op::Sum)?;
+        e.flush_all()
+    })
+    .unwrap();
+    c.barrier().unwrap();
+    if me == 0 {
+        let mut m = [0u64; 2];
+        win.read_local(0, &mut m);
+        assert_eq!(m, [5 * n as u64, n as u64], "{s:?}");
+    }
+    c.barrier().unwrap();
+    // lock_all: read everyone's counter slot.
+    let mut seen = vec![0u64; n as usize];
+    win.lock_all_epoch(|e| {
+        for (t, slot) in seen.iter_mut().enumerate() {
+            e.get(std::slice::from_mut(slot), t as u32, 1)?;
+        }
+        e.flush_local()
+    })
+    .unwrap();
+    assert_eq!(seen[0], n as u64);
+    win.free().unwrap();
+}
+every_way!(lock_unlock_flush, 3, locks);
+
+fn requests<P: Provider>(c: &Comm<P>, s: Sched) {
+    let me = c.rank();
+    let peer = 1 - me;
+    let mut mem = vec![0u32; 16];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let src: Vec<u32> = (0..16).map(|i| me * 100 + i).collect();
+    let mut back = vec![0u32; 16];
+    let mut old = [0u32; 2];
+    let twos = [2u32; 2];
+    win.lock_epoch(peer, LockKind::Exclusive, |e| {
+        e.rput(&src, peer, 0)?.wait()?;
+        e.flush(peer)?;
+        let r = e.rget(&mut back, peer, 0)?;
+        r.wait()?;
+        e.raccumulate(&twos, peer, 0, Op::Prod)?.wait()?;
+        e.flush(peer)?;
+        let mut r = e.rget_accumulate(&twos, &mut old, peer, 0, Op::NoOp)?;
+        while !r.test()? {}
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(back, src, "{s:?}");
+    assert_eq!(old, [me * 100 * 2, (me * 100 + 1) * 2], "{s:?}");
+    win.free().unwrap();
+}
+every_way!(request_based_operations, 2, requests);
+
+fn typed<P: Provider>(c: &Comm<P>, s: Sched) {
+    use weft::Datatype;
+    let me = c.rank();
+    let peer = 1 - me;
+    // The target is a 4x4 matrix of f64; put column 1 from a contiguous vector, then get the
+    // diagonal into a strided buffer.
+    let mut mem = vec![0f64; 16];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let f64t = Datatype::of::<f64>();
+    let col = Datatype::vector(4, 1, 4, &f64t).unwrap().commit();
+    let contig = Datatype::contiguous(4, &f64t).unwrap().commit();
+    let v = [1.5f64, 2.5, 3.5, 4.5];
+    win.fence_epoch(Assert::NONE, |e| {
+        e.put_typed(bytemuck::cast_slice(&v), 1, &contig, peer, 1, 1, &col)
+    })
+    .unwrap();
+    let mut m = [0f64; 16];
+    win.read_local(0, &mut m);
+    assert_eq!([m[1], m[5], m[9], m[13]], v, "{s:?}");
+    let diag = Datatype::vector(4, 1, 5, &f64t).unwrap().commit();
+    let mut out = [0f64; 8];
+    let strided = Datatype::vector(4, 1, 2, &f64t).unwrap().commit();
+    win.fence_epoch(Assert::NONE, |e| {
+        e.get_typed(
+            bytemuck::cast_slice_mut(&mut out),
+            1,
+            &strided,
+            peer,
+            0,
+            1,
+            &diag,
+        )
+    })
+    .unwrap();
+    assert_eq!(
+        [out[0], out[2], out[4], out[6]],
+        [0.0, 2.5, 0.0, 0.0],
+        "{s:?}"
+    );
+    win.free().unwrap();
+}
+every_way!(derived_datatypes, 2, typed);
+
+fn errors<P: Provider>(c: &Comm<P>, s: Sched) {
+    let mut mem = vec![0u8; 16];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let big = [0u8; 17];
+    let r = win.fence_epoch(Assert::NONE, |e| e.put(&big, 1 - c.rank(), 0));
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::RemoteAccess);
+    let r = win.fence_epoch(Assert::NONE, |e| e.put(&big[..1], 7, 0));
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidRank);
+    let f = [1.0f32];
+    let r = win.fence_epoch(Assert::NONE, |e| {
+        e.accumulate(&f[..], 1 - c.rank(), 0, Op::Bxor)
+    });
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    // NOPRECEDE after operations is refused.
+    let r = win.fence_epoch(Assert::NOPRECEDE, |e| e.put(&big[..1], 1 - c.rank(), 0));
+    assert!(r.is_err());
+    c.barrier().unwrap();
+    win.free().unwrap();
+}
+every_way!(bad_operations_are_errors, 2, errors);
+
+// ------------------------------------------------------------------------- atomics matrix
+
+/// Values exactly representable in every type, so float sums and products are exact.
+fn val<T: Element + TryFrom<i8>>(x: i8) -> T {
+    T::try_from(x).ok().expect("small value fits")
+}
+
+fn reference<T: Element>(op: Op, a: T, b: T) -> T {
+    let mut t = bytemuck::bytes_of(&a).to_vec();
+    match op {
+        Op::Replace => return b,
+        Op::NoOp => return a,
+        _ => weft::types::apply_op(op, T::TYPE, &mut t, bytemuck::bytes_of(&b)).unwrap(),
+    }
+    *bytemuck::from_bytes(&t)
+}
+
+fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(c: &Comm<P>, s: Sched) {
+    let me = c.rank();
+    let n = c.size();
+    for op in Op::ALL {
+        if !op.valid_for(T::TYPE) || op == Op::Cswap {
+            continue;
+        }
+        let init: T = val(3);
+        let mut mem = vec![init; 2];
+        let win = c.win_create(&mut mem, info(s)).unwrap();
+        // Everyone but rank 0 accumulates into rank 0, element 0 (order-free for commutative
+        // ops; Replace only from rank 1).
+        let mine: T = val(me as i8 + 1);
+        win.fence_epoch(Assert::NONE, |e| {
+            if me != 0 && (op != Op::Replace || me == 1) {
+                e.accumulate(std::slice::from_ref(&mine), 0, 0, op)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        if me == 0 {
+            let mut expect = init;
+            for r in 1..n {
+                if op != Op::Replace || r == 1 {
+                    expect = reference(op, expect, val::<T>(r as i8 + 1));
+                }
+            }
+            let mut got = [init];
+            win.read_local(0, &mut got);
+            assert_eq!(
+                got[0],
+                expect,
+                "accumulate {} on {}",
+                op.name(),
+                T::TYPE.name()
+            );
+        }
+        // fetch_and_op from rank 1 only: deterministic old values.
+        let mut old: T = val(0);
+        let two: T = val(2);
+        win.fence_epoch(Assert::NONE, |e| {
+            if me == 1 {
+                e.fetch_and_op(&two, &mut old, 0, 1, op)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        if me == 1 {
+            assert_eq!(
+                old,
+                init,
+                "fetch_and_op {} on {}",
+                op.name(),
+                T::TYPE.name()
+            );
+        }
+        if me == 0 {
+            let mut got = [init];
+            win.read_local(1, &mut got);
+            assert_eq!(
+                got[0],
+                reference(op, init, two),
+                "fetch_and_op {} {}",
+                op.name(),
+                T::TYPE.name()
+            );
+        }
+        win.free().unwrap();
+    }
+    // compare_and_swap: succeeds once, then fails.
+    let mut mem = vec![val::<T>(5)];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let (new, cmp) = (val::<T>(9), val::<T>(5));
+    let mut old1 = val::<T>(0);
+    let mut old2 = val::<T>(0);
+    if me == 1 {
+        win.lock_epoch(0, LockKind::Exclusive, |e| {
+            e.compare_and_swap(&new, &cmp, &mut old1, 0, 0)?;
+            e.flush(0)?;
+            e.compare_and_swap(&new, &cmp, &mut old2, 0, 0)
+        })
+        .unwrap();
+        assert_eq!((old1, old2), (val(5), val(9)), "cas on {}", T::TYPE.name());
+    }
+    c.barrier().unwrap();
+    win.free().unwrap();
+}
+
+fn atomics<P: Provider>(c: &Comm<P>, s: Sched) {
+    atomics_for::<i8, P>(c, s);
+    atomics_for::<u8, P>(c, s);
+    atomics_for::<i16, P>(c, s);
+    atomics_for::<u16, P>(c, s);
+    atomics_for::<i32, P>(c, s);
+    atomics_for::<u32, P>(c, s);
+    atomics_for::<i64, P>(c, s);
+    atomics_for::<u64, P>(c, s);
+    atomics_for::<f32, P>(c, s);
+    atomics_for::<f64, P>(c, s);
+}
+
+#[test]
+fn atomics_every_op_and_type() {
+    for s in [Sched::Off, Sched::Full] {
+        testing::world_with(3, &opts(false), |c| atomics(c, s));
+    }
+    testing::world_dyn_with(3, "loopback", &opts(true), |c| atomics(c, Sched::Aggregate));
+}
+
+#[test]
+fn scalable_keys_mean_no_key_table() {
+    testing::world_with(2, &opts(true), |c| {
+        let mut mem = vec![0u8; 8];
+        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
+        assert_eq!(win.native_paths(), (true, true, false));
+        assert!(!win.has_key_table());
+        win.free().unwrap();
+    });
+    testing::world_with(2, &opts(false), |c| {
+        let mut mem = vec![0u8; 8];
+        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
+        assert_eq!(win.native_paths(), (false, false, false));
+        win.free().unwrap();
+    });
+}
+
+#[test]
+fn allocated_windows() {
+    testing::world(3, |c| {
+        let win = c.win_allocate::<u32>(10, WinInfo::default()).unwrap();
+        let me = c.rank();
+        let v = [me + 1];
+        win.fence_epoch(Assert::NONE, |e| e.accumulate(&v, 0, 9, Op::Sum))
+            .unwrap();
+        if me == 0 {
+            let mut x = [0u32];
+            win.read_local(9, &mut x);
+            assert_eq!(x[0], 6);
+        }
+        win.free().unwrap();
+    });
+}
+
+// ------------------------------------------------------------ random epochs vs a reference
+
+/// Deterministic generator shared by all ranks (each can compute everyone's operations).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+const SLOTS: usize = 48; // 0..24: puts (slot % n owned by one origin), 24..36: sums, 36..48: reads
+
+#[derive(Clone, Copy, Debug)]
+enum ROp {
+    Put { t: u32, slot: usize, v: i64 },
+    Acc { t: u32, slot: usize, v: i64 },
+    Get { t: u32, slot: usize },
+}
+
+/// The operations rank `r` issues in epoch `ep`.
+fn ops_of(seed: u64, ep: u64, r: u32, n: u32) -> Vec<ROp> {
+    let mut g = Rng(seed ^ (ep * 7919 + r as u64 * 104_729 + 1));
+    let k = 1 + g.below(6) as usize;
+    let mut used = std::collections::HashSet::new();
+    let mut v = vec![];
+    for _ in 0..k {
+        let t = g.below(n as u64) as u32;
+        match g.below(3) {
+            0 => {
+                // A put slot owned by this origin, at most once per (target, slot) per epoch.
+                let slot = (g.below(24 / n as u64) as usize) * n as usize + r as usize;
+                if slot < 24 && used.insert((t, slot)) {
+                    v.push(ROp::Put {
+                        t,
+                        slot,
+                        v: g.below(1000) as i64,
+                    });
+                }
+            }
+            1 => v.push(ROp::Acc {
+                t,
+                slot: 24 + g.below(12) as usize,
+                v: g.below(50) as i64 - 25,
+            }),
+            _ => v.push(ROp::Get {
+                t,
+                slot: 36 + g.below(12) as usize,
+            }),
+        }
+    }
+    v
+}
+
+/// Local stores between epochs (read slots get new values every epoch).
+fn local_store(ep: u64, r: u32, slot: usize) -> i64 {
+    (ep as i64 * 1000 + r as i64 * 100 + slot as i64) * 3
+}
+
+fn target_of(o: &ROp) -> u32 {
+    match o {
+        ROp::Put { t, .. } | ROp::Acc { t, .. } | ROp::Get { t, .. } => *t,
+    }
+}
+
+/// Issue `ops` in epoch `e`; buffers (`gets`, `values`) outlive the epoch.
+fn issue<'e, P: Provider>(
+    e: &weft::Epoch<'e, '_, P>,
+    ops: &[ROp],
+    gets: &'e mut [i64],
+    values: &'e [i64],
+    only: Option<u32>,
+) -> weft::Result<()> {
+    for ((o, g), v) in ops.iter().zip(gets.iter_mut()).zip(values.iter()) {
+        match *o {
+            ROp::Put { t, slot, .. } if only.is_none_or(|x| x == t) => {
+                e.put(std::slice::from_ref(v), t, slot)?
+            }
+            ROp::Acc { t, slot, .. } if only.is_none_or(|x| x == t) => {
+                e.accumulate(std::slice::from_ref(v), t, slot, Op::Sum)?
+            }
+            ROp::Get { t, slot } if only.is_none_or(|x| x == t) => {
+                e.get(std::slice::from_mut(g), t, slot)?
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Fence,
+    LockAll,
+    Pscw,
+    LockEach,
+}
+
+fn random_epochs<P: Provider>(c: &Comm<P>, s: Sched, mode: Mode, seed: u64) {
+    let n = c.size();
+    let me = c.rank();
+    let mut mem = vec![0i64; SLOTS];
+    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let mut model = vec![vec![0i64; SLOTS]; n as usize];
+    for ep in 0..12u64 {
+        // Local stores to the read slots, then a barrier-like synchronisation.
+        for slot in 36..SLOTS {
+            let v = local_store(ep, me, slot);
+            win.write_local(slot, &[v]);
+            for (r, m) in model.iter_mut().enumerate() {
+                m[slot] = local_store(ep, r as u32, slot);
+            }
+        }
+        c.barrier().unwrap();
+        let mine = ops_of(seed, ep, me, n);
+        let mut values: Vec<i64> = mine
+            .iter()
+            .map(|o| match o {
+                ROp::Put { v, .. } | ROp::Acc { v, .. } => *v,
+                ROp::Get { .. } => 0,
+            })
+            .collect();
+        let mut gets = vec![0i64; mine.len()];
+        match mode {
+            Mode::Fence => win
+                .fence_epoch(Assert::NONE, |e| issue(e, &mine, &mut gets, &values, None))
+                .unwrap(),
+            Mode::LockAll => win
+                .lock_all_epoch(|e| {
+                    issue(e, &mine, &mut gets, &values, None)?;
+                    e.flush_all()
+                })
+                .unwrap(),
+            Mode::Pscw => {
+                let all: Vec<u32> = (0..n).collect();
+                win.post(&all).unwrap();
+                win.start_epoch(&all, |e| issue(e, &mine, &mut gets, &values, None))
+                    .unwrap();
+                win.wait().unwrap();
+            }
+            Mode::LockEach => {
+                // One exclusive epoch per target, each with its own operations and results.
+                for t in 0..n {
+                    let idx: Vec<usize> = (0..mine.len())
+                        .filter(|i| target_of(&mine[*i]) == t)
+                        .collect();
+                    let ops_t: Vec<ROp> = idx.iter().map(|i| mine[*i]).collect();
+                    let vals_t: Vec<i64> = idx.iter().map(|i| values[*i]).collect();
+                    let mut g = vec![0i64; ops_t.len()];
+                    win.lock_epoch(t, LockKind::Exclusive, |e| {
+                        issue(e, &ops_t, &mut g, &vals_t, None)
+                    })
+                    .unwrap();
+                    for (k, i) in idx.iter().enumerate() {
+                        gets[*i] = g[k];
+                    }
+                }
+            }
+        }
+        values.clear();
+        // Everyone's epoch is over before anyone reads its window.
+        c.barrier().unwrap();
+        // The reference: apply every rank's operations (conflict-free, so order-free).
+        for r in 0..n {
+            for o in ops_of(seed, ep, r, n) {
+                match o {
+                    ROp::Put { t, slot, v } => model[t as usize][slot] = v,
+                    ROp::Acc { t, slot, v } => model[t as usize][slot] += v,
+                    ROp::Get { .. } => {}
+                }
+            }
+        }
+        let mut now = vec![0i64; SLOTS];
+        win.read_local(0, &mut now);
+        assert_eq!(
+            now, model[me as usize],
+            "epoch {ep}, {mode:?}, {s:?}, seed {seed}"
+        );
+        for (o, g) in mine.iter().zip(&gets) {
+            if let ROp::Get { t, slot } = o {
+                assert_eq!(
+                    *g,
+                    local_store(ep, *t, *slot),
+                    "get in epoch {ep}, {mode:?}, {s:?}"
+                );
+            }
+        }
+        c.barrier().unwrap();
+    }
+    win.free().unwrap();
+}
+
+#[test]
+fn random_epochs_match_the_reference_model() {
+    for (i, mode) in [Mode::Fence, Mode::LockAll, Mode::Pscw, Mode::LockEach]
+        .into_iter()
+        .enumerate()
+    {
+        for (j, s) in SCHEDS.into_iter().enumerate() {
+            let seed = 0x5EED_0000 + (i * 4 + j) as u64;
+            testing::world_with(4, &opts(false), |c| random_epochs(c, s, mode, seed));
+            testing::world_dyn_with(3, "loopback", &opts(true), |c| {
+                random_epochs(c, s, mode, seed + 99)
+            });
+        }
+    }
+}

@@ -136,6 +136,7 @@ impl Loopback {
                 max_iov: 16,
                 scalable_keys: true,
                 alloc: false,
+                native_locks: false,
             });
         }
         Ok(Loopback {

@@ -62,6 +62,9 @@ pub struct RmaCaps {
     pub scalable_keys: bool,
     /// The provider can place window memory itself (e.g. in a shared segment).
     pub alloc: bool,
+    /// Passive-target locks on provider-placed window memory without the target's help
+    /// (`rma_try_lock` / `rma_unlock`, e.g. a lock word in shared memory).
+    pub native_locks: bool,
 }
 
 /// What a provider can do, and its limits. Capabilities are honest: a provider that says it
@@ -379,6 +382,22 @@ pub trait Provider: 'static {
         unsupported("RMA write")
     }
 
+    /// Try to take the lock of the window registered at `window` on `target` (native locks).
+    /// `Ok(false)`: held by someone else; the caller retries after progress.
+    fn rma_try_lock(
+        &mut self,
+        _target: Rank,
+        _window: RemoteAddr,
+        _exclusive: bool,
+    ) -> Result<bool> {
+        unsupported("native window locks")
+    }
+
+    /// Release a lock taken with [`Provider::rma_try_lock`].
+    fn rma_unlock(&mut self, _target: Rank, _window: RemoteAddr, _exclusive: bool) -> Result<()> {
+        unsupported("native window locks")
+    }
+
     /// Native atomic on `count` elements of `ty` at `remote`: `target = target op origin`
     /// (or compare-and-swap with `compare`), old values to `result` when not null.
     ///
@@ -524,6 +543,12 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
         token: Token,
     ) -> Result<()> {
         (**self).atomic(dest, op, ty, count, origin, compare, result, remote, token)
+    }
+    fn rma_try_lock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<bool> {
+        (**self).rma_try_lock(target, window, exclusive)
+    }
+    fn rma_unlock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<()> {
+        (**self).rma_unlock(target, window, exclusive)
     }
 }
 

@@ -184,6 +184,8 @@ pub struct Window<'w, P: Provider> {
     native_put: bool,
     native_get: bool,
     native_atomics: bool,
+    /// Locks through the provider (shared flags) instead of active messages.
+    native_locks: bool,
     sched: Sched,
     agg_max: usize,
     mr: Option<MemRegion>,
@@ -202,6 +204,8 @@ pub struct Window<'w, P: Provider> {
     tokens: RefCell<Vec<u64>>,
     /// Operations issued or recorded in the current epoch.
     epoch_ops: Cell<u64>,
+    /// The current lock epoch is exclusive.
+    excl: Cell<bool>,
     freed: Cell<bool>,
     _mem: PhantomData<&'w mut [u8]>,
 }
@@ -360,6 +364,12 @@ impl<'w, P: Provider> Window<'w, P> {
         let native_atomics = native && ops.iter().all(|(o, t)| caps.atomics.query(*o, *t));
         let native_put = native && caps.rma.is_some_and(|r| r.write);
         let native_get = native && caps.rma.is_some_and(|r| r.read);
+        // Native locks only make sense when no operation needs the target's progress.
+        let native_locks = native_put
+            && native_get
+            && native_atomics
+            && keys.is_some()
+            && caps.rma.is_some_and(|r| r.native_locks);
         comm.sh
             .engine
             .borrow_mut()
@@ -379,6 +389,7 @@ impl<'w, P: Provider> Window<'w, P> {
             native_put,
             native_get,
             native_atomics,
+            native_locks,
             sched,
             agg_max,
             mr: if owned.is_some() { None } else { mr },
@@ -391,6 +402,7 @@ impl<'w, P: Provider> Window<'w, P> {
             am_dirty: RefCell::new(vec![false; n]),
             tokens: RefCell::new(Vec::new()),
             epoch_ops: Cell::new(0),
+            excl: Cell::new(false),
             freed: Cell::new(false),
             comm: wcomm,
             _mem: PhantomData,
@@ -400,6 +412,11 @@ impl<'w, P: Provider> Window<'w, P> {
     /// Which paths this window uses: (native put, native get, native atomics).
     pub fn native_paths(&self) -> (bool, bool, bool) {
         (self.native_put, self.native_get, self.native_atomics)
+    }
+
+    /// Whether passive-target locks go through the provider (shared flags).
+    pub fn native_locks(&self) -> bool {
+        self.native_locks
     }
 
     /// Whether the window keeps a per-peer key table (false with scalable registration).
@@ -1002,6 +1019,11 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         self.drain_pending(None)?;
         self.complete_local()?;
+        if self.native_put && self.native_get && self.native_atomics {
+            // Every operation is complete at the origin, hence at the target: a barrier is
+            // enough.
+            return self.comm.barrier();
+        }
         // Everybody learns how many active-message operations each origin sent it, then waits
         // until it has applied them (per origin, cumulative counts).
         let n = self.comm.size() as usize;
@@ -1165,8 +1187,11 @@ impl<'w, P: Provider> Window<'w, P> {
             LockKind::Shared => rma::LOCK_SHARED,
             LockKind::Exclusive => rma::LOCK_EXCLUSIVE,
         };
+        self.excl.set(kind == LockKind::Exclusive);
         let r = (|| {
-            if self.sched.aggregates() {
+            if self.native_locks {
+                self.native_lock(target, k == rma::LOCK_EXCLUSIVE)?;
+            } else if self.sched.aggregates() {
                 // Lazy: the lock travels with the operations at unlock (or a flush).
                 self.lazy_lock.set(Some((target, k)));
             } else {
@@ -1195,10 +1220,15 @@ impl<'w, P: Provider> Window<'w, P> {
         f: impl FnOnce(&Epoch<'e, 'w, P>) -> Result<R>,
     ) -> Result<R> {
         self.enter(Access_::Lock)?;
+        self.excl.set(false);
         let all: Vec<u32> = (0..self.comm.size()).collect();
         let r = (|| {
             for &t in &all {
-                self.roundtrip(rma::H_LOCK, t, Some(rma::LOCK_SHARED))?;
+                if self.native_locks {
+                    self.native_lock(t, false)?;
+                } else {
+                    self.roundtrip(rma::H_LOCK, t, Some(rma::LOCK_SHARED))?;
+                }
             }
             *self.targets.borrow_mut() = all.clone();
             let e = Epoch {
@@ -1217,7 +1247,40 @@ impl<'w, P: Provider> Window<'w, P> {
         Ok(v)
     }
 
+    /// Take a lock through the provider, retrying with progress until it is free.
+    fn native_lock(&self, trank: u32, exclusive: bool) -> Result<()> {
+        let target = self.world(trank);
+        let ra = self.keys.as_ref().expect("native locks need keys")[trank as usize];
+        let mut eng = self.engine();
+        let mut err = None;
+        eng.wait_until("a window lock", |e| {
+            match e.p.rma_try_lock(target, ra, exclusive) {
+                Ok(got) => got,
+                Err(x) => {
+                    err = Some(x);
+                    true
+                }
+            }
+        })?;
+        err.map_or(Ok(()), Err)
+    }
+
     fn unlock_targets(&self, targets: &[u32]) -> Result<()> {
+        if self.native_locks {
+            self.drain_pending(None)?;
+            let mut first = self.complete_local().err();
+            for &t in targets {
+                let ra = self.keys.as_ref().expect("native locks need keys")[t as usize];
+                let target = self.world(t);
+                // Exclusive when the epoch took it so (lock_all takes shared locks).
+                let excl = self.excl.get();
+                if let Err(e) = self.engine().p.rma_unlock(target, ra, excl) {
+                    first.get_or_insert(e);
+                }
+            }
+            self.targets.borrow_mut().clear();
+            return first.map_or(Ok(()), Err);
+        }
         let mut tokens: Vec<(u32, u64)> = Vec::new();
         let folded = if self.sched.aggregates() {
             let fold: Vec<(u32, u64)> = targets

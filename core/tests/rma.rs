@@ -4,6 +4,7 @@
 
 use weft::testing::{self, Options};
 use weft::{Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinInfo};
+use weft_shm as _;
 
 fn opts(native: bool) -> Options {
     let mut o = Options::default();
@@ -275,7 +276,11 @@ fn reference<T: Element>(op: Op, a: T, b: T) -> T {
     *bytemuck::from_bytes(&t)
 }
 
-fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(c: &Comm<P>, s: Sched) {
+fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(
+    c: &Comm<P>,
+    s: Sched,
+    alloc: bool,
+) {
     let me = c.rank();
     let n = c.size();
     for op in Op::ALL {
@@ -284,7 +289,14 @@ fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(c: &Comm
         }
         let init: T = val(3);
         let mut mem = vec![init; 2];
-        let win = c.win_create(&mut mem, info(s)).unwrap();
+        let win = if alloc {
+            let w = c.win_allocate::<T>(2, info(s)).unwrap();
+            w.write_local(0, &[init, init]);
+            c.barrier().unwrap();
+            w
+        } else {
+            c.win_create(&mut mem, info(s)).unwrap()
+        };
         // Everyone but rank 0 accumulates into rank 0, element 0 (order-free for commutative
         // ops; Replace only from rank 1).
         let mine: T = val(me as i8 + 1);
@@ -346,7 +358,14 @@ fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(c: &Comm
     }
     // compare_and_swap: succeeds once, then fails.
     let mut mem = vec![val::<T>(5)];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let win = if alloc {
+        let w = c.win_allocate::<T>(1, info(s)).unwrap();
+        w.write_local(0, &[val::<T>(5)]);
+        c.barrier().unwrap();
+        w
+    } else {
+        c.win_create(&mut mem, info(s)).unwrap()
+    };
     let (new, cmp) = (val::<T>(9), val::<T>(5));
     let mut old1 = val::<T>(0);
     let mut old2 = val::<T>(0);
@@ -363,25 +382,47 @@ fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(c: &Comm
     win.free().unwrap();
 }
 
-fn atomics<P: Provider>(c: &Comm<P>, s: Sched) {
-    atomics_for::<i8, P>(c, s);
-    atomics_for::<u8, P>(c, s);
-    atomics_for::<i16, P>(c, s);
-    atomics_for::<u16, P>(c, s);
-    atomics_for::<i32, P>(c, s);
-    atomics_for::<u32, P>(c, s);
-    atomics_for::<i64, P>(c, s);
-    atomics_for::<u64, P>(c, s);
-    atomics_for::<f32, P>(c, s);
-    atomics_for::<f64, P>(c, s);
+fn atomics<P: Provider>(c: &Comm<P>, s: Sched, alloc: bool) {
+    atomics_for::<i8, P>(c, s, alloc);
+    atomics_for::<u8, P>(c, s, alloc);
+    atomics_for::<i16, P>(c, s, alloc);
+    atomics_for::<u16, P>(c, s, alloc);
+    atomics_for::<i32, P>(c, s, alloc);
+    atomics_for::<u32, P>(c, s, alloc);
+    atomics_for::<i64, P>(c, s, alloc);
+    atomics_for::<u64, P>(c, s, alloc);
+    atomics_for::<f32, P>(c, s, alloc);
+    atomics_for::<f64, P>(c, s, alloc);
 }
 
 #[test]
 fn atomics_every_op_and_type() {
     for s in [Sched::Off, Sched::Full] {
-        testing::world_with(3, &opts(false), |c| atomics(c, s));
+        testing::world_with(3, &opts(false), |c| atomics(c, s, false));
     }
-    testing::world_dyn_with(3, "loopback", &opts(true), |c| atomics(c, Sched::Aggregate));
+    testing::world_dyn_with(3, "loopback", &opts(true), |c| {
+        atomics(c, Sched::Aggregate, false)
+    });
+}
+
+/// shm: allocated windows are native (memory copies, CPU atomics, a lock word in shared
+/// memory) and give the same results as the active-message path above.
+#[test]
+fn shm_native_atomics_agree_with_the_reference() {
+    testing::world_dyn(3, "shm", |c| {
+        let w = c.win_allocate::<u64>(4, WinInfo::default()).unwrap();
+        assert_eq!(w.native_paths(), (true, true, true));
+        assert!(w.native_locks());
+        w.free().unwrap();
+        let mut m = vec![0u64; 4];
+        let w = c.win_create(&mut m, WinInfo::default()).unwrap();
+        assert_eq!(w.native_paths(), (false, false, false));
+        w.free().unwrap();
+        for s in [Sched::Off, Sched::Full] {
+            atomics(c, s, true);
+            atomics(c, s, false);
+        }
+    });
 }
 
 #[test]
@@ -521,11 +562,15 @@ enum Mode {
     LockEach,
 }
 
-fn random_epochs<P: Provider>(c: &Comm<P>, s: Sched, mode: Mode, seed: u64) {
+fn random_epochs<P: Provider>(c: &Comm<P>, s: Sched, mode: Mode, seed: u64, alloc: bool) {
     let n = c.size();
     let me = c.rank();
     let mut mem = vec![0i64; SLOTS];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
+    let win = if alloc {
+        c.win_allocate::<i64>(SLOTS, info(s)).unwrap()
+    } else {
+        c.win_create(&mut mem, info(s)).unwrap()
+    };
     let mut model = vec![vec![0i64; SLOTS]; n as usize];
     for ep in 0..12u64 {
         // Local stores to the read slots, then a barrier-like synchronisation.
@@ -623,10 +668,12 @@ fn random_epochs_match_the_reference_model() {
     {
         for (j, s) in SCHEDS.into_iter().enumerate() {
             let seed = 0x5EED_0000 + (i * 4 + j) as u64;
-            testing::world_with(4, &opts(false), |c| random_epochs(c, s, mode, seed));
+            testing::world_with(4, &opts(false), |c| random_epochs(c, s, mode, seed, false));
             testing::world_dyn_with(3, "loopback", &opts(true), |c| {
-                random_epochs(c, s, mode, seed + 99)
+                random_epochs(c, s, mode, seed + 99, false)
             });
+            testing::world_dyn(3, "shm", |c| random_epochs(c, s, mode, seed + 7, true));
+            testing::world_dyn(2, "shm", |c| random_epochs(c, s, mode, seed + 8, false));
         }
     }
 }

@@ -8,6 +8,7 @@
 //!
 //! Parameters: `WEFT_SHM_CHUNK`, `WEFT_SHM_RING`, `WEFT_SHM_CELLS`, `WEFT_SHM_QUEUE`.
 
+mod pool;
 mod queue;
 mod segment;
 mod sync;
@@ -23,7 +24,10 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft::bootstrap::Bootstrap;
-use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft::provider::{
+    Caps, Completed, MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome,
+    Sink, StaticProvider, Token,
+};
 use weft::{Error, ErrorDetail, Rank, Result};
 
 weft::param!(CHUNK: Size = "shm", "CHUNK", "32K",
@@ -32,6 +36,8 @@ weft::param!(RING: Size = "shm", "RING", "512K",
     "bytes of large-message ring (data area) per ordered pair of local ranks");
 weft::param!(CELLS: Uint = "shm", "CELLS", "64",
     "message cells per pair ring (ring) or per receiver queue (mpsc)");
+weft::param!(WIN_POOL: Size = "shm", "WIN_POOL", "256M",
+    "shared memory per host for windows allocated by shm (split among local ranks; backed only when touched; 0: no native windows)");
 weft::param!(QUEUE: Enum(&["ring", "mpsc"]) = "shm", "QUEUE", "ring",
     "small-message queues: per-pair SPSC rings with a doorbell, or one MPSC queue per receiver");
 
@@ -71,6 +77,7 @@ struct Config {
     ring: usize,
     cells: usize,
     kind: Kind,
+    win_pool: usize,
 }
 
 impl Config {
@@ -108,6 +115,7 @@ impl Config {
             ring,
             cells,
             kind,
+            win_pool: WIN_POOL.get_size()?,
         })
     }
 
@@ -115,6 +123,19 @@ impl Config {
         let mut c = Caps::am_only(MAX_HEADER, self.chunk, 16);
         c.spans_processes = true;
         c.spans_hosts = false;
+        if self.win_pool > 0 {
+            // Native on windows shm allocates (in the pool); windows over user memory take
+            // the core's active-message path (registration of user memory is refused).
+            c.rma = Some(weft::provider::RmaCaps {
+                read: true,
+                write: true,
+                max_iov: 16,
+                scalable_keys: false,
+                alloc: true,
+                native_locks: true,
+            });
+            c.atomics = weft::types::AtomicTable::all();
+        }
         c
     }
 }
@@ -146,6 +167,10 @@ pub struct Shm {
     failed: Vec<bool>,
     idle_polls: u32,
     last_check: Instant,
+    pool: Option<pool::Pool>,
+    /// Allocation sizes by pool offset (for `mem_free`).
+    allocs: Vec<(usize, usize)>,
+    done: Vec<(weft::provider::Token, Result<weft::provider::Completed>)>,
 }
 
 impl Shm {
@@ -175,30 +200,49 @@ impl Shm {
         let ring = ring.max(2 * cfg.chunk);
         let lay = Layout::new(nlocal, cfg.cells, ring / queue::UNIT, cfg.chunk, cfg.kind);
         let name = segment_name(boot.job_id(), nodes.my_host);
+        let pool_name = format!("{name}-w");
+        let per_rank = cfg.win_pool / nlocal.max(1);
         let created = if me == 0 {
-            Some(Segment::create(&name, lay))
+            let seg = Segment::create(&name, lay);
+            let pool = if cfg.win_pool > 0 && seg.is_ok() {
+                Some(pool::Pool::create(&pool_name, nlocal, per_rank, me))
+            } else {
+                None
+            };
+            Some((seg, pool))
         } else {
             None
         };
         // Everyone passes the fence, even if creation failed, so nobody hangs on it.
-        let created_ok = created.as_ref().is_none_or(|r| r.is_ok());
+        let created_ok = created
+            .as_ref()
+            .is_none_or(|(s, p)| s.is_ok() && p.as_ref().is_none_or(|p| p.is_ok()));
         boot.put(
             &format!("shm.ok.{rank}"),
             if created_ok { "1" } else { "0" },
         )?;
         boot.fence()?;
         let first = locals[0];
-        let mut seg = match created {
-            Some(r) => r?,
+        let (mut seg, mut pool) = match created {
+            Some((s, p)) => (s?, p.transpose()?),
             None => {
                 if boot.get(&format!("shm.ok.{first}"))? != "1" {
                     return Err(Error::from(ErrorDetail::Bootstrap(format!(
                         "rank {first} could not create the shared segment {name}"
                     ))));
                 }
-                Segment::open(&name)?
+                let seg = Segment::open(&name)?;
+                let pool = if cfg.win_pool > 0 {
+                    Some(pool::Pool::open(&pool_name, me)?)
+                } else {
+                    None
+                };
+                (seg, pool)
             }
         };
+        if let Some(p) = pool.as_mut() {
+            p.mark_mapped();
+        }
         let lay = seg.lay;
         let slot = seg.rank_slot(me);
         slot.pid.store(std::process::id() as u64, Ordering::Relaxed);
@@ -226,7 +270,24 @@ impl Shm {
             failed: vec![false; nlocal],
             idle_polls: 0,
             last_check: Instant::now(),
+            pool,
+            allocs: Vec::new(),
+            done: Vec::new(),
         })
+    }
+
+    fn pool_target(&self, dest: Rank) -> Result<(&pool::Pool, usize)> {
+        let pool = self.pool.as_ref().ok_or_else(|| {
+            Error::from(ErrorDetail::Unsupported(
+                "shm RMA needs the window pool (WEFT_SHM_WIN_POOL > 0)".into(),
+            ))
+        })?;
+        match self.local_of.get(dest as usize) {
+            Some(&l) if l != u32::MAX => Ok((pool, l as usize)),
+            _ => Err(Error::from(ErrorDetail::Unsupported(format!(
+                "rank {dest} is not on this host"
+            )))),
+        }
     }
 
     /// Deliver everything waiting in one queue. Returns the number of messages.
@@ -433,6 +494,10 @@ impl Provider for Shm {
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
         let mut n = 0;
+        for (t, r) in self.done.drain(..) {
+            sink.complete(t, r);
+            n += 1;
+        }
         while let Some((h, d)) = self.selfq.pop_front() {
             sink.am(self.rank, &h, &d);
             n += 1;
@@ -500,6 +565,110 @@ impl Provider for Shm {
             .rank_slot(self.me)
             .state
             .store(ST_CLOSED, Ordering::Release);
+        Ok(())
+    }
+
+    fn mem_alloc(&mut self, len: usize) -> Result<(*mut u8, MemRegion)> {
+        let pool = self.pool.as_mut().ok_or_else(|| {
+            Error::from(ErrorDetail::Unsupported(
+                "the shm window pool is off".into(),
+            ))
+        })?;
+        let off = pool.alloc(len)?;
+        self.allocs.push((off, len));
+        Ok((
+            pool.ptr(off),
+            MemRegion {
+                key: pool::POOL_KEY,
+                addr: off as u64,
+                len,
+                handle: off as u64,
+            },
+        ))
+    }
+
+    fn mem_free(&mut self, _ptr: *mut u8, mr: &MemRegion) -> Result<()> {
+        if let Some(i) = self.allocs.iter().position(|a| a.0 as u64 == mr.addr) {
+            let (off, len) = self.allocs.swap_remove(i);
+            if let Some(p) = self.pool.as_mut() {
+                p.free(off, len);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn rma_write(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        token: Token,
+    ) -> Result<()> {
+        let total: usize = local.iter().map(|l| l.len).sum();
+        let (pool, li) = self.pool_target(dest)?;
+        let at = pool.check(li, remote.key, remote.addr, total)?;
+        let mut p = pool.ptr(at);
+        for l in local {
+            // SAFETY: `[at, at + total)` was checked against the target's pool slice; `l` is
+            // valid per this function's contract and is not pool memory of the same window.
+            std::ptr::copy_nonoverlapping(l.ptr, p, l.len);
+            p = p.add(l.len);
+        }
+        self.done.push((token, Ok(Completed::Done)));
+        Ok(())
+    }
+
+    unsafe fn rma_read(
+        &mut self,
+        src: Rank,
+        local: &[RawIovMut],
+        remote: RemoteAddr,
+        token: Token,
+    ) -> Result<()> {
+        let total: usize = local.iter().map(|l| l.len).sum();
+        let (pool, li) = self.pool_target(src)?;
+        let at = pool.check(li, remote.key, remote.addr, total)?;
+        let mut p = pool.ptr(at) as *const u8;
+        for l in local {
+            // SAFETY: as in rma_write, in the other direction.
+            std::ptr::copy_nonoverlapping(p, l.ptr, l.len);
+            p = p.add(l.len);
+        }
+        self.done.push((token, Ok(Completed::Done)));
+        Ok(())
+    }
+
+    unsafe fn atomic(
+        &mut self,
+        dest: Rank,
+        op: weft::Op,
+        ty: weft::BasicType,
+        count: usize,
+        origin: *const u8,
+        compare: *const u8,
+        result: *mut u8,
+        remote: RemoteAddr,
+        token: Token,
+    ) -> Result<()> {
+        let (pool, li) = self.pool_target(dest)?;
+        let at = pool.check(li, remote.key, remote.addr, count * ty.size())?;
+        // SAFETY: in bounds of the target's pool slice (checked); the caller guarantees the
+        // operand buffers; pool memory of atomically used windows is only accessed atomically.
+        let r = pool::apply(op, ty, count, pool.ptr(at), origin, compare, result);
+        self.done.push((token, r.map(|_| Completed::Done)));
+        Ok(())
+    }
+
+    fn rma_try_lock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<bool> {
+        let (pool, li) = self.pool_target(target)?;
+        let at = pool.check(li, window.key, window.addr, 0)?;
+        Ok(pool.try_lock(at, exclusive))
+    }
+
+    fn rma_unlock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<()> {
+        let (pool, li) = self.pool_target(target)?;
+        let at = pool.check(li, window.key, window.addr, 0)?;
+        pool.unlock(at, exclusive);
         Ok(())
     }
 }

@@ -97,19 +97,6 @@ impl Layout {
     }
 }
 
-/// A mapped segment.
-pub struct Segment {
-    base: *mut u8,
-    pub lay: Layout,
-    name: CString,
-    created: bool,
-    unlinked: bool,
-}
-
-// SAFETY: the mapping is plain shared memory; all shared fields are atomics or accessed under
-// the queue protocols. The provider that owns the Segment is used from one thread at a time.
-unsafe impl Send for Segment {}
-
 /// `/weft-<job>-h<host>` with the job id reduced to safe characters.
 pub fn segment_name(job: &str, host: u32) -> String {
     let clean: String = job
@@ -130,9 +117,23 @@ fn os_err(what: String) -> Error {
     Error::last_os(what)
 }
 
-impl Segment {
-    /// Create, size, map and initialise the segment (first local rank).
-    pub fn create(name: &str, lay: Layout) -> Result<Segment> {
+/// A named, mapped shared-memory object: created by one rank (mode 0600), opened by the
+/// others, unlinked once everyone has it (or when its creator drops it early).
+pub struct Mapping {
+    base: *mut u8,
+    len: usize,
+    name: CString,
+    created: bool,
+    unlinked: bool,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; concurrent access goes
+// through atomics or the queue protocols, and the owner is used from one thread at a time.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Create and map `len` bytes (zero-filled). `populate` pre-faults the pages.
+    pub fn create(name: &str, len: usize, populate: bool) -> Result<Mapping> {
         let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
         // SAFETY: FFI with a valid C string; O_EXCL makes us the only creator.
         let fd = unsafe {
@@ -145,30 +146,29 @@ impl Segment {
         if fd < 0 {
             return Err(os_err(format!("creating shared memory {name}")));
         }
-        let mut seg = Segment {
+        let mut m = Mapping {
             base: std::ptr::null_mut(),
-            lay,
+            len,
             name: cname,
             created: true,
             unlinked: false,
         };
         // SAFETY: fd is ours; ftruncate zero-fills.
-        if unsafe { libc::ftruncate(fd, lay.total as libc::off_t) } != 0 {
-            let e = os_err(format!("sizing {name} to {} bytes", lay.total));
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            let e = os_err(format!("sizing {name} to {len} bytes"));
             // SAFETY: closing our own fd.
             unsafe { libc::close(fd) };
             return Err(e);
         }
-        let r = seg.map(fd);
+        let r = m.map(fd, populate);
         // SAFETY: closing our own fd; the mapping stays.
         unsafe { libc::close(fd) };
         r?;
-        seg.init();
-        Ok(seg)
+        Ok(m)
     }
 
-    /// Open and map a segment another rank created.
-    pub fn open(name: &str) -> Result<Segment> {
+    /// Open and map an object another rank created; its size must be at least `min_len`.
+    pub fn open(name: &str, min_len: usize, populate: bool) -> Result<Mapping> {
         let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
         // SAFETY: FFI with a valid C string.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
@@ -177,25 +177,103 @@ impl Segment {
         }
         // SAFETY: fstat on our fd into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) < 4096 {
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) < min_len.max(1) {
             // SAFETY: closing our own fd.
             unsafe { libc::close(fd) };
             return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "shared memory {name} is missing or too small"
             ))));
         }
-        let mut seg = Segment {
+        let mut m = Mapping {
             base: std::ptr::null_mut(),
-            lay: Layout::new(1, 1, 1, 64, Kind::Ring),
+            len: st.st_size as usize,
             name: cname,
             created: false,
             unlinked: false,
         };
-        seg.lay.total = st.st_size as usize;
-        let r = seg.map(fd);
+        let r = m.map(fd, populate);
         // SAFETY: closing our own fd.
         unsafe { libc::close(fd) };
         r?;
+        Ok(m)
+    }
+
+    fn map(&mut self, fd: i32, populate: bool) -> Result<()> {
+        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
+        // SAFETY: mapping `len` bytes of a shared memory object we just sized/checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mapping shared memory".to_string()));
+        }
+        self.base = p as *mut u8;
+        Ok(())
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Remove the name (idempotent; the mapping stays valid).
+    pub fn unlink(&mut self) {
+        if !self.unlinked {
+            // SAFETY: FFI with a valid C string; failure (already gone) is harmless.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            self.unlinked = true;
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.created && !self.unlinked {
+            self.unlink();
+        }
+        if !self.base.is_null() {
+            // SAFETY: unmapping our own mapping; nothing borrows it past the owner's life.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        }
+    }
+}
+
+/// The message segment: a [`Mapping`] with the queue [`Layout`].
+pub struct Segment {
+    map: Mapping,
+    pub lay: Layout,
+}
+
+impl Segment {
+    /// Create, size, map and initialise the segment (first local rank).
+    pub fn create(name: &str, lay: Layout) -> Result<Segment> {
+        let mut seg = Segment {
+            map: Mapping::create(name, lay.total, true)?,
+            lay,
+        };
+        seg.init();
+        Ok(seg)
+    }
+
+    /// Open and map a segment another rank created.
+    pub fn open(name: &str) -> Result<Segment> {
+        let map = Mapping::open(name, 4096, true)?;
+        let mut seg = Segment {
+            lay: Layout::new(1, 1, 1, 64, Kind::Ring),
+            map,
+        };
+        seg.lay.total = seg.map.len();
         let h = seg.header();
         if h.magic.load(Ordering::Acquire) != MAGIC || h.version != 1 {
             return Err(Error::from(ErrorDetail::Bootstrap(format!(
@@ -218,32 +296,13 @@ impl Segment {
             h.chunk as usize,
             kind,
         );
-        if lay.total != h.total as usize || lay.total > seg.lay.total {
+        if lay.total != h.total as usize || lay.total > seg.map.len() {
             return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "shared memory {name} has an inconsistent layout"
             ))));
         }
         seg.lay = lay;
         Ok(seg)
-    }
-
-    fn map(&mut self, fd: i32) -> Result<()> {
-        // SAFETY: mapping `total` bytes of a shared memory object we just sized/checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                self.lay.total,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(os_err("mapping shared memory".to_string()));
-        }
-        self.base = p as *mut u8;
-        Ok(())
     }
 
     /// Write the header and free cells (creator only, before anyone else can see it).
@@ -265,7 +324,7 @@ impl Segment {
         }
         // SAFETY: the header is at offset 0 of a fresh mapping nobody else has opened yet (the
         // others open it after the bootstrap fence that follows).
-        let h = unsafe { &mut *(self.base as *mut Header) };
+        let h = unsafe { &mut *(self.map.base() as *mut Header) };
         h.version = 1;
         h.nlocal = lay.nlocal as u64;
         h.ncells = lay.ncells as u64;
@@ -286,16 +345,12 @@ impl Segment {
 
     /// Remove the name (idempotent; the mapping stays valid).
     pub fn unlink(&mut self) {
-        if !self.unlinked {
-            // SAFETY: FFI with a valid C string; failure (already gone) is harmless.
-            unsafe { libc::shm_unlink(self.name.as_ptr()) };
-            self.unlinked = true;
-        }
+        self.map.unlink();
     }
 
     pub fn header(&self) -> &Header {
         // SAFETY: offset 0 holds the Header in a mapping of at least 4096 bytes.
-        unsafe { &*(self.base as *const Header) }
+        unsafe { &*(self.map.base() as *const Header) }
     }
 
     /// # Safety (internal)
@@ -303,7 +358,7 @@ impl Segment {
     /// `Layout`, whose offsets are multiples of 64 and whose strides are multiples of 64).
     unsafe fn slice<T>(&self, off: usize, n: usize) -> &[T] {
         debug_assert!(off + std::mem::size_of::<T>() * n <= self.lay.total);
-        std::slice::from_raw_parts(self.base.add(off) as *const T, n)
+        std::slice::from_raw_parts(self.map.base().add(off) as *const T, n)
     }
 
     pub fn rank_slot(&self, i: usize) -> &RankSlot {
@@ -373,18 +428,6 @@ impl Segment {
                 self.pair_off(s, r) + 64 + cells * CELL_SIZE,
                 self.lay.nunits,
             )
-        }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        if self.created && !self.unlinked {
-            self.unlink();
-        }
-        if !self.base.is_null() {
-            // SAFETY: unmapping our own mapping; nothing borrows it past the provider's life.
-            unsafe { libc::munmap(self.base as *mut libc::c_void, self.lay.total) };
         }
     }
 }

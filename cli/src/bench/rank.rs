@@ -131,6 +131,112 @@ fn alltoall(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> 
     Ok(worst[0])
 }
 
+/// Issue one access epoch's operations for an RMA test.
+fn rma_ops<'e>(
+    e: &weft::Epoch<'e, '_, DynProvider>,
+    test: Test,
+    peer: u32,
+    bytes: usize,
+    src: &'e [u64],
+    dst: &'e mut [u64],
+) -> Result<()> {
+    let sb: &'e [u8] = &bytemuck::cast_slice(src)[..bytes];
+    let db: &'e mut [u8] = &mut bytemuck::cast_slice_mut(dst)[..bytes];
+    match test {
+        Test::PutLat => e.put(sb, peer, 0),
+        Test::GetLat => e.get(db, peer, 0),
+        Test::AccLat => e.accumulate(src, peer, 0, weft::Op::Sum),
+        _ => {
+            // The get reads the second half of the window (displacements count u64s).
+            e.put(sb, peer, 0)?;
+            e.get(db, peer, bytes.div_ceil(8))
+        }
+    }
+}
+
+/// RMA ping-pong over post-start-complete-wait: an access epoch with the test's operations,
+/// then an exposure epoch; returns half the iteration time in µs.
+fn rma_pingpong(
+    c: &Comm<DynProvider>,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+    test: Test,
+) -> Result<f64> {
+    let r = c.rank();
+    let elems = size.div_ceil(8).max(1);
+    let mut mem = vec![0u64; 2 * elems];
+    let win = c.win_create(&mut mem, weft::WinInfo::default())?;
+    let src = vec![1u64; elems];
+    let mut dst = vec![0u64; elems];
+    let bytes = size.max(1).min(elems * 8);
+    let mut t0 = Instant::now();
+    if r <= 1 {
+        let peer = 1 - r;
+        for i in 0..warmup + iters {
+            if i == warmup {
+                t0 = Instant::now();
+            }
+            if r == 0 {
+                win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
+                win.post(&[peer])?;
+                win.wait()?;
+            } else {
+                win.post(&[peer])?;
+                win.wait()?;
+                win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
+            }
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    win.free()?;
+    Ok(dt * 1e6 / (2.0 * iters as f64))
+}
+
+/// RMA throughput in fence epochs: rank 0 issues `w` operations (puts, gets, or 16 of each)
+/// per epoch to rank 1; returns MB/s of data moved.
+fn rma_stream(
+    c: &Comm<DynProvider>,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+    window: usize,
+    test: Test,
+) -> Result<f64> {
+    let r = c.rank();
+    let (nput, nget) = match test {
+        Test::PutBw => (effective_window(window, size), 0),
+        Test::GetBw => (0, effective_window(window, size)),
+        _ => (16, 16),
+    };
+    let slots = nput + nget;
+    let mut mem = vec![0u8; slots * size.max(1)];
+    let win = c.win_create(&mut mem, weft::WinInfo::default())?;
+    let src = vec![7u8; size.max(1)];
+    let mut dst: Vec<Vec<u8>> = (0..nget).map(|_| vec![0u8; size.max(1)]).collect();
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            c.barrier()?;
+            t0 = Instant::now();
+        }
+        win.fence_epoch(weft::Assert::NONE, |e| {
+            if r == 0 {
+                for k in 0..nput {
+                    e.put(&src[..size], 1, k * size)?;
+                }
+                for (k, d) in dst.iter_mut().enumerate() {
+                    e.get(&mut d[..size], 1, (nput + k) * size)?;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    win.free()?;
+    Ok((slots * size * iters) as f64 / dt / 1e6)
+}
+
 /// Run one job's measurements; rank 0 prints the results.
 pub fn run(a: &RankArgs) -> Result<()> {
     let world = weft::init()?;
@@ -162,6 +268,22 @@ pub fn run(a: &RankArgs) -> Result<()> {
             Test::Alltoall => {
                 let it = scaled(a.iters, size * c.size() as usize, 512 << 20, 10);
                 alltoall(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
+            }
+            Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => {
+                let it = scaled(a.iters, size, 256 << 20, 20);
+                rma_pingpong(c, size, it, scaled(a.warmup, size, 32 << 20, 2), a.test)?
+            }
+            Test::PutBw | Test::GetBw | Test::EpochMix => {
+                let per = size * effective_window(a.window, size).max(32);
+                let it = scaled(a.iters, per, 2 << 30, 3);
+                rma_stream(
+                    c,
+                    size,
+                    it,
+                    scaled(a.warmup, per, 256 << 20, 1),
+                    a.window,
+                    a.test,
+                )?
             }
         };
         if c.rank() == 0 {

@@ -8,6 +8,13 @@ pub enum Test {
     Bibw,
     Mr,
     Alltoall,
+    PutLat,
+    GetLat,
+    AccLat,
+    PutBw,
+    GetBw,
+    EpochMix,
+    EpochPingpong,
 }
 
 /// Every test name the command knows, with what it measures.
@@ -23,6 +30,34 @@ pub const ALL: &[(&str, &str)] = &[
         "alltoall",
         "time of one alltoall with SIZE bytes per pair, µs (slowest rank)",
     ),
+    (
+        "put_lat",
+        "RMA ping-pong, one put per access epoch then an exposure epoch; half the iteration, µs",
+    ),
+    (
+        "get_lat",
+        "RMA ping-pong with one get per access epoch; half the iteration, µs",
+    ),
+    (
+        "acc_lat",
+        "RMA ping-pong with one accumulate (sum, u64) per access epoch; half the iteration, µs",
+    ),
+    (
+        "put_bw",
+        "puts of SIZE bytes, a window of W per fence epoch, MB/s",
+    ),
+    (
+        "get_bw",
+        "gets of SIZE bytes, a window of W per fence epoch, MB/s",
+    ),
+    (
+        "epoch_mix",
+        "16 puts and 16 gets of SIZE bytes per fence epoch; bytes moved, MB/s",
+    ),
+    (
+        "epoch_pingpong",
+        "RMA ping-pong, one put and one get per access epoch; half the iteration, µs",
+    ),
 ];
 
 impl Test {
@@ -33,6 +68,13 @@ impl Test {
             "bibw" => Test::Bibw,
             "mr" => Test::Mr,
             "alltoall" => Test::Alltoall,
+            "put_lat" => Test::PutLat,
+            "get_lat" => Test::GetLat,
+            "acc_lat" => Test::AccLat,
+            "put_bw" => Test::PutBw,
+            "get_bw" => Test::GetBw,
+            "epoch_mix" => Test::EpochMix,
+            "epoch_pingpong" => Test::EpochPingpong,
             other => {
                 return Err(format!(
                     "unknown test '{other}'; tests: {}",
@@ -49,13 +91,25 @@ impl Test {
             Test::Bibw => "bibw",
             Test::Mr => "mr",
             Test::Alltoall => "alltoall",
+            Test::PutLat => "put_lat",
+            Test::GetLat => "get_lat",
+            Test::AccLat => "acc_lat",
+            Test::PutBw => "put_bw",
+            Test::GetBw => "get_bw",
+            Test::EpochMix => "epoch_mix",
+            Test::EpochPingpong => "epoch_pingpong",
         }
     }
 
     pub fn unit(self) -> &'static str {
         match self {
-            Test::Latency | Test::Alltoall => "us",
-            Test::Bw | Test::Bibw => "MB/s",
+            Test::Latency
+            | Test::Alltoall
+            | Test::PutLat
+            | Test::GetLat
+            | Test::AccLat
+            | Test::EpochPingpong => "us",
+            Test::Bw | Test::Bibw | Test::PutBw | Test::GetBw | Test::EpochMix => "MB/s",
             Test::Mr => "msg/s",
         }
     }
@@ -68,7 +122,10 @@ impl Test {
     }
 
     pub fn higher_is_better(self) -> bool {
-        matches!(self, Test::Bw | Test::Bibw | Test::Mr)
+        matches!(
+            self,
+            Test::Bw | Test::Bibw | Test::Mr | Test::PutBw | Test::GetBw | Test::EpochMix
+        )
     }
 
     pub fn min_ranks(self) -> u32 {
@@ -89,6 +146,10 @@ impl Test {
             ],
             Test::Mr => vec![1, 8, 64, 512, 4096],
             Test::Alltoall => vec![8, 512, 4096, 65536],
+            Test::PutLat | Test::GetLat | Test::EpochPingpong => vec![8, 64, 256, 4096, 65536],
+            Test::AccLat => vec![8, 64, 256, 4096],
+            Test::PutBw | Test::GetBw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20],
+            Test::EpochMix => vec![8, 64, 256, 4096, 65536],
         }
     }
 
@@ -98,6 +159,8 @@ impl Test {
             Test::Latency => 20_000,
             Test::Bw | Test::Bibw | Test::Mr => 200,
             Test::Alltoall => 1000,
+            Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => 5000,
+            Test::PutBw | Test::GetBw | Test::EpochMix => 500,
         }
     }
 }

@@ -131,39 +131,27 @@ pub struct LoadFailure {
     pub error: String,
 }
 
-/// Hook through which the dynamic loader contributes providers (set by `weft::loader`). Loaded
-/// providers live for the rest of the process, hence `'static`.
-pub type ExtraProviders = fn() -> (Vec<&'static dyn Factory>, Vec<LoadFailure>);
-
-static EXTRA: std::sync::OnceLock<ExtraProviders> = std::sync::OnceLock::new();
-
-/// Install the function that lists run-time loaded providers. Called once by the loader.
-pub fn set_extra_providers(f: ExtraProviders) {
-    let _ = EXTRA.set(f);
-}
-
 /// Every provider known to this process: built-ins first (by priority), then loaded libraries.
 pub fn providers() -> (Vec<&'static dyn Factory>, Vec<LoadFailure>) {
     let mut v: Vec<&'static dyn Factory> = PROVIDERS.iter().map(|d| d as &dyn Factory).collect();
     v.sort_by(|a, b| b.priority().cmp(&a.priority()).then(a.name().cmp(b.name())));
     let mut failures = Vec::new();
-    if let Some(extra) = EXTRA.get() {
-        let (more, fails) = extra();
-        for m in more {
-            if v.iter().any(|x| x.name() == m.name()) {
-                failures.push(LoadFailure {
-                    path: match m.origin() {
-                        Origin::Library(p) => p,
-                        Origin::Builtin => PathBuf::new(),
-                    },
-                    error: format!("provider name '{}' is already taken", m.name()),
-                });
-            } else {
-                v.push(m);
-            }
+    let (more, fails) = crate::loader::loaded();
+    for m in more {
+        if v.iter().any(|x| x.name() == m.name()) {
+            failures.push(LoadFailure {
+                path: match m.origin() {
+                    Origin::Library(p) => p,
+                    Origin::Builtin => PathBuf::new(),
+                },
+                error: format!("provider name '{}' is already taken", m.name()),
+            });
+        } else {
+            v.push(*m);
         }
-        failures.extend(fails);
     }
+    failures.extend(fails.iter().cloned());
+    v.sort_by(|a, b| b.priority().cmp(&a.priority()).then(a.name().cmp(b.name())));
     (v, failures)
 }
 

@@ -185,22 +185,40 @@ typedef struct WeftMr {
 } WeftMr;
 
 // Optional: memory registration and RMA.
+//
+// Completion of `read`, `write` (and `atomic` below): when `token` is non-zero, the provider
+// reports it through `WeftSink::complete`; when `cntr` is non-zero (a counter from
+// `WeftCntrOps::open`), it increments that counter's success or error count. The core passes
+// one or both; a provider without `WEFT_CAP_COUNTERS` only ever sees `cntr == 0`.
 typedef struct WeftRmaOps {
   uint32_t size;
   uint32_t reserved;
   // `access` bits: 1 read, 2 write, 4 atomic.
   int32_t (*reg)(void *provider, uint8_t *base, uintptr_t len, uint32_t access, struct WeftMr *mr);
   int32_t (*dereg)(void *provider, const struct WeftMr *mr);
-  int32_t (*read)(void *provider, uint32_t src, const struct WeftIovMut *local, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token);
-  int32_t (*write)(void *provider, uint32_t dest, const struct WeftIov *local, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token);
+  int32_t (*read)(void *provider, uint32_t src, const struct WeftIovMut *local, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr);
+  int32_t (*write)(void *provider, uint32_t dest, const struct WeftIov *local, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr);
 } WeftRmaOps;
 
 // Optional: native atomics (the supported pairs are in [`WeftCaps::atomics`]).
 typedef struct WeftAtomicOps {
   uint32_t size;
   uint32_t reserved;
-  int32_t (*atomic)(void *provider, uint32_t dest, uint32_t op, uint32_t ty, uintptr_t count, const uint8_t *origin, const uint8_t *compare, uint8_t *result, uint64_t addr, uint64_t key, uint64_t token);
+  int32_t (*atomic)(void *provider, uint32_t dest, uint32_t op, uint32_t ty, uintptr_t count, const uint8_t *origin, const uint8_t *compare, uint8_t *result, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr);
 } WeftAtomicOps;
+
+// Optional: completion counters (with `WEFT_CAP_COUNTERS`), for bulk completion of RMA and
+// atomic operations, like libfabric's `fi_cntr`.
+typedef struct WeftCntrOps {
+  uint32_t size;
+  uint32_t reserved;
+  // Open a counter; `*cntr` receives its non-zero id.
+  int32_t (*open)(void *provider, uint64_t *cntr);
+  // Read a counter without blocking.
+  int32_t (*read)(void *provider, uint64_t cntr, uint64_t *ok, uint64_t *err);
+  // Close a counter with no operation outstanding on it.
+  int32_t (*close)(void *provider, uint64_t cntr);
+} WeftCntrOps;
 
 // What `weft_provider_entry` returns.
 typedef struct WeftEntry {
@@ -220,6 +238,7 @@ typedef struct WeftEntry {
   const struct WeftTaggedOps *tagged;
   const struct WeftRmaOps *rma;
   const struct WeftAtomicOps *atomics;
+  const struct WeftCntrOps *cntr;
 } WeftEntry;
 
 // The signature of `weft_provider_entry`.

@@ -270,6 +270,11 @@ pub struct WeftMr {
 }
 
 /// Optional: memory registration and RMA.
+///
+/// Completion of `read`, `write` (and `atomic` below): when `token` is non-zero, the provider
+/// reports it through `WeftSink::complete`; when `cntr` is non-zero (a counter from
+/// `WeftCntrOps::open`), it increments that counter's success or error count. The core passes
+/// one or both; a provider without `WEFT_CAP_COUNTERS` only ever sees `cntr == 0`.
 #[repr(C)]
 pub struct WeftRmaOps {
     pub size: u32,
@@ -294,6 +299,7 @@ pub struct WeftRmaOps {
             addr: u64,
             key: u64,
             token: u64,
+            cntr: u64,
         ) -> i32,
     >,
     pub write: Option<
@@ -305,6 +311,7 @@ pub struct WeftRmaOps {
             addr: u64,
             key: u64,
             token: u64,
+            cntr: u64,
         ) -> i32,
     >,
 }
@@ -327,8 +334,25 @@ pub struct WeftAtomicOps {
             addr: u64,
             key: u64,
             token: u64,
+            cntr: u64,
         ) -> i32,
     >,
+}
+
+/// Optional: completion counters (with `WEFT_CAP_COUNTERS`), for bulk completion of RMA and
+/// atomic operations, like libfabric's `fi_cntr`.
+#[repr(C)]
+pub struct WeftCntrOps {
+    pub size: u32,
+    pub reserved: u32,
+    /// Open a counter; `*cntr` receives its non-zero id.
+    pub open: Option<unsafe extern "C" fn(provider: *mut c_void, cntr: *mut u64) -> i32>,
+    /// Read a counter without blocking.
+    pub read: Option<
+        unsafe extern "C" fn(provider: *mut c_void, cntr: u64, ok: *mut u64, err: *mut u64) -> i32,
+    >,
+    /// Close a counter with no operation outstanding on it.
+    pub close: Option<unsafe extern "C" fn(provider: *mut c_void, cntr: u64) -> i32>,
 }
 
 /// What `weft_provider_entry` returns.
@@ -350,6 +374,7 @@ pub struct WeftEntry {
     pub tagged: *const WeftTaggedOps,
     pub rma: *const WeftRmaOps,
     pub atomics: *const WeftAtomicOps,
+    pub cntr: *const WeftCntrOps,
 }
 
 // SAFETY: the entry and its tables are immutable static data describing functions; the
@@ -363,6 +388,8 @@ unsafe impl Sync for WeftTaggedOps {}
 unsafe impl Sync for WeftRmaOps {}
 // SAFETY: as above.
 unsafe impl Sync for WeftAtomicOps {}
+// SAFETY: as above.
+unsafe impl Sync for WeftCntrOps {}
 
 /// The signature of `weft_provider_entry`.
 pub type WeftEntryFn = unsafe extern "C" fn() -> *const WeftEntry;

@@ -344,10 +344,12 @@ fn serve<S: Read + Write>(job: Arc<Job>, stream: S, mut rank: Option<u32>) {
                     .and_then(|m| weft::bootstrap::pmi::unescape(m).ok())
                     .unwrap_or_default();
                 job.st.lock().unwrap_or_else(|e| e.into_inner()).abort_code = Some(code);
-                job.fail(format!(
-                    "rank {} called abort (exit code {code}) {msg}",
-                    rank.unwrap_or(0)
-                ));
+                let rank = rank.unwrap_or(0);
+                job.fail(if msg.is_empty() {
+                    format!("rank {rank} called abort (exit code {code})")
+                } else {
+                    format!("rank {rank} called abort (exit code {code}): {msg}")
+                });
                 return;
             }
             other => reply(
@@ -678,6 +680,12 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
         let _ = t.join();
     }
     *SIGNAL_TX.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    // Ranks killed while they were setting up shared memory may have left names behind.
+    for name in remove_shm_leftovers(&job.kvsname) {
+        if !spec.quiet {
+            eprintln!("weft run: removed /dev/shm/{name}, left behind by the job");
+        }
+    }
     // The status of the rank that failed first (not the SIGTERM the launcher sent the
     // others), else an interrupting signal, else the worst exit code.
     let mut code = match (cause_code, signal_code) {
@@ -704,6 +712,25 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
     })
 }
 
+/// Remove the job's shared-memory objects that are still named: providers name theirs
+/// `/dev/shm/weft-<job id>-*` (docs/writing-a-provider.md), and normally unlink them as soon as
+/// every local rank has mapped them; a rank killed during start-up can leave one behind.
+fn remove_shm_leftovers(kvsname: &str) -> Vec<String> {
+    let prefix = format!("weft-{kvsname}-");
+    let mut removed = vec![];
+    for e in std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&prefix) && std::fs::remove_file(e.path()).is_ok() {
+            removed.push(name);
+        }
+    }
+    removed
+}
+
 fn rand_suffix() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -713,4 +740,25 @@ fn rand_suffix() -> u64 {
             .map_or(0, |d| d.as_nanos()),
     );
     h.finish() & 0xffff_ffff
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn leftovers_of_the_job_and_only_those_are_removed() {
+        let job = format!("weft-test-{}", std::process::id());
+        let other = format!("weft-{job}0-h0"); // another job whose name extends ours
+        let mine = [format!("weft-{job}-h0"), format!("weft-{job}-h0-w")];
+        for n in mine.iter().chain([&other]) {
+            std::fs::write(Path::new("/dev/shm").join(n), b"x").unwrap();
+        }
+        let mut removed = remove_shm_leftovers(&job);
+        removed.sort();
+        assert_eq!(removed, mine);
+        assert!(Path::new("/dev/shm").join(&other).exists());
+        std::fs::remove_file(Path::new("/dev/shm").join(&other)).unwrap();
+    }
 }

@@ -12,6 +12,7 @@ use weft_shm as _;
 use weft_tcp_sim as _;
 
 mod bench;
+mod conformance;
 mod info;
 mod launch;
 
@@ -67,6 +68,39 @@ enum Cmd {
     /// Benchmark providers side by side: TESTS is a comma-separated list of latency, bw, bibw,
     /// mr, alltoall.
     Bench(Box<BenchArgs>),
+    /// Run the provider conformance suite (two-sided, datatypes, rma, atomics, stress) and
+    /// print a pass/fail table per group; exits non-zero on any failure.
+    Test {
+        /// The provider under test (built in, or libweft-NAME.so on the provider path).
+        #[arg(long)]
+        provider: String,
+        /// A directory searched first for provider libraries (prepended to
+        /// WEFT_PROVIDER_PATH).
+        #[arg(long, value_name = "DIR")]
+        provider_path: Option<std::path::PathBuf>,
+        /// Number of ranks.
+        #[arg(short = 'n', long = "np", default_value_t = 3,
+              value_parser = clap::value_parser!(u32).range(2..=256))]
+        n: u32,
+        /// Run only this group.
+        #[arg(long)]
+        group: Option<String>,
+        /// Run the ranks as threads of this process instead of launching processes.
+        #[arg(long)]
+        in_process: bool,
+        /// Seconds the whole run may take before it is ended.
+        #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+        timeout: f64,
+        /// Environment variable for the ranks (repeatable).
+        #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+    },
+    /// (internal) The rank side of `weft test`.
+    #[command(hide = true)]
+    TestRank {
+        #[arg(long)]
+        group: Option<String>,
+    },
     /// (internal) The rank side of a bench job.
     #[command(hide = true)]
     BenchRank {
@@ -345,6 +379,24 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Bench(a) => bench_main(&a),
+        Cmd::Test {
+            provider,
+            provider_path,
+            n,
+            group,
+            in_process,
+            timeout,
+            env,
+        } => conformance::main(&conformance::Args {
+            provider,
+            provider_path,
+            n,
+            group,
+            in_process,
+            timeout,
+            env,
+        }),
+        Cmd::TestRank { group } => conformance::rank_main(group.as_deref()),
         Cmd::BenchRank {
             test,
             sizes,

@@ -16,6 +16,7 @@ fn world_static() -> World<Loopback> {
         eager: 16 << 10,
         depth: 4096,
         rma: false,
+        ..Default::default()
     };
     let p = Loopback::open_with(&mut b, &cfg).unwrap();
     World::from_parts(p, Box::new(b), EngineConfig::default()).unwrap()
@@ -28,6 +29,7 @@ fn world_dynamic() -> World<DynProvider> {
         eager: 16 << 10,
         depth: 4096,
         rma: false,
+        ..Default::default()
     };
     let p: DynProvider = Box::new(Loopback::open_with(&mut b, &cfg).unwrap());
     World::from_parts(p, Box::new(b), EngineConfig::default()).unwrap()

@@ -28,6 +28,7 @@ fn main() {
         eager: 16 << 10,
         depth: 4096,
         rma: false,
+        ..Default::default()
     };
     let p = Loopback::open_with(&mut b, &cfg).unwrap();
     let t0 = std::time::Instant::now();

@@ -17,11 +17,11 @@
 use crate::datatype::Datatype;
 use crate::matching::{Matcher, PostedHandle};
 use crate::provider::{
-    Access, Caps, Completed, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink,
-    Token,
+    Access, Caps, Completed, Completion, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr,
+    SendOutcome, Sink, Token,
 };
 use crate::types::Rank;
-use crate::{Error, ErrorDetail, Result, Status};
+use crate::{Error, ErrorDetail, ErrorKind, Result, Status};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -702,8 +702,16 @@ impl<P: Provider> Engine<P> {
         buf: RecvBuf,
         scope: u64,
     ) -> Result<Posted> {
-        if let Some(s) = src {
-            self.check_peer(s)?;
+        // A failed source can still have sent messages that arrived before it failed: they
+        // match as usual; only a receive nothing can satisfy fails.
+        let dead = match src {
+            Some(s) => self.check_peer(s).err(),
+            None => None,
+        };
+        if let Some(e) = dead {
+            if e.kind() != ErrorKind::PeerFailed || self.iprobe_local(src, ctx, tag)?.is_none() {
+                return Err(e);
+            }
         }
         if self.st.caps.tagged {
             return self.native_recv(src, ctx, tag, buf, scope);
@@ -812,9 +820,26 @@ impl<P: Provider> Engine<P> {
         tag: Option<i32>,
     ) -> Result<Option<Status>> {
         if let Some(s) = src {
-            self.check_peer(s)?;
+            if s >= self.st.size {
+                self.check_peer(s)?;
+            }
         }
         self.progress()?;
+        let found = self.iprobe_local(src, ctx, tag)?;
+        // Nothing waiting from a source that failed: nothing ever will.
+        if let (None, Some(s)) = (&found, src) {
+            self.check_peer(s)?;
+        }
+        Ok(found)
+    }
+
+    /// A matching message that has already arrived (no progress, no liveness check).
+    fn iprobe_local(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+    ) -> Result<Option<Status>> {
         if self.st.caps.tagged {
             return Ok(self
                 .p
@@ -1028,7 +1053,7 @@ impl<P: Provider> Engine<P> {
             let (src, remote) = (*src, *remote);
             // SAFETY: the receive request uniquely borrows the buffer until it completes, which
             // happens only when the provider reports this token (or the peer fails).
-            if let Err(e) = unsafe { self.p.rma_read(src, &pieces, remote, id) } {
+            if let Err(e) = unsafe { self.p.rma_read(src, &pieces, remote, Completion::cq(id)) } {
                 self.st.complete(id, Err(e));
             }
             n += 1;
@@ -1522,6 +1547,11 @@ impl State {
             _ => self.malformed(src, "SACK for an unknown send"),
         }
         Some(())
+    }
+
+    /// Why `rank` failed, if it did.
+    pub(crate) fn peer_failure(&self, rank: Rank) -> Option<String> {
+        self.failed.get(rank as usize).cloned().flatten()
     }
 
     fn fail_peer(&mut self, rank: Rank, reason: &str) {

@@ -49,7 +49,7 @@ pub use engine::EngineConfig;
 pub use error::{Error, ErrorDetail, ErrorKind, Result};
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
 pub use types::{BasicType, Element, Op, Rank};
-pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinInfo, Window};
+pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinCompletion, WinInfo, Window};
 
 #[doc(hidden)]
 pub use linkme as __linkme;

@@ -7,12 +7,13 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::provider::{
-    Access, Caps, Completed, MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr,
-    RmaCaps, SendOutcome, Sink, TaggedStatus, Token,
+    Access, Caps, CntrId, CntrValue, Completed, Completion, MemRegion, ProbeContext, Provider,
+    RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink, TaggedStatus, Token,
 };
 use crate::registry::{Factory, LoadFailure, Origin};
 use crate::types::{AtomicTable, BasicType, Op, Rank};
 use crate::{Error, ErrorDetail, Result};
+use smallvec::SmallVec;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::io::IoSlice;
 use std::path::{Path, PathBuf};
@@ -28,8 +29,13 @@ pub(crate) fn loaded() -> &'static (Vec<&'static dyn Factory>, Vec<LoadFailure>)
     L.get_or_init(|| {
         let mut ok: Vec<&'static dyn Factory> = Vec::new();
         let mut bad = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for dir in std::env::split_paths(&PROVIDER_PATH.raw()) {
             if dir.as_os_str().is_empty() {
+                continue;
+            }
+            // A directory named twice (or through two spellings) is scanned once.
+            if !seen.insert(std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone())) {
                 continue;
             }
             let entries = match std::fs::read_dir(&dir) {
@@ -191,6 +197,7 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
     );
     let rma = optional!(e.rma, WeftRmaOps, "RMA", [reg, dereg, read, write]);
     let atomics = optional!(e.atomics, WeftAtomicOps, "atomics", [atomic]);
+    let cntr = optional!(e.cntr, WeftCntrOps, "counters", [open, read, close]);
     // The library stays loaded for the rest of the process: instances keep pointers into it.
     std::mem::forget(lib);
     Ok(LoadedProvider {
@@ -204,6 +211,7 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
         tagged,
         rma,
         atomics,
+        cntr,
     })
 }
 
@@ -218,6 +226,7 @@ pub struct LoadedProvider {
     tagged: Option<&'static WeftTaggedOps>,
     rma: Option<&'static WeftRmaOps>,
     atomics: Option<&'static WeftAtomicOps>,
+    cntr: Option<&'static WeftCntrOps>,
 }
 
 fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
@@ -253,7 +262,7 @@ fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
         }
         caps.atomics = t;
     }
-    caps.counters = f & WEFT_CAP_COUNTERS != 0;
+    caps.counters = f & WEFT_CAP_COUNTERS != 0 && l.cntr.is_some();
     caps.spans_processes = f & WEFT_CAP_SPANS_PROCESSES != 0;
     caps.spans_hosts = f & WEFT_CAP_SPANS_HOSTS != 0;
     caps
@@ -374,6 +383,7 @@ impl Factory for LoadedProvider {
             tagged: self.tagged,
             rma: self.rma,
             atomics: self.atomics,
+            cntr: self.cntr,
             handle,
             caps,
             rank,
@@ -464,6 +474,7 @@ struct Foreign {
     tagged: Option<&'static WeftTaggedOps>,
     rma: Option<&'static WeftRmaOps>,
     atomics: Option<&'static WeftAtomicOps>,
+    cntr: Option<&'static WeftCntrOps>,
     handle: *mut c_void,
     caps: Caps,
     rank: Rank,
@@ -802,12 +813,12 @@ impl Provider for Foreign {
         src: Rank,
         local: &[RawIovMut],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let t = self
             .rma
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("RMA".into())))?;
-        let iov: Vec<WeftIovMut> = local
+        let iov: SmallVec<[WeftIovMut; 8]> = local
             .iter()
             .map(|d| WeftIovMut {
                 base: d.ptr,
@@ -821,7 +832,8 @@ impl Provider for Foreign {
             iov.len(),
             remote.addr,
             remote.key,
-            token,
+            done.cq.unwrap_or(0),
+            done.cntr.unwrap_or(0),
         );
         self.check(r, "RMA read")
     }
@@ -831,12 +843,12 @@ impl Provider for Foreign {
         dest: Rank,
         local: &[RawIov],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let t = self
             .rma
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("RMA".into())))?;
-        let iov: Vec<WeftIov> = local
+        let iov: SmallVec<[WeftIov; 8]> = local
             .iter()
             .map(|d| WeftIov {
                 base: d.ptr,
@@ -850,7 +862,8 @@ impl Provider for Foreign {
             iov.len(),
             remote.addr,
             remote.key,
-            token,
+            done.cq.unwrap_or(0),
+            done.cntr.unwrap_or(0),
         );
         self.check(r, "RMA write")
     }
@@ -865,7 +878,7 @@ impl Provider for Foreign {
         compare: *const u8,
         result: *mut u8,
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let t = self
             .atomics
@@ -881,9 +894,47 @@ impl Provider for Foreign {
             result,
             remote.addr,
             remote.key,
-            token,
+            done.cq.unwrap_or(0),
+            done.cntr.unwrap_or(0),
         );
         self.check(r, "atomic")
+    }
+
+    fn cntr_open(&mut self) -> Result<CntrId> {
+        let t = self
+            .cntr
+            .ok_or_else(|| Error::from(ErrorDetail::Unsupported("counters".into())))?;
+        let mut c = 0u64;
+        // SAFETY: the library's function with our instance and a valid out pointer.
+        let r = unsafe { (t.open.expect("checked"))(self.handle, &mut c) };
+        self.check(r, "counter open")?;
+        if c == 0 {
+            return Err(Error::invalid(format!(
+                "provider {} returned counter id 0 from open",
+                self.name
+            )));
+        }
+        Ok(c)
+    }
+
+    fn cntr_read(&mut self, cntr: CntrId) -> Result<CntrValue> {
+        let t = self
+            .cntr
+            .ok_or_else(|| Error::from(ErrorDetail::Unsupported("counters".into())))?;
+        let (mut ok, mut err) = (0u64, 0u64);
+        // SAFETY: as in cntr_open.
+        let r = unsafe { (t.read.expect("checked"))(self.handle, cntr, &mut ok, &mut err) };
+        self.check(r, "counter read")?;
+        Ok(CntrValue { ok, err })
+    }
+
+    fn cntr_close(&mut self, cntr: CntrId) -> Result<()> {
+        let t = self
+            .cntr
+            .ok_or_else(|| Error::from(ErrorDetail::Unsupported("counters".into())))?;
+        // SAFETY: as in cntr_open.
+        let r = unsafe { (t.close.expect("checked"))(self.handle, cntr) };
+        self.check(r, "counter close")
     }
 }
 

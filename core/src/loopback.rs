@@ -11,8 +11,8 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::provider::{
-    Access, Caps, Completed, MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr,
-    RmaCaps, SendOutcome, Sink, StaticProvider, Token,
+    Access, Caps, CntrId, CntrValue, Completion, CompletionTable, MemRegion, ProbeContext,
+    Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider,
 };
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};
@@ -28,6 +28,8 @@ crate::param!(DEPTH: Uint = "loopback", "DEPTH", "4096",
     "messages a loopback mailbox holds before senders see Busy");
 crate::param!(RMA: Bool = "loopback", "RMA", "0",
     "let the loopback provider register memory and do RMA reads (tests the zero-copy rendezvous)");
+crate::param!(COUNTERS: Bool = "loopback", "COUNTERS", "1",
+    "with WEFT_LOOPBACK_RMA, offer completion counters (0: CQ entries only, the core counts)");
 
 /// Settings of a loopback world.
 #[derive(Debug, Clone)]
@@ -35,6 +37,19 @@ pub struct LoopbackConfig {
     pub eager: usize,
     pub depth: usize,
     pub rma: bool,
+    /// With `rma`: offer completion counters.
+    pub counters: bool,
+}
+
+impl Default for LoopbackConfig {
+    fn default() -> Self {
+        LoopbackConfig {
+            eager: 16 * 1024,
+            depth: 4096,
+            rma: false,
+            counters: true,
+        }
+    }
 }
 
 impl LoopbackConfig {
@@ -43,6 +58,7 @@ impl LoopbackConfig {
             eager: EAGER.get_size()?.max(1),
             depth: (DEPTH.get_u64()? as usize).max(1),
             rma: RMA.get_bool()?,
+            counters: COUNTERS.get_bool()?,
         })
     }
 }
@@ -92,7 +108,7 @@ pub struct Loopback {
     depth: usize,
     seen_deaths: u64,
     reported: Vec<bool>,
-    done: Vec<(Token, Result<Completed>)>,
+    done: CompletionTable,
     inbox: VecDeque<Msg>,
 }
 
@@ -138,6 +154,7 @@ impl Loopback {
                 alloc: false,
                 native_locks: false,
             });
+            caps.counters = cfg.counters;
         }
         Ok(Loopback {
             fab,
@@ -147,7 +164,7 @@ impl Loopback {
             depth: cfg.depth,
             seen_deaths: 0,
             reported: vec![false; size as usize],
-            done: Vec::new(),
+            done: CompletionTable::default(),
             inbox: VecDeque::new(),
         })
     }
@@ -217,11 +234,7 @@ impl Provider for Loopback {
     }
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
-        let mut n = 0;
-        for (t, r) in self.done.drain(..) {
-            sink.complete(t, r);
-            n += 1;
-        }
+        let mut n = self.done.deliver(sink);
         let mb = &self.fab.boxes[self.rank as usize];
         if mb.len.load(Ordering::Acquire) > 0 {
             {
@@ -279,6 +292,23 @@ impl Provider for Loopback {
         self.register(base, len, access, key, true)
     }
 
+    fn cntr_open(&mut self) -> Result<CntrId> {
+        if !self.caps.counters {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "loopback counters are off (WEFT_LOOPBACK_RMA, WEFT_LOOPBACK_COUNTERS)".into(),
+            )));
+        }
+        Ok(self.done.open())
+    }
+
+    fn cntr_read(&mut self, cntr: CntrId) -> Result<CntrValue> {
+        self.done.read(cntr)
+    }
+
+    fn cntr_close(&mut self, cntr: CntrId) -> Result<()> {
+        self.done.close(cntr)
+    }
+
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
         self.fab
             .regions
@@ -293,7 +323,7 @@ impl Provider for Loopback {
         src: Rank,
         local: &[RawIovMut],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let total: usize = local.iter().map(|l| l.len).sum();
         let res = self.with_region(src, remote, total, false, |mut at| {
@@ -305,7 +335,7 @@ impl Provider for Loopback {
                 at += l.len;
             }
         });
-        self.done.push((token, res));
+        self.done.finish(done, res);
         Ok(())
     }
 
@@ -314,7 +344,7 @@ impl Provider for Loopback {
         dest: Rank,
         local: &[RawIov],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let total: usize = local.iter().map(|l| l.len).sum();
         let res = self.with_region(dest, remote, total, true, |mut at| {
@@ -324,7 +354,7 @@ impl Provider for Loopback {
                 at += l.len;
             }
         });
-        self.done.push((token, res));
+        self.done.finish(done, res);
         Ok(())
     }
 }
@@ -373,7 +403,7 @@ impl Loopback {
         n: usize,
         write: bool,
         f: impl FnOnce(usize),
-    ) -> Result<Completed> {
+    ) -> Result<()> {
         let regs = self.fab.regions.lock().unwrap_or_else(|e| e.into_inner());
         let Some(r) = regs.get(&(owner, remote.key)) else {
             return Err(Error::from(ErrorDetail::RemoteAccess {
@@ -395,7 +425,7 @@ impl Loopback {
         match start {
             Some(s) if s >= r.base && s.checked_add(n).is_some_and(|e| e <= r.base + r.len) => {
                 f(s);
-                Ok(Completed::Done)
+                Ok(())
             }
             _ => Err(Error::from(ErrorDetail::RemoteAccess {
                 rank: owner,

@@ -23,6 +23,126 @@ use std::io::IoSlice;
 /// Identifies an operation whose completion a provider reports later through [`Sink::complete`].
 pub type Token = u64;
 
+/// A completion counter opened with [`Provider::cntr_open`] (never 0).
+pub type CntrId = u64;
+
+/// Where an RMA or atomic operation reports that it finished: a completion-queue entry
+/// ([`Sink::complete`] with the token), an increment of a counter, or both. The core asks for a
+/// counter only from providers whose [`Caps::counters`] is set; MPICH-OFI's bulk completion of
+/// window operations (counters) and request completion (CQ entries) in one type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Completion {
+    /// Report through `Sink::complete(token, ..)`.
+    pub cq: Option<Token>,
+    /// Increment this counter (its success or its error count).
+    pub cntr: Option<CntrId>,
+}
+
+impl Completion {
+    /// A completion-queue entry only.
+    pub const fn cq(token: Token) -> Self {
+        Completion {
+            cq: Some(token),
+            cntr: None,
+        }
+    }
+
+    /// A counter increment only.
+    pub const fn cntr(c: CntrId) -> Self {
+        Completion {
+            cq: None,
+            cntr: Some(c),
+        }
+    }
+}
+
+/// The value of a completion counter: operations that finished, and those that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CntrValue {
+    pub ok: u64,
+    pub err: u64,
+}
+
+impl CntrValue {
+    /// Every operation counted, successful or not.
+    pub fn total(&self) -> u64 {
+        self.ok + self.err
+    }
+}
+
+/// Counters and completion entries for a provider whose operations finish when they are
+/// issued (memory copies, CPU atomics): `finish` records an outcome where [`Completion`] says;
+/// `progress` hands the CQ entries to the sink with [`CompletionTable::deliver`].
+#[derive(Debug, Default)]
+pub struct CompletionTable {
+    counters: Vec<Option<CntrValue>>,
+    cq: Vec<(Token, Result<Completed>)>,
+}
+
+impl CompletionTable {
+    /// Open a counter.
+    pub fn open(&mut self) -> CntrId {
+        let i = match self.counters.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.counters.push(None);
+                self.counters.len() - 1
+            }
+        };
+        self.counters[i] = Some(CntrValue::default());
+        i as CntrId + 1
+    }
+
+    fn slot(&mut self, c: CntrId) -> Result<&mut CntrValue> {
+        c.checked_sub(1)
+            .and_then(|i| self.counters.get_mut(i as usize))
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::invalid(format!("no open completion counter {c}")))
+    }
+
+    /// Read a counter.
+    pub fn read(&mut self, c: CntrId) -> Result<CntrValue> {
+        self.slot(c).map(|v| *v)
+    }
+
+    /// Close a counter.
+    pub fn close(&mut self, c: CntrId) -> Result<()> {
+        self.slot(c)?;
+        self.counters[c as usize - 1] = None;
+        Ok(())
+    }
+
+    /// Record that an operation finished with `r`.
+    pub fn finish(&mut self, done: Completion, r: Result<()>) {
+        if let Some(c) = done.cntr {
+            if let Ok(v) = self.slot(c) {
+                if r.is_ok() {
+                    v.ok += 1;
+                } else {
+                    v.err += 1;
+                }
+            }
+        }
+        if let Some(t) = done.cq {
+            self.cq.push((t, r.map(|_| Completed::Done)));
+        }
+    }
+
+    /// Pending CQ entries, for a provider's own completions.
+    pub fn push(&mut self, t: Token, r: Result<Completed>) {
+        self.cq.push((t, r));
+    }
+
+    /// Deliver every pending CQ entry; returns how many.
+    pub fn deliver(&mut self, sink: &mut dyn Sink) -> usize {
+        let n = self.cq.len();
+        for (t, r) in self.cq.drain(..) {
+            sink.complete(t, r);
+        }
+        n
+    }
+}
+
 /// A raw read-only iovec entry, for operations that outlive the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]
@@ -85,7 +205,7 @@ pub struct Caps {
     pub rma: Option<RmaCaps>,
     /// Native (operation, type) atomic pairs.
     pub atomics: AtomicTable,
-    /// RMA completion counters.
+    /// Completion counters ([`Provider::cntr_open`]) for RMA and atomic operations.
     pub counters: bool,
     /// Ranks may live in different processes.
     pub spans_processes: bool,
@@ -354,30 +474,30 @@ pub trait Provider: 'static {
         unsupported("window memory allocation")
     }
 
-    /// Read from `src`'s registered memory into `local`.
+    /// Read from `src`'s registered memory into `local`; report completion as `done` says.
     ///
     /// # Safety
-    /// `local` must stay valid and unaliased until `token` completes.
+    /// `local` must stay valid and unaliased until the operation completes.
     unsafe fn rma_read(
         &mut self,
         _src: Rank,
         _local: &[RawIovMut],
         _remote: RemoteAddr,
-        _token: Token,
+        _done: Completion,
     ) -> Result<()> {
         unsupported("RMA read")
     }
 
-    /// Write `local` into `dest`'s registered memory.
+    /// Write `local` into `dest`'s registered memory; report completion as `done` says.
     ///
     /// # Safety
-    /// `local` must stay valid until `token` completes.
+    /// `local` must stay valid until the operation completes.
     unsafe fn rma_write(
         &mut self,
         _dest: Rank,
         _local: &[RawIov],
         _remote: RemoteAddr,
-        _token: Token,
+        _done: Completion,
     ) -> Result<()> {
         unsupported("RMA write")
     }
@@ -403,7 +523,7 @@ pub trait Provider: 'static {
     ///
     /// # Safety
     /// `origin`, `compare` and `result` (when non-null) must point at `count` elements and stay
-    /// valid until `token` completes.
+    /// valid until the operation completes (reported as `done` says).
     #[allow(clippy::too_many_arguments)]
     unsafe fn atomic(
         &mut self,
@@ -415,9 +535,25 @@ pub trait Provider: 'static {
         _compare: *const u8,
         _result: *mut u8,
         _remote: RemoteAddr,
-        _token: Token,
+        _done: Completion,
     ) -> Result<()> {
         unsupported("native atomics")
+    }
+
+    /// Open a completion counter (caps.counters): RMA and atomic operations given it in their
+    /// [`Completion`] increment it when they finish, instead of (or as well as) a CQ entry.
+    fn cntr_open(&mut self) -> Result<CntrId> {
+        unsupported("completion counters")
+    }
+
+    /// Read a counter. Never blocks; the core calls `progress` between reads.
+    fn cntr_read(&mut self, _cntr: CntrId) -> Result<CntrValue> {
+        unsupported("completion counters")
+    }
+
+    /// Close a counter with no operation outstanding on it.
+    fn cntr_close(&mut self, _cntr: CntrId) -> Result<()> {
+        unsupported("completion counters")
     }
 }
 
@@ -517,18 +653,18 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
         src: Rank,
         local: &[RawIovMut],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
-        (**self).rma_read(src, local, remote, token)
+        (**self).rma_read(src, local, remote, done)
     }
     unsafe fn rma_write(
         &mut self,
         dest: Rank,
         local: &[RawIov],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
-        (**self).rma_write(dest, local, remote, token)
+        (**self).rma_write(dest, local, remote, done)
     }
     unsafe fn atomic(
         &mut self,
@@ -540,9 +676,19 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
         compare: *const u8,
         result: *mut u8,
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
-        (**self).atomic(dest, op, ty, count, origin, compare, result, remote, token)
+        (**self).atomic(dest, op, ty, count, origin, compare, result, remote, done)
+    }
+    fn cntr_open(&mut self) -> Result<CntrId> {
+        (**self).cntr_open()
+    }
+    #[inline]
+    fn cntr_read(&mut self, cntr: CntrId) -> Result<CntrValue> {
+        (**self).cntr_read(cntr)
+    }
+    fn cntr_close(&mut self, cntr: CntrId) -> Result<()> {
+        (**self).cntr_close(cntr)
     }
     fn rma_try_lock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<bool> {
         (**self).rma_try_lock(target, window, exclusive)

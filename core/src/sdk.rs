@@ -11,8 +11,8 @@
 
 use crate::bootstrap::{Bootstrap, NodeMap};
 use crate::provider::{
-    Access, Caps, Completed, ProbeContext, RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink,
-    StaticProvider, Token,
+    Access, Caps, Completed, Completion, ProbeContext, RawIov, RawIovMut, RemoteAddr, SendOutcome,
+    Sink, StaticProvider, Token,
 };
 use crate::types::{BasicType, Op, Rank};
 use crate::{Error, ErrorDetail, ErrorKind, Result};
@@ -532,6 +532,7 @@ pub unsafe extern "C" fn rma_read<P: StaticProvider>(
     addr: u64,
     key: u64,
     token: u64,
+    cntr: u64,
 ) -> i32 {
     with::<P, _>(h, |p| {
         let l: Vec<RawIovMut> = std::slice::from_raw_parts(local, cnt)
@@ -541,7 +542,7 @@ pub unsafe extern "C" fn rma_read<P: StaticProvider>(
                 len: v.len,
             })
             .collect();
-        p.rma_read(src, &l, RemoteAddr { addr, key }, token)?;
+        p.rma_read(src, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
         Ok(WEFT_OK)
     })
 }
@@ -556,6 +557,7 @@ pub unsafe extern "C" fn rma_write<P: StaticProvider>(
     addr: u64,
     key: u64,
     token: u64,
+    cntr: u64,
 ) -> i32 {
     with::<P, _>(h, |p| {
         let l: Vec<RawIov> = std::slice::from_raw_parts(local, cnt)
@@ -565,7 +567,7 @@ pub unsafe extern "C" fn rma_write<P: StaticProvider>(
                 len: v.len,
             })
             .collect();
-        p.rma_write(dest, &l, RemoteAddr { addr, key }, token)?;
+        p.rma_write(dest, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
         Ok(WEFT_OK)
     })
 }
@@ -585,6 +587,7 @@ pub unsafe extern "C" fn atomic<P: StaticProvider>(
     addr: u64,
     key: u64,
     token: u64,
+    cntr: u64,
 ) -> i32 {
     with::<P, _>(h, |p| {
         let op = Op::from_u8(op as u8).ok_or_else(|| Error::invalid("unknown atomic operation"))?;
@@ -598,10 +601,64 @@ pub unsafe extern "C" fn atomic<P: StaticProvider>(
             compare,
             result,
             RemoteAddr { addr, key },
-            token,
+            completion(token, cntr),
         )?;
         Ok(WEFT_OK)
     })
+}
+
+/// The ABI's (token, counter) pair, 0 meaning "none", as a [`Completion`].
+fn completion(token: u64, cntr: u64) -> Completion {
+    Completion {
+        cq: (token != 0).then_some(token),
+        cntr: (cntr != 0).then_some(cntr),
+    }
+}
+
+/// # Safety
+/// As for the other exported functions; `out` is valid for a write.
+pub unsafe extern "C" fn cntr_open<P: StaticProvider>(h: *mut c_void, out: *mut u64) -> i32 {
+    with::<P, _>(h, |p| {
+        let c = p.cntr_open()?;
+        *out = c;
+        Ok(WEFT_OK)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions; `ok` and `err` are valid for writes.
+pub unsafe extern "C" fn cntr_read<P: StaticProvider>(
+    h: *mut c_void,
+    cntr: u64,
+    ok: *mut u64,
+    err: *mut u64,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let v = p.cntr_read(cntr)?;
+        *ok = v.ok;
+        *err = v.err;
+        Ok(WEFT_OK)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions.
+pub unsafe extern "C" fn cntr_close<P: StaticProvider>(h: *mut c_void, cntr: u64) -> i32 {
+    with::<P, _>(h, |p| {
+        p.cntr_close(cntr)?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// The counters table of `P`.
+pub const fn cntr_ops<P: StaticProvider>() -> WeftCntrOps {
+    WeftCntrOps {
+        size: std::mem::size_of::<WeftCntrOps>() as u32,
+        reserved: 0,
+        open: Some(cntr_open::<P>),
+        read: Some(cntr_read::<P>),
+        close: Some(cntr_close::<P>),
+    }
 }
 
 /// The active-message table of `P`.
@@ -651,6 +708,7 @@ macro_rules! export_provider {
         static __WEFT_AM: $crate::sdk::__abi::WeftAmOps = $crate::sdk::am_ops::<$ty>();
         static __WEFT_RMA: $crate::sdk::__abi::WeftRmaOps = $crate::sdk::rma_ops::<$ty>();
         static __WEFT_ATOMICS: $crate::sdk::__abi::WeftAtomicOps = $crate::sdk::atomic_ops::<$ty>();
+        static __WEFT_CNTR: $crate::sdk::__abi::WeftCntrOps = $crate::sdk::cntr_ops::<$ty>();
         static __WEFT_ENTRY: $crate::sdk::__abi::WeftEntry = $crate::sdk::__abi::WeftEntry {
             abi_version: $crate::sdk::__abi::WEFT_ABI_VERSION,
             size: ::std::mem::size_of::<$crate::sdk::__abi::WeftEntry>() as u32,
@@ -663,6 +721,7 @@ macro_rules! export_provider {
             tagged: ::std::ptr::null(),
             rma: &__WEFT_RMA,
             atomics: &__WEFT_ATOMICS,
+            cntr: &__WEFT_CNTR,
         };
         /// The provider's entry point (weft provider ABI 1.0).
         #[no_mangle]

@@ -38,11 +38,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             timeout: Duration::from_secs(60),
-            loopback: LoopbackConfig {
-                eager: 16 * 1024,
-                depth: 4096,
-                rma: false,
-            },
+            loopback: LoopbackConfig::default(),
             engine: EngineConfig {
                 spin: 50,
                 ..EngineConfig::default()

@@ -38,7 +38,9 @@
 use crate::comm::Comm;
 use crate::datatype::Datatype;
 use crate::engine::{Engine, Hdr, Out};
-use crate::provider::{Access, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr};
+use crate::provider::{
+    Access, CntrId, CntrValue, Completion, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr,
+};
 use crate::rma::{self, Wait, WinState};
 use crate::types::{BasicType, Element, Op, Rank};
 use crate::{Error, ErrorDetail, Result};
@@ -202,6 +204,14 @@ pub struct Window<'w, P: Provider> {
     am_dirty: RefCell<Vec<bool>>,
     /// Tokens of operations not known to be complete.
     tokens: RefCell<Vec<u64>>,
+    /// The provider's completion counter for this window's bulk native operations (None:
+    /// every native operation reports a CQ entry and the core counts them).
+    cntr: Option<CntrId>,
+    /// Operations issued on `cntr`, and those of them known complete (or failed).
+    cntr_issued: Cell<u64>,
+    cntr_seen: Cell<CntrValue>,
+    /// World ranks targeted by counted operations since the counter last caught up.
+    cntr_targets: RefCell<Vec<Rank>>,
     /// Operations issued or recorded in the current epoch.
     epoch_ops: Cell<u64>,
     /// The current lock epoch is exclusive.
@@ -370,6 +380,17 @@ impl<'w, P: Provider> Window<'w, P> {
             && native_atomics
             && keys.is_some()
             && caps.rma.is_some_and(|r| r.native_locks);
+        let cntr = if (native_put || native_get || native_atomics) && caps.counters {
+            match comm.sh.engine.borrow_mut().p.cntr_open() {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::debug!("no completion counter ({e}); counting CQ entries");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         comm.sh
             .engine
             .borrow_mut()
@@ -401,6 +422,10 @@ impl<'w, P: Provider> Window<'w, P> {
             lazy_lock: Cell::new(None),
             am_dirty: RefCell::new(vec![false; n]),
             tokens: RefCell::new(Vec::new()),
+            cntr,
+            cntr_issued: Cell::new(0),
+            cntr_seen: Cell::new(CntrValue::default()),
+            cntr_targets: RefCell::new(Vec::new()),
             epoch_ops: Cell::new(0),
             excl: Cell::new(false),
             freed: Cell::new(false),
@@ -412,6 +437,19 @@ impl<'w, P: Provider> Window<'w, P> {
     /// Which paths this window uses: (native put, native get, native atomics).
     pub fn native_paths(&self) -> (bool, bool, bool) {
         (self.native_put, self.native_get, self.native_atomics)
+    }
+
+    /// How this window's bulk (not request-based) native operations complete: through a
+    /// provider counter, through one completion-queue entry each, or not at all because
+    /// every operation takes the active-message path.
+    pub fn completion(&self) -> WinCompletion {
+        if !(self.native_put || self.native_get || self.native_atomics) {
+            WinCompletion::ActiveMessages
+        } else if self.cntr.is_some() {
+            WinCompletion::Counter
+        } else {
+            WinCompletion::Queue
+        }
     }
 
     /// Whether passive-target locks go through the provider (shared flags).
@@ -520,16 +558,31 @@ impl<'w, P: Provider> Window<'w, P> {
                 key: base.key,
             };
             let e = &mut *eng;
-            let t = e.st.rma.token(
-                Wait::Native {
-                    win: self.id,
-                    done: false,
-                },
-                target,
-            );
-            if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
-                w.native_issued += 1;
-            }
+            // Bulk operations count on the window's counter; request-based ones (and every one
+            // when the provider has no counters) get a CQ entry of their own.
+            let (done, t) = match (self.cntr, force_token) {
+                (Some(c), None) => {
+                    self.cntr_issued.set(self.cntr_issued.get() + 1);
+                    let mut ts = self.cntr_targets.borrow_mut();
+                    if !ts.contains(&target) {
+                        ts.push(target);
+                    }
+                    (Completion::cntr(c), None)
+                }
+                _ => {
+                    let t = e.st.rma.token(
+                        Wait::Native {
+                            win: self.id,
+                            done: false,
+                        },
+                        target,
+                    );
+                    if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+                        w.native_issued += 1;
+                    }
+                    (Completion::cq(t), Some(t))
+                }
+            };
             // SAFETY (all arms): origin/result/compare point at buffers borrowed by the epoch
             // (or owned by a request) until the token completes, which the epoch's
             // synchronisation waits for.
@@ -542,7 +595,7 @@ impl<'w, P: Provider> Window<'w, P> {
                             len: op.len,
                         }],
                         ra,
-                        t,
+                        done,
                     ),
                     OpKind::Get => e.p.rma_read(
                         target,
@@ -551,7 +604,7 @@ impl<'w, P: Provider> Window<'w, P> {
                             len: op.len,
                         }],
                         ra,
-                        t,
+                        done,
                     ),
                     OpKind::Acc(o, ty) => e.p.atomic(
                         target,
@@ -562,7 +615,7 @@ impl<'w, P: Provider> Window<'w, P> {
                         std::ptr::null(),
                         std::ptr::null_mut(),
                         ra,
-                        t,
+                        done,
                     ),
                     OpKind::Rmw(o, ty) => e.p.atomic(
                         target,
@@ -573,14 +626,25 @@ impl<'w, P: Provider> Window<'w, P> {
                         op.compare,
                         op.result,
                         ra,
-                        t,
+                        done,
                     ),
                 }
             };
             if let Err(err) = r {
-                e.st.rma.take(t).ok();
+                match t {
+                    Some(t) => {
+                        e.st.rma.take(t).ok();
+                        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+                            w.native_issued -= 1;
+                        }
+                    }
+                    None => self.cntr_issued.set(self.cntr_issued.get() - 1),
+                }
                 return Err(err);
             }
+            let Some(t) = t else {
+                return Ok(None);
+            };
             self.tokens.borrow_mut().push(t);
             return Ok(Some(t));
         }
@@ -898,6 +962,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let toks = std::mem::take(&mut *self.tokens.borrow_mut());
         let id = self.id;
         let mut eng = self.engine();
+        let mut cntr_err = None;
         eng.wait_until("RMA operations to complete", |e| {
             e.st.out_idle()
                 && toks.iter().all(|t| e.st.rma.is_done(*t))
@@ -906,14 +971,64 @@ impl<'w, P: Provider> Window<'w, P> {
                     .wins
                     .get(&id)
                     .is_none_or(|w| w.native_done >= w.native_issued)
+                && self.cntr_caught_up(e, &mut cntr_err)
         })?;
-        let mut first = None;
+        let mut first = cntr_err;
         for t in toks {
             if let Err(err) = eng.st.rma.take(t) {
                 first.get_or_insert(err);
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Has the window's counter reached the number of operations issued on it? A failed
+    /// operation, or the death of a rank a counted operation went to, ends the wait with an
+    /// error in `err`.
+    fn cntr_caught_up(&self, e: &mut Engine<P>, err: &mut Option<Error>) -> bool {
+        let Some(c) = self.cntr else {
+            return true;
+        };
+        let issued = self.cntr_issued.get();
+        let seen = self.cntr_seen.get();
+        if seen.total() >= issued {
+            return true;
+        }
+        let v = match e.p.cntr_read(c) {
+            Ok(v) => v,
+            Err(x) => {
+                err.get_or_insert(x);
+                return true;
+            }
+        };
+        self.cntr_seen.set(v);
+        if v.err > seen.err {
+            let rank = self.cntr_targets.borrow().first().copied().unwrap_or(0);
+            err.get_or_insert(Error::from(ErrorDetail::RemoteAccess {
+                rank,
+                what: format!(
+                    "{} RMA operation(s) of this window failed (provider counter)",
+                    v.err - seen.err
+                ),
+            }));
+        }
+        if v.total() >= issued {
+            self.cntr_targets.borrow_mut().clear();
+            return true;
+        }
+        if let Some(&dead) = self
+            .cntr_targets
+            .borrow()
+            .iter()
+            .find(|r| e.st.peer_failure(**r).is_some())
+        {
+            let why = e.st.peer_failure(dead).unwrap_or_default();
+            err.get_or_insert(Error::peer_failed(dead, &why));
+            // The operations to the dead rank will never be counted.
+            self.cntr_issued.set(v.total());
+            return true;
+        }
+        false
     }
 
     /// Send a one-message sync (UNLOCK/FLUSH/LOCK) to `trank` and wait for its answer.
@@ -1332,6 +1447,9 @@ impl<'w, P: Provider> Window<'w, P> {
         let b = self.comm.barrier();
         let mut eng = self.engine();
         eng.st.rma.wins.remove(&self.id);
+        if let Some(c) = self.cntr {
+            let _ = eng.p.cntr_close(c);
+        }
         if let Some(m) = &self.mr {
             let _ = eng.p.mr_deregister(m);
         }
@@ -1349,6 +1467,9 @@ impl<P: Provider> Drop for Window<'_, P> {
             self.freed.set(true);
             if let Ok(mut eng) = self.comm.sh.engine.try_borrow_mut() {
                 eng.st.rma.wins.remove(&self.id);
+                if let Some(c) = self.cntr {
+                    let _ = eng.p.cntr_close(c);
+                }
                 if let Some(m) = &self.mr {
                     let _ = eng.p.mr_deregister(m);
                 }
@@ -1358,6 +1479,17 @@ impl<P: Provider> Drop for Window<'_, P> {
             }
         }
     }
+}
+
+/// How a window's bulk native operations report completion ([`Window::completion`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WinCompletion {
+    /// A provider counter per window; fence and flush wait for it to reach the number issued.
+    Counter,
+    /// One completion-queue entry per operation, counted by the core.
+    Queue,
+    /// Every operation is an active message (the target's progress applies it).
+    ActiveMessages,
 }
 
 /// On unwinding out of an epoch closure: forget operations not issued yet (their buffers are

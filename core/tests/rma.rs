@@ -3,12 +3,21 @@
 //! scheduling policy, static and dynamic dispatch.
 
 use weft::testing::{self, Options};
-use weft::{Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinInfo};
+use weft::{
+    Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion, WinInfo,
+};
 use weft_shm as _;
 
 fn opts(native: bool) -> Options {
     let mut o = Options::default();
     o.loopback.rma = native;
+    o
+}
+
+/// Native RMA without provider counters: one CQ entry per operation, counted by the core.
+fn opts_queue() -> Options {
+    let mut o = opts(true);
+    o.loopback.counters = false;
     o
 }
 
@@ -33,9 +42,15 @@ macro_rules! every_way {
                 }
             }
             #[test]
-            fn static_native() {
+            fn static_native_counters() {
                 for s in SCHEDS {
                     testing::world_with($n, &opts(true), |c| $body(c, s));
+                }
+            }
+            #[test]
+            fn static_native_queue() {
+                for s in SCHEDS {
+                    testing::world_with($n, &opts_queue(), |c| $body(c, s));
                 }
             }
             #[test]
@@ -432,13 +447,58 @@ fn scalable_keys_mean_no_key_table() {
         let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
         assert_eq!(win.native_paths(), (true, true, false));
         assert!(!win.has_key_table());
+        assert_eq!(win.completion(), WinCompletion::Counter);
+        win.free().unwrap();
+    });
+    testing::world_with(2, &opts_queue(), |c| {
+        let mut mem = vec![0u8; 8];
+        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
+        assert_eq!(win.completion(), WinCompletion::Queue);
         win.free().unwrap();
     });
     testing::world_with(2, &opts(false), |c| {
         let mut mem = vec![0u8; 8];
         let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
         assert_eq!(win.native_paths(), (false, false, false));
+        assert_eq!(win.completion(), WinCompletion::ActiveMessages);
         win.free().unwrap();
+    });
+}
+
+/// Counters are per window and reused after a window is freed; operations on one window are
+/// never counted on another's.
+#[test]
+fn counters_are_per_window() {
+    testing::world_with(2, &opts(true), |c| {
+        let (me, peer) = (c.rank(), 1 - c.rank());
+        let mut a = vec![0u32; 4];
+        let mut b = vec![0u32; 4];
+        for round in 0..3u32 {
+            let wa = c.win_create(&mut a, WinInfo::default()).unwrap();
+            let wb = c.win_create(&mut b, WinInfo::default()).unwrap();
+            assert_eq!(wa.completion(), WinCompletion::Counter);
+            assert_eq!(wb.completion(), WinCompletion::Counter);
+            let va = [me * 10 + round; 4];
+            let vb = [me * 100 + round; 4];
+            wa.fence(Assert::NONE).unwrap();
+            wb.fence(Assert::NONE).unwrap();
+            wa.fence_epoch(Assert::NONE, |e| e.put(&va, peer, 0))
+                .unwrap();
+            wb.lock_epoch(peer, LockKind::Shared, |e| {
+                e.put(&vb[..2], peer, 0)?;
+                e.flush(peer)?;
+                e.put(&vb[2..], peer, 2)
+            })
+            .unwrap();
+            c.barrier().unwrap();
+            let mut got = [0u32; 4];
+            wa.read_local(0, &mut got);
+            assert_eq!(got, [peer * 10 + round; 4]);
+            wb.read_local(0, &mut got);
+            assert_eq!(got, [peer * 100 + round; 4]);
+            wb.free().unwrap();
+            wa.free().unwrap();
+        }
     });
 }
 
@@ -671,6 +731,9 @@ fn random_epochs_match_the_reference_model() {
             testing::world_with(4, &opts(false), |c| random_epochs(c, s, mode, seed, false));
             testing::world_dyn_with(3, "loopback", &opts(true), |c| {
                 random_epochs(c, s, mode, seed + 99, false)
+            });
+            testing::world_with(3, &opts_queue(), |c| {
+                random_epochs(c, s, mode, seed + 55, false)
             });
             testing::world_dyn(3, "shm", |c| random_epochs(c, s, mode, seed + 7, true));
             testing::world_dyn(2, "shm", |c| random_epochs(c, s, mode, seed + 8, false));

@@ -491,6 +491,7 @@ fn peer_failure_fails_pending_requests() {
         eager: 1024,
         depth: 64,
         rma: false,
+        ..Default::default()
     };
     let engine = weft::EngineConfig {
         timeout: Some(Duration::from_secs(30)),
@@ -510,11 +511,23 @@ fn peer_failure_fails_pending_requests() {
             let p = Loopback::open_with(&mut b, &c0).unwrap();
             let w = weft::World::from_parts(p, Box::new(b), e0).unwrap();
             let mut buf = [0u8; 16];
-            // Rank 1 sends one message, then disappears without finalizing.
+            // Rank 1 sends three messages, then disappears without finalizing.
             w.recv(&mut buf, 1, 1).unwrap();
-            let e = w.recv(&mut buf, 1, 2).unwrap_err();
+            let e = w.recv(&mut buf, 1, 9).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::PeerFailed, "{e}");
             assert!(e.to_string().contains("peer failed: rank 1"), "{e}");
+            // What it sent before it failed is still there to be received and probed.
+            assert_eq!(w.iprobe(1, 3).unwrap().map(|s| s.bytes), Some(5));
+            w.recv(&mut buf, 1, 2).unwrap();
+            assert_eq!(buf[..3], [2u8; 3]);
+            w.recv(&mut buf, 1, 3).unwrap();
+            assert_eq!(buf[..5], [3u8; 5]);
+            // Nothing more will come.
+            assert_eq!(w.iprobe(1, 3).unwrap_err().kind(), ErrorKind::PeerFailed);
+            assert_eq!(
+                w.recv(&mut buf, 1, 3).unwrap_err().kind(),
+                ErrorKind::PeerFailed
+            );
             // Later operations on the dead peer fail at once.
             assert_eq!(
                 w.send(&[1u8], 1, 0).unwrap_err().kind(),
@@ -527,6 +540,8 @@ fn peer_failure_fails_pending_requests() {
             let p = Loopback::open_with(&mut b, &c1).unwrap();
             let w = weft::World::from_parts(p, Box::new(b), e1).unwrap();
             w.send(&[7u8; 16], 0, 1).unwrap();
+            w.send(&[2u8; 3], 0, 2).unwrap();
+            w.send(&[3u8; 5], 0, 3).unwrap();
             drop(w);
         });
         a.join().unwrap();

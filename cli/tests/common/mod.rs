@@ -122,3 +122,41 @@ pub fn shm_leftovers() -> Vec<String> {
         .filter(|n| n.starts_with("weft-"))
         .collect()
 }
+
+/// A directory holding the example providers as `libweft-rdgram.so` (the Rust cdylib, built
+/// with this profile on demand) and `libweft-cdgram.so` / `libweft-faulty.so` (C, built by
+/// the conformance crate's build script).
+pub fn provider_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let prof = profile_dir();
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "-p", "weft-example-rdgram"]);
+        if prof.file_name().is_some_and(|f| f == "release") {
+            cmd.arg("--release");
+        }
+        let out = run_bounded(&mut cmd, 900);
+        assert!(
+            out.status.success(),
+            "building the rdgram example: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Under target/, so nothing is left in /tmp.
+        let dir = prof.join("test-providers");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            prof.join("libweft_rdgram.so"),
+            dir.join("libweft-rdgram.so"),
+        )
+        .unwrap();
+        for lib in ["libweft-cdgram.so", "libweft-faulty.so"] {
+            std::fs::copy(
+                std::path::Path::new(weft_conformance::CDGRAM_DIR).join(lib),
+                dir.join(lib),
+            )
+            .unwrap();
+        }
+        dir
+    })
+    .clone()
+}

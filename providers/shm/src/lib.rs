@@ -25,8 +25,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft::bootstrap::Bootstrap;
 use weft::provider::{
-    Caps, Completed, MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome,
-    Sink, StaticProvider, Token,
+    Caps, CntrId, CntrValue, Completion, CompletionTable, MemRegion, ProbeContext, Provider,
+    RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink, StaticProvider,
 };
 use weft::{Error, ErrorDetail, Rank, Result};
 
@@ -135,6 +135,9 @@ impl Config {
                 native_locks: true,
             });
             c.atomics = weft::types::AtomicTable::all();
+            // Operations are copies and CPU atomics that finish when issued: counting them is
+            // cheaper than a completion entry each.
+            c.counters = true;
         }
         c
     }
@@ -170,7 +173,7 @@ pub struct Shm {
     pool: Option<pool::Pool>,
     /// Allocation sizes by pool offset (for `mem_free`).
     allocs: Vec<(usize, usize)>,
-    done: Vec<(weft::provider::Token, Result<weft::provider::Completed>)>,
+    done: CompletionTable,
 }
 
 impl Shm {
@@ -223,31 +226,40 @@ impl Shm {
         )?;
         boot.fence()?;
         let first = locals[0];
-        let (mut seg, mut pool) = match created {
-            Some((s, p)) => (s?, p.transpose()?),
-            None => {
-                if boot.get(&format!("shm.ok.{first}"))? != "1" {
-                    return Err(Error::from(ErrorDetail::Bootstrap(format!(
-                        "rank {first} could not create the shared segment {name}"
-                    ))));
+        let mapped = (|| -> Result<(Segment, Option<pool::Pool>)> {
+            let (mut seg, mut pool) = match created {
+                Some((s, p)) => (s?, p.transpose()?),
+                None => {
+                    if boot.get(&format!("shm.ok.{first}"))? != "1" {
+                        return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                            "rank {first} could not create the shared segment {name}"
+                        ))));
+                    }
+                    let seg = Segment::open(&name)?;
+                    let pool = if cfg.win_pool > 0 {
+                        Some(pool::Pool::open(&pool_name, me)?)
+                    } else {
+                        None
+                    };
+                    (seg, pool)
                 }
-                let seg = Segment::open(&name)?;
-                let pool = if cfg.win_pool > 0 {
-                    Some(pool::Pool::open(&pool_name, me)?)
-                } else {
-                    None
-                };
-                (seg, pool)
+            };
+            if let Some(p) = pool.as_mut() {
+                p.mark_mapped();
             }
-        };
-        if let Some(p) = pool.as_mut() {
-            p.mark_mapped();
-        }
+            let slot = seg.rank_slot(me);
+            slot.pid.store(std::process::id() as u64, Ordering::Relaxed);
+            slot.state.store(ST_OPEN, Ordering::Release);
+            seg.mark_mapped();
+            Ok((seg, pool))
+        })();
+        // Nobody leaves open before every local rank has mapped (and so the last one has
+        // unlinked) the segments: a rank that exits right after start-up cannot get the
+        // others killed while a name is still in /dev/shm. Every rank reaches this fence,
+        // failed or not, so nobody waits for one that gave up.
+        boot.fence()?;
+        let (seg, pool) = mapped?;
         let lay = seg.lay;
-        let slot = seg.rank_slot(me);
-        slot.pid.store(std::process::id() as u64, Ordering::Relaxed);
-        slot.state.store(ST_OPEN, Ordering::Release);
-        seg.mark_mapped();
         let mut caps = cfg.caps();
         caps.max_am_payload = lay.chunk;
         caps.eager_limit = lay.chunk;
@@ -272,7 +284,7 @@ impl Shm {
             last_check: Instant::now(),
             pool,
             allocs: Vec::new(),
-            done: Vec::new(),
+            done: CompletionTable::default(),
         })
     }
 
@@ -493,11 +505,7 @@ impl Provider for Shm {
     }
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
-        let mut n = 0;
-        for (t, r) in self.done.drain(..) {
-            sink.complete(t, r);
-            n += 1;
-        }
+        let mut n = self.done.deliver(sink);
         while let Some((h, d)) = self.selfq.pop_front() {
             sink.am(self.rank, &h, &d);
             n += 1;
@@ -602,7 +610,7 @@ impl Provider for Shm {
         dest: Rank,
         local: &[RawIov],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let total: usize = local.iter().map(|l| l.len).sum();
         let (pool, li) = self.pool_target(dest)?;
@@ -614,7 +622,7 @@ impl Provider for Shm {
             std::ptr::copy_nonoverlapping(l.ptr, p, l.len);
             p = p.add(l.len);
         }
-        self.done.push((token, Ok(Completed::Done)));
+        self.done.finish(done, Ok(()));
         Ok(())
     }
 
@@ -623,7 +631,7 @@ impl Provider for Shm {
         src: Rank,
         local: &[RawIovMut],
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let total: usize = local.iter().map(|l| l.len).sum();
         let (pool, li) = self.pool_target(src)?;
@@ -634,7 +642,7 @@ impl Provider for Shm {
             std::ptr::copy_nonoverlapping(p, l.ptr, l.len);
             p = p.add(l.len);
         }
-        self.done.push((token, Ok(Completed::Done)));
+        self.done.finish(done, Ok(()));
         Ok(())
     }
 
@@ -648,15 +656,27 @@ impl Provider for Shm {
         compare: *const u8,
         result: *mut u8,
         remote: RemoteAddr,
-        token: Token,
+        done: Completion,
     ) -> Result<()> {
         let (pool, li) = self.pool_target(dest)?;
         let at = pool.check(li, remote.key, remote.addr, count * ty.size())?;
         // SAFETY: in bounds of the target's pool slice (checked); the caller guarantees the
         // operand buffers; pool memory of atomically used windows is only accessed atomically.
         let r = pool::apply(op, ty, count, pool.ptr(at), origin, compare, result);
-        self.done.push((token, r.map(|_| Completed::Done)));
+        self.done.finish(done, r);
         Ok(())
+    }
+
+    fn cntr_open(&mut self) -> Result<CntrId> {
+        Ok(self.done.open())
+    }
+
+    fn cntr_read(&mut self, cntr: CntrId) -> Result<CntrValue> {
+        self.done.read(cntr)
+    }
+
+    fn cntr_close(&mut self, cntr: CntrId) -> Result<()> {
+        self.done.close(cntr)
     }
 
     fn rma_try_lock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<bool> {

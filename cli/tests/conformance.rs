@@ -1,0 +1,111 @@
+//! `weft test` across processes: every built-in provider that spans processes and both
+//! example providers (Rust and C, loaded from --provider-path) pass the conformance suite; a
+//! provider that corrupts data fails it with a non-zero exit; bad requests are usage errors.
+
+mod common;
+use common::{provider_dir, run_bounded, weft};
+use std::process::Command;
+
+fn weft_test(args: &[&str]) -> (i32, String, String) {
+    let mut cmd = Command::new(weft());
+    cmd.arg("test").args(args).env_remove("WEFT_PROVIDER_PATH");
+    let out = run_bounded(&mut cmd, 600);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn passes(args: &[&str]) {
+    let (code, out, err) = weft_test(args);
+    assert_eq!(code, 0, "weft test {args:?}:\n{out}\n{err}");
+    assert!(out.contains("PASS: 14/14 checks passed"), "{out}");
+    for g in ["two-sided", "datatypes", "rma", "atomics", "stress"] {
+        assert!(
+            out.lines().any(|l| l.starts_with(g) && l.contains(" 0")),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn builtin_providers_pass_across_processes() {
+    passes(&["--provider", "shm", "-n", "3"]);
+    passes(&["--provider", "tcp-sim", "-n", "4"]);
+}
+
+#[test]
+fn example_providers_pass_across_processes() {
+    let dir = provider_dir();
+    let dir = dir.to_str().unwrap();
+    passes(&["--provider", "rdgram", "--provider-path", dir, "-n", "3"]);
+    passes(&["--provider", "cdgram", "--provider-path", dir, "-n", "3"]);
+}
+
+#[test]
+fn a_corrupting_provider_fails_with_the_reason() {
+    let dir = provider_dir();
+    let (code, out, err) = weft_test(&[
+        "--provider",
+        "faulty",
+        "--provider-path",
+        dir.to_str().unwrap(),
+        "-n",
+        "3",
+    ]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("FAIL: "), "{out}");
+    let sizes = out
+        .lines()
+        .find(|l| l.starts_with("two-sided"))
+        .unwrap_or_default();
+    assert!(
+        sizes.contains("sizes 0 B to 16 MiB (rank 0: 65536 B: payload differs"),
+        "{out}"
+    );
+    // The suite goes on after a failure: the RMA group still ran and passed.
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("rma") && l.split_whitespace().nth(2) == Some("0")),
+        "{out}"
+    );
+}
+
+#[test]
+fn in_process_runs_and_usage_errors() {
+    let (code, out, _) = weft_test(&["--provider", "loopback", "--in-process", "--group", "rma"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PASS: 4/4 checks passed"), "{out}");
+
+    let (code, _, err) = weft_test(&["--provider", "loopback"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("cannot run across processes") && err.contains("--in-process"),
+        "{err}"
+    );
+
+    let (code, _, err) = weft_test(&["--provider", "nosuch"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown provider 'nosuch'"), "{err}");
+
+    let (code, _, err) = weft_test(&["--provider", "shm", "--group", "nosuch"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no such group"), "{err}");
+
+    // A library that fails to load is named with the loader's reason.
+    let broken = std::path::Path::new(weft_conformance::BROKEN_DIR);
+    let (code, _, err) = weft_test(&[
+        "--provider",
+        "badmajor",
+        "--provider-path",
+        broken.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("failed to load")
+            && err.contains("libweft-badmajor.so")
+            && err.contains("ABI 2.0"),
+        "{err}"
+    );
+}

@@ -604,22 +604,18 @@ impl Provider for Foreign {
         header: &[u8],
         payload: &[IoSlice<'_>],
     ) -> Result<SendOutcome> {
-        let iov: smallvec::SmallVec<[WeftIov; 8]> = payload
-            .iter()
-            .map(|s| WeftIov {
-                base: s.as_ptr(),
-                len: s.len(),
-            })
-            .collect();
         // SAFETY: header and iovecs are valid for the call; the provider copies what it keeps.
+        // `IoSlice` is ABI-compatible with `struct iovec` on Unix (std's documented guarantee),
+        // which is `WeftIov`'s layout (checked at compile time in `sdk.rs`), so the payload
+        // slice is passed as it is, without a copy.
         let r = unsafe {
             (self.am.am_send.expect("checked at load"))(
                 self.handle,
                 dest,
                 header.as_ptr(),
                 header.len(),
-                iov.as_ptr(),
-                iov.len(),
+                payload.as_ptr() as *const WeftIov,
+                payload.len(),
             )
         };
         match r {

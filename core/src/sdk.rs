@@ -202,6 +202,17 @@ impl Bootstrap for HostBoot {
 }
 
 /// The host's sink, seen from the provider.
+/// `WeftIov` and `IoSlice` (= `struct iovec` on Unix) have the same size and alignment, so
+/// iovec arrays cross the ABI without copies (with the field order fixed by `struct iovec`:
+/// base, then length).
+const _: () = {
+    assert!(std::mem::size_of::<WeftIov>() == std::mem::size_of::<IoSlice<'static>>());
+    assert!(std::mem::align_of::<WeftIov>() == std::mem::align_of::<IoSlice<'static>>());
+    assert!(std::mem::size_of::<WeftIov>() == std::mem::size_of::<libc::iovec>());
+    assert!(std::mem::offset_of!(WeftIov, base) == std::mem::offset_of!(libc::iovec, iov_base));
+    assert!(std::mem::offset_of!(WeftIov, len) == std::mem::offset_of!(libc::iovec, iov_len));
+};
+
 struct HostSink(*const WeftSink);
 
 impl Sink for HostSink {
@@ -431,17 +442,28 @@ pub unsafe extern "C" fn am_send<P: StaticProvider>(
         } else {
             std::slice::from_raw_parts(iov, iovcnt)
         };
-        let io: smallvec::SmallVec<[IoSlice<'_>; 8]> = pieces
-            .iter()
-            .map(|v| {
-                IoSlice::new(if v.len == 0 {
-                    &[][..]
-                } else {
-                    std::slice::from_raw_parts(v.base, v.len)
+        let outcome = if pieces.iter().all(|v| !v.base.is_null()) {
+            // SAFETY: `IoSlice` is ABI-compatible with `struct iovec` on Unix (std's
+            // documented guarantee) and so with `WeftIov` (checked at compile time above); every base is non-null
+            // and valid for its length during the call (the host's contract), which is what an
+            // `IoSlice` needs.
+            let io = std::slice::from_raw_parts(pieces.as_ptr() as *const IoSlice<'_>, iovcnt);
+            p.am_send(dest, header, io)?
+        } else {
+            // A host that passes null bases (with zero lengths): rebuild the slices.
+            let io: smallvec::SmallVec<[IoSlice<'_>; 8]> = pieces
+                .iter()
+                .map(|v| {
+                    IoSlice::new(if v.base.is_null() {
+                        &[][..]
+                    } else {
+                        std::slice::from_raw_parts(v.base, v.len)
+                    })
                 })
-            })
-            .collect();
-        Ok(match p.am_send(dest, header, &io)? {
+                .collect();
+            p.am_send(dest, header, &io)?
+        };
+        Ok(match outcome {
             SendOutcome::Sent => WEFT_OK,
             SendOutcome::Busy => WEFT_BUSY,
         })

@@ -150,10 +150,13 @@ impl Default for Singleton {
 
 impl Singleton {
     pub fn new() -> Self {
+        // Unique per instance: two singleton worlds in one process are two jobs.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Singleton {
             kv: HashMap::new(),
             nodes: NodeMap::single_host(1),
-            job: format!("singleton-{}", std::process::id()),
+            job: format!("singleton-{}-{n}", std::process::id()),
         }
     }
 }

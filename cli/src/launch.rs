@@ -43,6 +43,9 @@ pub struct Spec {
     pub timeout: Option<Duration>,
     /// Print a line on stderr when ranks are killed.
     pub quiet: bool,
+    /// A rank that exits with an error or is killed does not end the others (Hydra's
+    /// `-disable-auto-cleanup`); PMI barriers fail instead of waiting for it.
+    pub keep_going: bool,
 }
 
 impl Spec {
@@ -59,6 +62,7 @@ impl Spec {
             pmi_port: false,
             timeout: None,
             quiet: false,
+            keep_going: false,
         }
     }
 }
@@ -102,15 +106,24 @@ enum Event {
 }
 
 impl Job {
+    /// The job failed: PMI barriers stop waiting, and the launcher hears about it (and ends
+    /// the ranks).
     fn fail(&self, why: String) {
+        self.mark_failed(why, true);
+    }
+
+    /// Record a failure the launcher already knows about; `event` also reports it.
+    fn mark_failed(&self, why: String, event: bool) {
         let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
         if st.failed.is_none() {
             st.failed = Some(why.clone());
-            let _ = self
-                .events
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .send(Event::Fail(why));
+            if event {
+                let _ = self
+                    .events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .send(Event::Fail(why));
+            }
         }
         self.cv.notify_all();
     }
@@ -595,21 +608,30 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
     let started = Instant::now();
     let mut alive = children.iter().filter(|c| c.is_some()).count();
     while alive > 0 {
-        // Reap whoever exited.
+        // Reap whoever exited. Within one round, ranks killed by a signal are reported first:
+        // when one rank dies and a peer exits with an error because of it, both often land in
+        // the same round, and the death is the cause.
+        let mut round: Vec<(u32, ExitStatus)> = Vec::new();
         for (r, slot) in children.iter_mut().enumerate() {
             if let Some(c) = slot {
                 if let Ok(Some(st)) = c.try_wait() {
                     statuses[r] = Some(st);
-                    let _ = tx.send(Event::Exit(r as u32, st));
+                    round.push((r as u32, st));
                     *slot = None;
                     alive -= 1;
                 }
             }
         }
+        round.sort_by_key(|(r, st)| (st.signal().is_none(), *r));
+        for (r, st) in round {
+            let _ = tx.send(Event::Exit(r, st));
+        }
         // Events (exits just sent, PMI failures, signals).
         while let Ok(ev) = rx.try_recv() {
+            let mut end_job = true;
             let why = match ev {
                 Event::Exit(r, st) => {
+                    end_job = !spec.keep_going;
                     let (init, fin) = {
                         let s = job.st.lock().unwrap_or_else(|e| e.into_inner());
                         (s.initialized[r as usize], s.finalized[r as usize])
@@ -638,17 +660,18 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
                     if !spec.quiet {
                         eprintln!(
                             "weft run: {w}{}",
-                            if alive > 0 {
-                                "; ending the other ranks"
-                            } else {
-                                ""
+                            match (alive > 0, end_job) {
+                                (true, true) => "; ending the other ranks",
+                                (true, false) => "; the others go on (--keep-going)",
+                                _ => "",
                             }
                         );
                     }
                     failure = Some(w.clone());
-                    job.fail(w);
+                    // The launcher knows already; PMI barriers must not wait for the dead.
+                    job.mark_failed(w, false);
                 }
-                if killing.is_none() && alive > 0 {
+                if end_job && killing.is_none() && alive > 0 {
                     signal_all(&children, libc::SIGTERM);
                     killing = Some(Instant::now());
                 }

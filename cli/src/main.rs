@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 // Every built-in provider, linked so that it registers itself.
+use weft_limic as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 
@@ -61,6 +62,10 @@ enum Cmd {
         /// End the job after this many seconds.
         #[arg(long, value_name = "SECS")]
         timeout: Option<f64>,
+        /// A failing rank does not end the others (for fault-tolerance tests); the exit
+        /// status is still that of the first failure.
+        #[arg(long)]
+        keep_going: bool,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
@@ -452,6 +457,7 @@ fn main() -> ExitCode {
             bind,
             pmi_port,
             timeout,
+            keep_going,
             command,
         } => {
             if let Some(p) = &provider {
@@ -475,6 +481,7 @@ fn main() -> ExitCode {
             spec.tag_output = tag_output;
             spec.bind = bind;
             spec.pmi_port = pmi_port;
+            spec.keep_going = keep_going;
             spec.timeout = timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64);
             match launch::run(&spec) {
                 Ok(o) => ExitCode::from(o.code.clamp(0, 255) as u8),

@@ -33,6 +33,37 @@ fn passes(args: &[&str]) {
 fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "shm", "-n", "3"]);
     passes(&["--provider", "tcp-sim", "-n", "4"]);
+    passes(&["--provider", "limic", "-n", "3"]);
+}
+
+/// limic's three paths: every message by cross-memory attach, every message inline, and so
+/// few descriptor slots that operations wait for them.
+#[test]
+fn limic_passes_on_every_path() {
+    passes(&[
+        "--provider",
+        "limic",
+        "-n",
+        "3",
+        "--env",
+        "WEFT_LIMIC_INLINE=0",
+    ]);
+    passes(&[
+        "--provider",
+        "limic",
+        "-n",
+        "2",
+        "--env",
+        "WEFT_LIMIC_INLINE=1M",
+    ]);
+    passes(&[
+        "--provider",
+        "limic",
+        "-n",
+        "4",
+        "--env",
+        "WEFT_LIMIC_SLOTS=16",
+    ]);
 }
 
 #[test]

@@ -6,7 +6,7 @@ use common::*;
 use std::process::Command;
 
 /// Built-in providers whose ranks may be separate processes.
-const PROCESS_PROVIDERS: &[&str] = &["shm", "tcp-sim"];
+const PROCESS_PROVIDERS: &[&str] = &["shm", "limic", "tcp-sim"];
 
 fn weft_run(args: &[&str]) -> Command {
     let mut c = Command::new(weft());
@@ -218,4 +218,91 @@ fn missing_program_is_an_error() {
         "{}",
         stderr(&o)
     );
+}
+
+/// A rank killed in the middle of a large message: its peer's receive fails with "peer
+/// failed" (or, where the kernel finished a single copy first, completes intact), a later
+/// receive fails, nothing hangs, and /dev/shm keeps no weft file.
+#[test]
+fn peer_killed_mid_large_message() {
+    let fault = example("weft", "fault");
+    for p in PROCESS_PROVIDERS {
+        let o = run_bounded(
+            weft_run(&["--keep-going", "-n", "2", "--provider", p, "--"])
+                .arg(&fault)
+                .env("FAULT_SIZE", (512u64 << 20).to_string())
+                .env("FAULT_SPIN_MS", "2")
+                .env("WEFT_TIMEOUT", "60"),
+            120,
+        );
+        let out = stdout(&o);
+        assert_eq!(o.status.code(), Some(137), "{p}: {out}\n{}", stderr(&o));
+        assert!(
+            out.contains(&format!("fault: provider {p}")),
+            "{p}: {out}\n{}",
+            stderr(&o)
+        );
+        assert!(
+            out.contains("fault: later receive: peer-failed"),
+            "{p}: {out}"
+        );
+        // Two-copy and TCP paths need the sender until the last byte; a single kernel copy
+        // may finish on its own.
+        let big = if *p == "limic" {
+            [
+                "fault: large receive: peer-failed",
+                "fault: large receive: ok",
+            ]
+            .iter()
+            .any(|l| out.contains(l))
+        } else {
+            out.contains("fault: large receive: peer-failed")
+        };
+        assert!(big, "{p}: {out}");
+        assert!(
+            stderr(&o).contains("rank 0 was killed by signal 9; the others go on"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    assert!(
+        shm_leftovers().is_empty(),
+        "left in /dev/shm: {:?}",
+        shm_leftovers()
+    );
+}
+
+/// Where cross-memory attach is forbidden (here by a seccomp filter, as container runtimes
+/// install), limic reports itself unavailable with the reason on every rank and selection
+/// moves on to the next provider.
+#[test]
+fn limic_unavailable_without_cross_memory_attach() {
+    let ring = example("weft", "ring");
+    let no_cma = example("weft-limic", "no_cma");
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--provider", "limic,shm", "--"])
+            .arg(&no_cma)
+            .arg(&ring),
+        60,
+    );
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("ring: ok over 2 ranks on 1 host(s), provider shm"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--provider", "limic", "--"])
+            .arg(&no_cma)
+            .arg(&ring),
+        60,
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("limic: process_vm_readv from rank")
+            && stderr(&o).contains("Operation not permitted"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(shm_leftovers().is_empty(), "{:?}", shm_leftovers());
 }

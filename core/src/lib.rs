@@ -36,6 +36,7 @@ pub mod provider;
 pub mod registry;
 mod rma;
 pub mod sdk;
+pub mod shmem;
 pub mod testing;
 pub mod types;
 mod window;

@@ -11,7 +11,7 @@
 
 use crate::bootstrap::{allgather, Bootstrap};
 use crate::provider::{Caps, DynProvider, ProbeContext, StaticProvider};
-use crate::{Error, ErrorDetail, Result};
+use crate::{Error, ErrorDetail, ErrorKind, Result};
 use std::path::PathBuf;
 
 /// A built-in provider's registration.
@@ -295,8 +295,17 @@ pub fn select_and_open(
             continue;
         }
         tracing::debug!(provider = f.name(), "selected");
-        let p = f.open(boot)?;
-        return Ok((p, *f));
+        match f.open(boot) {
+            Ok(p) => return Ok((p, *f)),
+            // A provider that finds out during open that it cannot work (on every rank: the
+            // contract asks providers to agree before failing this way) lets the next one try.
+            Err(e) if e.kind() == ErrorKind::ProviderUnavailable => {
+                tracing::info!(provider = f.name(), "unavailable: {e}");
+                reasons.push(format!("{}: {}", f.name(), unavailable_details(&e)));
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
     }
     Err(Error::from(ErrorDetail::ProviderUnavailable {
         requested: if requested.is_empty() {
@@ -317,6 +326,14 @@ pub fn select_and_open(
                 .join(", ")
         ),
     }))
+}
+
+/// The reason inside a `ProviderUnavailable` error.
+fn unavailable_details(e: &Error) -> String {
+    match e.detail() {
+        ErrorDetail::ProviderUnavailable { details, .. } => details.clone(),
+        _ => e.to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ pub use queue::{CELL_SIZE, INLINE};
 pub use segment::{segment_name, Kind};
 
 use queue::{DataState, SendState};
-use segment::{Layout, Segment, ST_CLOSED, ST_OPEN};
+use segment::{Layout, Segment};
 use smallvec_lite::Parts;
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -247,9 +247,7 @@ impl Shm {
             if let Some(p) = pool.as_mut() {
                 p.mark_mapped();
             }
-            let slot = seg.rank_slot(me);
-            slot.pid.store(std::process::id() as u64, Ordering::Relaxed);
-            slot.state.store(ST_OPEN, Ordering::Release);
+            seg.rank_slot(me).set_open();
             seg.mark_mapped();
             Ok((seg, pool))
         })();
@@ -363,20 +361,7 @@ impl Shm {
             if i == self.me || self.failed[i] {
                 continue;
             }
-            let slot = self.seg.rank_slot(i);
-            let state = slot.state.load(Ordering::Acquire);
-            let pid = slot.pid.load(Ordering::Relaxed) as i32;
-            let why = if state == ST_CLOSED {
-                Some("rank exited")
-            } else if state == ST_OPEN && pid > 0 && pid as u32 != std::process::id() {
-                // SAFETY: kill with signal 0 only checks for existence.
-                let r = unsafe { libc::kill(pid, 0) };
-                (r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
-                    .then_some("process died")
-            } else {
-                None
-            };
-            if let Some(why) = why {
+            if let Some(why) = self.seg.rank_slot(i).gone() {
                 // Deliver what it sent before it went away.
                 n += match self.seg.lay.kind {
                     Kind::Ring => self.drain(Some(i), sink),
@@ -393,10 +378,7 @@ impl Shm {
 
 impl Drop for Shm {
     fn drop(&mut self) {
-        self.seg
-            .rank_slot(self.me)
-            .state
-            .store(ST_CLOSED, Ordering::Release);
+        self.seg.rank_slot(self.me).set_closed();
     }
 }
 
@@ -569,10 +551,7 @@ impl Provider for Shm {
     }
 
     fn close(&mut self) -> Result<()> {
-        self.seg
-            .rank_slot(self.me)
-            .state
-            .store(ST_CLOSED, Ordering::Release);
+        self.seg.rank_slot(self.me).set_closed();
         Ok(())
     }
 

@@ -3,7 +3,6 @@
 //! start-up leaves nothing in /dev/shm.
 
 use crate::queue::{Cell, Line, Unit, CELL_SIZE, UNIT};
-use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use weft::{Error, ErrorDetail, Result};
 
@@ -16,15 +15,7 @@ pub enum Kind {
     Mpsc = 2,
 }
 
-/// Rank states in [`RankSlot::state`].
-pub const ST_OPEN: u64 = 1;
-pub const ST_CLOSED: u64 = 2;
-
-#[repr(C, align(64))]
-pub struct RankSlot {
-    pub pid: AtomicU64,
-    pub state: AtomicU64,
-}
+pub use weft::shmem::{object_name as segment_name, Mapping, RankSlot};
 
 #[repr(C, align(64))]
 pub struct Header {
@@ -93,158 +84,6 @@ impl Layout {
             off_pairs,
             pair_stride,
             total,
-        }
-    }
-}
-
-/// `/weft-<job>-h<host>` with the job id reduced to safe characters.
-pub fn segment_name(job: &str, host: u32) -> String {
-    let clean: String = job
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(180)
-        .collect();
-    format!("/weft-{clean}-h{host}")
-}
-
-fn os_err(what: String) -> Error {
-    Error::last_os(what)
-}
-
-/// A named, mapped shared-memory object: created by one rank (mode 0600), opened by the
-/// others, unlinked once everyone has it (or when its creator drops it early).
-pub struct Mapping {
-    base: *mut u8,
-    len: usize,
-    name: CString,
-    created: bool,
-    unlinked: bool,
-}
-
-// SAFETY: the mapping is plain shared memory owned by this value; concurrent access goes
-// through atomics or the queue protocols, and the owner is used from one thread at a time.
-unsafe impl Send for Mapping {}
-
-impl Mapping {
-    /// Create and map `len` bytes (zero-filled). `populate` pre-faults the pages.
-    pub fn create(name: &str, len: usize, populate: bool) -> Result<Mapping> {
-        let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
-        // SAFETY: FFI with a valid C string; O_EXCL makes us the only creator.
-        let fd = unsafe {
-            libc::shm_open(
-                cname.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
-                0o600,
-            )
-        };
-        if fd < 0 {
-            return Err(os_err(format!("creating shared memory {name}")));
-        }
-        let mut m = Mapping {
-            base: std::ptr::null_mut(),
-            len,
-            name: cname,
-            created: true,
-            unlinked: false,
-        };
-        // SAFETY: fd is ours; ftruncate zero-fills.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            let e = os_err(format!("sizing {name} to {len} bytes"));
-            // SAFETY: closing our own fd.
-            unsafe { libc::close(fd) };
-            return Err(e);
-        }
-        let r = m.map(fd, populate);
-        // SAFETY: closing our own fd; the mapping stays.
-        unsafe { libc::close(fd) };
-        r?;
-        Ok(m)
-    }
-
-    /// Open and map an object another rank created; its size must be at least `min_len`.
-    pub fn open(name: &str, min_len: usize, populate: bool) -> Result<Mapping> {
-        let cname = CString::new(name).map_err(|_| Error::invalid("segment name has a NUL"))?;
-        // SAFETY: FFI with a valid C string.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(os_err(format!("opening shared memory {name}")));
-        }
-        // SAFETY: fstat on our fd into a zeroed struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) < min_len.max(1) {
-            // SAFETY: closing our own fd.
-            unsafe { libc::close(fd) };
-            return Err(Error::from(ErrorDetail::Bootstrap(format!(
-                "shared memory {name} is missing or too small"
-            ))));
-        }
-        let mut m = Mapping {
-            base: std::ptr::null_mut(),
-            len: st.st_size as usize,
-            name: cname,
-            created: false,
-            unlinked: false,
-        };
-        let r = m.map(fd, populate);
-        // SAFETY: closing our own fd.
-        unsafe { libc::close(fd) };
-        r?;
-        Ok(m)
-    }
-
-    fn map(&mut self, fd: i32, populate: bool) -> Result<()> {
-        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
-        // SAFETY: mapping `len` bytes of a shared memory object we just sized/checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                self.len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(os_err("mapping shared memory".to_string()));
-        }
-        self.base = p as *mut u8;
-        Ok(())
-    }
-
-    pub fn base(&self) -> *mut u8 {
-        self.base
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Remove the name (idempotent; the mapping stays valid).
-    pub fn unlink(&mut self) {
-        if !self.unlinked {
-            // SAFETY: FFI with a valid C string; failure (already gone) is harmless.
-            unsafe { libc::shm_unlink(self.name.as_ptr()) };
-            self.unlinked = true;
-        }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        if self.created && !self.unlinked {
-            self.unlink();
-        }
-        if !self.base.is_null() {
-            // SAFETY: unmapping our own mapping; nothing borrows it past the owner's life.
-            unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
         }
     }
 }

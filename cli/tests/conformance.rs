@@ -36,8 +36,9 @@ fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "limic", "-n", "3"]);
 }
 
-/// limic's three paths: every message by cross-memory attach, every message inline, and so
-/// few descriptor slots that operations wait for them.
+/// limic's paths: every message by cross-memory attach, every message inline, senders that
+/// push instead of leaving the copy to the receiver, and so few descriptor slots that
+/// operations wait for them.
 #[test]
 fn limic_passes_on_every_path() {
     passes(&[
@@ -55,6 +56,16 @@ fn limic_passes_on_every_path() {
         "2",
         "--env",
         "WEFT_LIMIC_INLINE=1M",
+    ]);
+    passes(&[
+        "--provider",
+        "limic",
+        "-n",
+        "3",
+        "--env",
+        "WEFT_LIMIC_PULL=0",
+        "--env",
+        "WEFT_LIMIC_INLINE=0",
     ]);
     passes(&[
         "--provider",

@@ -28,6 +28,9 @@ pub const FREE: u32 = 0;
 pub const POSTED: u32 = 1;
 pub const CLAIMED: u32 = 2;
 pub const DONE: u32 = 3;
+/// A posted receive that a sender matched and left for the receiver to pull: `matched` names
+/// the sender's descriptor.
+pub const MATCHED: u32 = 4;
 
 /// Slot kinds.
 pub const SEND: u32 = 1;
@@ -139,6 +142,9 @@ pub struct Slot {
     pub st_bytes: AtomicU64,
     /// Bytes of `inline` holding data (a small message, in either direction).
     pub inline_len: AtomicU64,
+    /// MATCHED receives: the sender's descriptor.
+    pub matched: AtomicU32,
+    pub _pad: AtomicU32,
     pub iov: [[AtomicU64; 2]; MAX_IOV],
 }
 

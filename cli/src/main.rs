@@ -124,7 +124,8 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Tests to run, comma separated (latency, bw, bibw, mr, alltoall).
+    /// Tests to run, comma separated: latency, bw, bibw, mr, alltoall, put_lat, get_lat,
+    /// acc_lat, put_bw, get_bw, epoch_mix, epoch_pingpong.
     tests: String,
     /// Providers to compare, comma separated (default: every built-in provider that can run
     /// here).
@@ -160,7 +161,8 @@ struct BenchArgs {
     /// Environment for every rank (repeatable), recorded in the results.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
     env: Vec<(String, String)>,
-    /// A column per variant: NAME:K=V[,K=V...] (repeatable), e.g. agg:WEFT_RMA_SCHED=aggregate.
+    /// A column per variant: NAME:K=V[,K=V...] (repeatable), e.g. agg:WEFT_RMA_SCHED=aggregate;
+    /// PROVIDER/NAME:K=V,... adds the column to that provider only, next to its plain one.
     #[arg(long = "variant", value_name = "NAME:K=V,...")]
     variants: Vec<String>,
     /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ofi:tcp,
@@ -254,9 +256,21 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
         .iter()
         .map(|v| parse_variant(v))
         .collect::<Result<Vec<_>, _>>()?;
+    // "PROVIDER/NAME" variants belong to one provider; the others to every provider.
+    let (scoped, general): (Vec<_>, Vec<_>) =
+        variants.into_iter().partition(|(n, _)| n.contains('/'));
+    for (name, _) in &scoped {
+        let p = name.split('/').next().unwrap_or_default();
+        if !providers.iter().any(|x| x == p) {
+            return Err(format!(
+                "--variant '{name}': provider '{p}' is not among those compared ({})",
+                providers.join(", ")
+            ));
+        }
+    }
     let mut columns = vec![];
     for p in &providers {
-        if variants.is_empty() {
+        if general.is_empty() {
             columns.push(bench::Column {
                 label: p.clone(),
                 provider: Some(p.clone()),
@@ -264,13 +278,24 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
                 baseline: None,
             });
         }
-        for (name, env) in &variants {
+        for (name, env) in &general {
             columns.push(bench::Column {
                 label: if providers.len() == 1 {
                     name.clone()
                 } else {
                     format!("{p}/{name}")
                 },
+                provider: Some(p.clone()),
+                env: env.clone(),
+                baseline: None,
+            });
+        }
+        for (name, env) in scoped
+            .iter()
+            .filter(|(n, _)| n.split('/').next() == Some(p))
+        {
+            columns.push(bench::Column {
+                label: name.clone(),
                 provider: Some(p.clone()),
                 env: env.clone(),
                 baseline: None,
@@ -491,5 +516,75 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(args: &[&str]) -> Result<bench::Plan, String> {
+        let cli =
+            Cli::try_parse_from(["weft", "bench"].iter().chain(args)).map_err(|e| e.to_string())?;
+        match cli.cmd {
+            Cmd::Bench(a) => bench_plan(&a),
+            _ => unreachable!("parsed a bench command"),
+        }
+    }
+
+    fn labels(p: &bench::Plan) -> Vec<(String, Vec<(String, String)>)> {
+        p.columns
+            .iter()
+            .map(|c| (c.label.clone(), c.env.clone()))
+            .collect()
+    }
+
+    fn kv(k: &str, v: &str) -> (String, String) {
+        (k.to_string(), v.to_string())
+    }
+
+    #[test]
+    fn variants_replace_or_join_plain_columns() {
+        let p = plan(&["latency", "--providers", "shm,limic", "--variant", "a:X=1"]).unwrap();
+        assert_eq!(
+            labels(&p),
+            vec![
+                ("shm/a".into(), vec![kv("X", "1")]),
+                ("limic/a".into(), vec![kv("X", "1")])
+            ]
+        );
+        let p = plan(&[
+            "latency",
+            "--providers",
+            "shm,limic",
+            "--variant",
+            "limic/push:WEFT_LIMIC_PULL=0,Y=2",
+            "--ratio",
+            "limic/push",
+        ])
+        .unwrap();
+        assert_eq!(
+            labels(&p),
+            vec![
+                ("shm".into(), vec![]),
+                ("limic".into(), vec![]),
+                (
+                    "limic/push".into(),
+                    vec![kv("WEFT_LIMIC_PULL", "0"), kv("Y", "2")]
+                )
+            ]
+        );
+        let e = plan(&[
+            "latency",
+            "--providers",
+            "shm",
+            "--variant",
+            "tcp-sim/x:A=1",
+        ])
+        .err()
+        .unwrap();
+        assert!(e.contains("'tcp-sim' is not among"), "{e}");
+        let e = plan(&["latency", "--variant", "noname"]).err().unwrap();
+        assert!(e.contains("NAME:K=V"), "{e}");
     }
 }

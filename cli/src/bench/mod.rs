@@ -331,9 +331,11 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
             m.get("date").map_or("", |x| x)
         )
         .unwrap();
+        let base = ratio_to.and_then(|r| cols.iter().position(|c| c.label == r));
+        let ratio_len = base.map_or(0, |b| cols[b].label.len() + 1);
         let width = cols
             .iter()
-            .map(|c| c.label.len() + 2)
+            .map(|c| c.label.len() + ratio_len + 2)
             .max()
             .unwrap_or(10)
             .max(10);
@@ -342,7 +344,6 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
             let mark = if c.baseline.is_some() { "*" } else { "" };
             write!(s, "{:>width$}", format!("{}{mark}", c.label)).unwrap();
         }
-        let base = ratio_to.and_then(|r| cols.iter().position(|c| c.label == r));
         if let Some(b) = base {
             for c in &cols {
                 if c.label != cols[b].label {

@@ -13,7 +13,7 @@
 //! receive posted does not push; it hands the receiver its descriptor (state `MATCHED`) and
 //! the receiver pulls at its next progress call. Every large copy then runs on the receiver's
 //! core, into the buffer it will read, and destination cache lines stop bouncing between
-//! cores — 64 KiB one-way latency falls from 15.4 to 9.9 µs on the 2-core test machine
+//! cores — 64 KiB one-way latency falls from 9.5 to 6.0 µs on the 2-core test machine
 //! (docs/benchmarks.md). `WEFT_LIMIC_PULL=0` restores the literal push.
 //!
 //! RMA on windows over user memory is one-sided for real: put is `process_vm_writev` and get
@@ -39,7 +39,7 @@ use weft::provider::{
 };
 use weft::{Error, ErrorDetail, Rank, Result};
 
-weft::param!(INLINE: Size = "limic", "INLINE", "8K",
+weft::param!(INLINE: Size = "limic", "INLINE", "6K",
     "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (see docs/benchmarks.md)");
 weft::param!(SLOTS: Uint = "limic", "SLOTS", "1024",
     "descriptor slots per rank: outstanding sends and posted receives (more wait in a local queue)");

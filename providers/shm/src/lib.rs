@@ -13,6 +13,10 @@ mod queue;
 mod segment;
 mod sync;
 
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub mod bench_api;
+
 pub use queue::{CELL_SIZE, INLINE};
 pub use segment::{segment_name, Kind};
 

@@ -58,8 +58,8 @@ pub struct Cell {
 const _: () = assert!(std::mem::size_of::<Cell>() == CELL_SIZE);
 
 impl Cell {
-    /// A free cell for position `pos`.
-    #[cfg(loom)]
+    /// A free cell for position `pos` (cells in the segment are initialised in place instead).
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub fn new(pos: u64) -> Self {
         Cell {
             seq: AtomicU64::new(pos),
@@ -76,7 +76,7 @@ pub struct Line {
 }
 
 impl Line {
-    #[cfg(loom)]
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub fn new(v: u64) -> Self {
         Line {
             v: AtomicU64::new(v),

@@ -166,7 +166,7 @@ struct BenchArgs {
     #[arg(long = "variant", value_name = "NAME:K=V,...")]
     variants: Vec<String>,
     /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ofi:tcp,
-    /// ofi:udp, ofi:shm, ompi, mpich, nptcp.
+    /// ofi:udp, ofi:shm, ompi, ompi:2copy, mpich, nptcp.
     #[arg(long)]
     baseline: Option<String>,
     /// Add ratio columns against this column.

@@ -5,7 +5,8 @@
 //! |---|---|---|---|
 //! | `ucx:posix`, `ucx:sysv`, `ucx:cma`, `ucx:tcp` | `ucx_perftest` (ucx-utils) | tag_lat | tag_bw, streaming |
 //! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin) | ping-pong | size / one-way time |
-//! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi) | ping-pong | size / one-way time |
+//! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi), vader with its CMA single copy | ping-pong | size / one-way time |
+//! | `ompi:2copy` | the same with `btl_vader_single_copy_mechanism none` (two copies) | ping-pong | size / one-way time |
 //! | `mpich` | NetPIPE `NPmpich2` (netpipe-mpich2) | ping-pong | size / one-way time |
 //! | `nptcp` | NetPIPE `NPtcp` (netpipe-tcp) | ping-pong | size / one-way time |
 
@@ -22,7 +23,10 @@ pub enum Tool {
         prov: &'static str,
         ep: &'static str,
     },
-    Ompi,
+    /// Open MPI's vader; `two_copy` disables its single-copy mechanism.
+    Ompi {
+        two_copy: bool,
+    },
     Mpich,
     NpTcp,
 }
@@ -43,6 +47,7 @@ pub const NAMES: &[&str] = &[
     "ofi:udp",
     "ofi:shm",
     "ompi",
+    "ompi:2copy",
     "mpich",
     "nptcp",
 ];
@@ -66,7 +71,8 @@ impl Baseline {
                 prov: "shm",
                 ep: "rdm",
             },
-            "ompi" => Tool::Ompi,
+            "ompi" => Tool::Ompi { two_copy: false },
+            "ompi:2copy" => Tool::Ompi { two_copy: true },
             "mpich" => Tool::Mpich,
             "nptcp" => Tool::NpTcp,
             other => {
@@ -86,7 +92,7 @@ impl Baseline {
         match self.tool {
             Tool::Ucx(_) => "ucx_perftest",
             Tool::Ofi { .. } => "fi_pingpong",
-            Tool::Ompi => "NPopenmpi",
+            Tool::Ompi { .. } => "NPopenmpi",
             Tool::Mpich => "NPmpich2",
             Tool::NpTcp => "NPtcp",
         }
@@ -96,7 +102,7 @@ impl Baseline {
         match self.tool {
             Tool::Ucx(_) => "ucx-utils",
             Tool::Ofi { .. } => "libfabric-bin",
-            Tool::Ompi => "netpipe-openmpi",
+            Tool::Ompi { .. } => "netpipe-openmpi",
             Tool::Mpich => "netpipe-mpich2",
             Tool::NpTcp => "netpipe-tcp",
         }
@@ -106,7 +112,7 @@ impl Baseline {
     pub fn available(&self) -> Result<(), String> {
         let bin = self.binary();
         let launcher_ok = match self.tool {
-            Tool::Ompi => which("mpirun.openmpi").is_some(),
+            Tool::Ompi { .. } => which("mpirun.openmpi").is_some(),
             Tool::Mpich => which("mpiexec.hydra").is_some(),
             _ => true,
         };
@@ -152,7 +158,7 @@ impl Baseline {
                 .iter()
                 .map(|&s| run_ofi(prov, ep, t, s).map(|v| (s, v)))
                 .collect(),
-            Tool::Ompi | Tool::Mpich | Tool::NpTcp => sizes
+            Tool::Ompi { .. } | Tool::Mpich | Tool::NpTcp => sizes
                 .iter()
                 .map(|&s| run_netpipe(&self.tool, t, s, work).map(|v| (s, v)))
                 .collect(),
@@ -406,7 +412,7 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
     let out = work.join(format!("np-{}-{s}.out", std::process::id()));
     let np = ["-l", &s.to_string(), "-u", &s.to_string(), "-p", "0", "-o"];
     let r = match tool {
-        Tool::Ompi => {
+        Tool::Ompi { two_copy } => {
             let mut c = Command::new("mpirun.openmpi");
             c.args([
                 "--allow-run-as-root",
@@ -425,10 +431,11 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
                 "--mca",
                 "btl",
                 "self,vader",
-                "NPopenmpi",
-            ])
-            .args(np)
-            .arg(&out);
+            ]);
+            if *two_copy {
+                c.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
+            }
+            c.arg("NPopenmpi").args(np).arg(&out);
             base_env(&mut c);
             output(c, "NPopenmpi")
         }

@@ -33,6 +33,15 @@ fn passes(args: &[&str]) {
 fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "shm", "-n", "3"]);
     passes(&["--provider", "tcp-sim", "-n", "4"]);
+    // Large payloads through the connection buffer instead of direct placement.
+    passes(&[
+        "--provider",
+        "tcp-sim",
+        "-n",
+        "2",
+        "--env",
+        "WEFT_TCP_SIM_DIRECT=0",
+    ]);
     passes(&["--provider", "limic", "-n", "3"]);
 }
 

@@ -225,7 +225,9 @@ fn two_namespaces_are_two_hosts() {
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("shared memory reaches only ranks on one host"),
-        "{}",
+        "{:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(&o),
         stderr(&o)
     );
 }

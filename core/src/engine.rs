@@ -1510,6 +1510,34 @@ impl State {
         Some(())
     }
 
+    /// For direct placement of a DATA payload: the streaming receive that bytes `[poff,
+    /// poff + n)` of this DATA message's payload belong to, and their offset in its buffer;
+    /// `None` when that is not a contiguous receive still expecting exactly those bytes.
+    fn data_slot(&self, src: Rank, header: &[u8], poff: usize, n: usize) -> Option<(u64, usize)> {
+        let mut rd = Rd::new(header);
+        if rd.u8()? != H_DATA {
+            return None;
+        }
+        let rreq = rd.u64()?;
+        let off = usize::try_from(rd.u64()?).ok()?.checked_add(poff)?;
+        let Some(Req {
+            kind: Kind::Recv(r),
+            done: None,
+            ..
+        }) = self.reqs.get(rreq)
+        else {
+            return None;
+        };
+        let RecvPhase::Stream {
+            expect, src: from, ..
+        } = &r.phase
+        else {
+            return None;
+        };
+        let fits = off.checked_add(n).is_some_and(|e| e <= *expect);
+        (*from == src && fits && matches!(r.buf.layout, Layout::Contig)).then_some((rreq, off))
+    }
+
     fn on_fin(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
         let sreq = rd.u64()?;
         let Some(Req {
@@ -1634,6 +1662,53 @@ impl Sink for State {
         };
         if ok.is_none() {
             self.malformed(src, &format!("unknown or short header (kind {kind:?})"));
+        }
+    }
+
+    fn am_target(
+        &mut self,
+        src: Rank,
+        header: &[u8],
+        off: usize,
+        n: usize,
+    ) -> Option<std::ptr::NonNull<u8>> {
+        let (rreq, at) = self.data_slot(src, header, off, n)?;
+        let Kind::Recv(r) = &self.reqs.get(rreq)?.kind else {
+            return None;
+        };
+        // SAFETY: `data_slot` checked at + n <= expect <= cap, the length of the buffer the
+        // receive borrows for its scope; the request stays live until its bytes are all placed
+        // or its peer fails, and the provider writes before its next call into this sink.
+        std::ptr::NonNull::new(unsafe { r.buf.base.add(at) })
+    }
+
+    fn am_placed(&mut self, src: Rank, header: &[u8], off: usize, k: usize) {
+        let Some((rreq, _)) = self.data_slot(src, header, off, k) else {
+            self.malformed(src, "placed DATA outside a streaming receive");
+            return;
+        };
+        let Some(Req {
+            kind: Kind::Recv(r),
+            ..
+        }) = self.reqs.get_mut(rreq)
+        else {
+            return;
+        };
+        let RecvPhase::Stream {
+            got,
+            expect,
+            total,
+            tag,
+            ..
+        } = &mut r.phase
+        else {
+            return;
+        };
+        *got += k;
+        if *got >= *expect {
+            let st = status(src, *tag, *total);
+            let cap = r.buf.cap;
+            self.finish(rreq, recv_result(st, cap));
         }
     }
 

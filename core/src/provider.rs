@@ -338,6 +338,28 @@ pub trait Sink {
     fn complete(&mut self, token: Token, result: Result<Completed>);
     /// `rank` is gone: nothing more will arrive from it and nothing sent to it will be delivered.
     fn peer_failed(&mut self, rank: Rank, reason: &str);
+
+    /// Optional **direct placement**, for providers that read payloads from a byte stream (a
+    /// socket) and would otherwise stage them: before reading bytes `[off, off + n)` of the
+    /// payload of the active message with `header` from `src`, ask where they go. `Some(p)`:
+    /// `p` is valid for writes of `n` bytes until the provider's next call into this sink or
+    /// its return from `progress`, whichever comes first; after writing `k <= n` bytes there
+    /// the provider reports them with [`Sink::am_placed`] (and never calls [`Sink::am`] for
+    /// this message). `None`: no direct placement; deliver the message through `am` (asked at
+    /// `off == 0`), or, if `off > 0` (the destination went away), discard the rest.
+    fn am_target(
+        &mut self,
+        _src: Rank,
+        _header: &[u8],
+        _off: usize,
+        _n: usize,
+    ) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+
+    /// `k` payload bytes starting at `off` were written where [`Sink::am_target`] said; the
+    /// message is complete once the placed bytes add up to its payload length.
+    fn am_placed(&mut self, _src: Rank, _header: &[u8], _off: usize, _k: usize) {}
 }
 
 fn unsupported<T>(what: &str) -> Result<T> {

@@ -506,6 +506,13 @@ impl Pmi {
 
     /// Tell the launcher to end the job.
     pub fn abort_job(&mut self, code: i32, msg: &str) {
+        // Say why before the launcher's reaction to the abort can kill this process: a
+        // launcher need not print the message (Hydra does not), and an error returned to the
+        // program after this call may never be printed.
+        eprintln!(
+            "weft: rank {} aborts the job (exit code {code}): {msg}",
+            self.rank
+        );
         let _ = self.send(&format!(
             "cmd=abort exitcode={code} error_msg={}\n",
             escape(msg)

@@ -73,6 +73,15 @@ pub struct Limits {
 /// Decode the frame at the start of `buf`: `Ok(None)` when more bytes are needed, `Ok(Some)`
 /// when a whole frame is present (its bytes are `buf[..h.total()]`).
 pub fn decode(buf: &[u8], lim: Limits) -> Result<Option<FrameHeader>, FrameError> {
+    match decode_header(buf, lim)? {
+        Some(h) if buf.len() >= h.total() => Ok(Some(h)),
+        _ => Ok(None),
+    }
+}
+
+/// Decode and check the fixed header at the start of `buf` as soon as its 8 bytes are present,
+/// whether or not the rest of the frame has arrived (for reading a payload in place).
+pub fn decode_header(buf: &[u8], lim: Limits) -> Result<Option<FrameHeader>, FrameError> {
     if buf.len() < FRAME_HDR {
         return Ok(None);
     }
@@ -91,15 +100,11 @@ pub fn decode(buf: &[u8], lim: Limits) -> Result<Option<FrameHeader>, FrameError
     if payload_len > lim.max_payload {
         return Err(FrameError::PayloadTooLong(payload_len, lim.max_payload));
     }
-    let h = FrameHeader {
+    Ok(Some(FrameHeader {
         kind,
         hdr_len,
         payload_len,
-    };
-    if buf.len() < h.total() {
-        return Ok(None);
-    }
-    Ok(Some(h))
+    }))
 }
 
 #[cfg(test)]
@@ -146,6 +151,33 @@ mod tests {
         b[0] = VERSION;
         b[1] = 77;
         assert_eq!(decode(&b, LIM), Err(FrameError::Kind(77)));
+    }
+
+    #[test]
+    fn header_is_known_before_the_payload() {
+        let lim = Limits {
+            max_hdr: 64,
+            max_payload: 1 << 20,
+        };
+        let h = FrameHeader {
+            kind: K_AM,
+            hdr_len: 10,
+            payload_len: 100_000,
+        };
+        let mut b = h.encode().to_vec();
+        assert_eq!(decode_header(&b[..7], lim), Ok(None));
+        assert_eq!(decode_header(&b, lim), Ok(Some(h)));
+        b.extend_from_slice(&[0; 10 + 50_000]);
+        assert_eq!(decode(&b, lim), Ok(None), "half the payload is not a frame");
+        assert_eq!(decode_header(&b, lim), Ok(Some(h)));
+        let big = FrameHeader {
+            payload_len: 2 << 20,
+            ..h
+        };
+        assert_eq!(
+            decode_header(&big.encode(), lim),
+            Err(FrameError::PayloadTooLong(2 << 20, 1 << 20))
+        );
     }
 
     proptest! {

@@ -15,7 +15,7 @@
 
 pub mod frame;
 
-use frame::{decode, FrameHeader, Limits, FRAME_HDR, K_ACK, K_AM, K_HELLO};
+use frame::{decode_header, FrameHeader, Limits, FRAME_HDR, K_ACK, K_AM, K_HELLO};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 use std::collections::VecDeque;
@@ -32,6 +32,8 @@ weft::param!(CHUNK: Size = "tcp-sim", "CHUNK", "256K",
     "largest frame payload: the rendezvous chunk size");
 weft::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
     "messages up to this size are sent eagerly");
+weft::param!(DIRECT: Bool = "tcp-sim", "DIRECT", "1",
+    "read large payloads from the socket straight into the receive buffer when the core names it (0: always through the connection's buffer)");
 weft::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
     "unsent bytes a connection may buffer before senders see Busy");
 weft::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
@@ -49,6 +51,7 @@ struct Config {
     bind: String,
     chunk: usize,
     eager: usize,
+    direct: bool,
     queue: usize,
     delay: Duration,
     jitter: Duration,
@@ -77,6 +80,7 @@ impl Config {
             bind: BIND.get_str(),
             chunk,
             eager: EAGER.get_size()?.min(chunk),
+            direct: DIRECT.get_bool()?,
             queue: QUEUE.get_size()?.max(FRAME_HDR + MAX_HEADER + chunk),
             delay: Duration::from_micros(DELAY_US.get_u64()?),
             jitter: Duration::from_micros(JITTER_US.get_u64()?),
@@ -169,6 +173,80 @@ struct Conn {
     rx: Vec<u8>,
     start: usize,
     end: usize,
+    /// A payload being read from the socket straight into its destination.
+    direct: Option<Direct>,
+    /// The core declined direct placement for the frame at `start`: wait for all of it.
+    buffered: bool,
+    /// The last frame was placed directly, so the next is likely another large one: read
+    /// only up to its header, leaving its payload in the socket for direct placement.
+    expect_large: bool,
+}
+
+/// Payloads at least this long are offered for direct placement when they arrive in pieces.
+const DIRECT_MIN: usize = 16 * 1024;
+
+/// An active message whose payload is read from the socket into the memory the core named
+/// (`Sink::am_target`), skipping the copy through `rx`.
+struct Direct {
+    src: Rank,
+    hdr: [u8; MAX_HEADER],
+    hdr_len: usize,
+    len: usize,
+    done: usize,
+    /// The destination went away (its receive failed): read and drop the rest.
+    discard: bool,
+}
+
+impl Conn {
+    /// Continue a direct payload: `Ok(true)` when it is complete, `Ok(false)` when the socket
+    /// has nothing more for now, `Err` when the connection broke.
+    fn read_direct(&mut self, sink: &mut dyn Sink) -> std::result::Result<bool, String> {
+        let Conn {
+            stream, rx, direct, ..
+        } = self;
+        let Some(d) = direct.as_mut() else {
+            return Ok(true);
+        };
+        loop {
+            if d.done == d.len {
+                *direct = None;
+                return Ok(true);
+            }
+            let want = d.len - d.done;
+            let hdr = &d.hdr[..d.hdr_len];
+            let target = if d.discard {
+                None
+            } else {
+                sink.am_target(d.src, hdr, d.done, want)
+            };
+            let res = match target {
+                Some(p) => {
+                    // SAFETY: the sink made `p` valid for writes of `want` bytes until our next
+                    // call into it, which is the `am_placed` below; the bytes are initialised
+                    // (the receive buffer is a borrowed slice of plain data).
+                    let buf = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), want) };
+                    stream.read(buf)
+                }
+                None => {
+                    d.discard = true;
+                    let m = want.min(rx.len());
+                    stream.read(&mut rx[..m])
+                }
+            };
+            match res {
+                Ok(0) => return Err("connection closed (EOF)".into()),
+                Ok(n) => {
+                    if target.is_some() {
+                        sink.am_placed(d.src, hdr, d.done, n);
+                    }
+                    d.done += n;
+                }
+                Err(e) if would_block(&e) => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("connection error: {e}")),
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -357,6 +435,9 @@ impl TcpSim {
             rx: vec![0u8; cap],
             start: 0,
             end: 0,
+            direct: None,
+            buffered: false,
+            expect_large: false,
         });
         Ok(slot)
     }
@@ -522,18 +603,35 @@ impl TcpSim {
     /// Read everything available on a connection and deliver its frames.
     fn on_readable(&mut self, slot: usize, sink: &mut dyn Sink) -> usize {
         let mut delivered = 0;
-        loop {
+        'read: loop {
             let Some(c) = self.conns[slot].as_mut() else {
                 return delivered;
             };
+            if c.direct.is_some() {
+                match c.read_direct(sink) {
+                    Ok(true) => {
+                        delivered += 1;
+                        c.expect_large = true;
+                        continue;
+                    }
+                    Ok(false) => return delivered,
+                    Err(why) => {
+                        self.closed(slot, why);
+                        return delivered;
+                    }
+                }
+            }
             if c.end == c.rx.len() {
                 // Compact: the partial frame at the front moves to the start.
                 c.rx.copy_within(c.start..c.end, 0);
                 c.end -= c.start;
                 c.start = 0;
             }
-            let room = c.rx.len() - c.end;
-            let n = match c.stream.read(&mut c.rx[c.end..]) {
+            let mut room = c.rx.len() - c.end;
+            if c.expect_large && c.start == c.end {
+                room = room.min(FRAME_HDR + MAX_HEADER);
+            }
+            let n = match c.stream.read(&mut c.rx[c.end..c.end + room]) {
                 Ok(0) => {
                     self.closed(slot, "connection closed (EOF)".into());
                     return delivered;
@@ -554,7 +652,7 @@ impl TcpSim {
                 let Some(c) = self.conns[slot].as_mut() else {
                     return delivered;
                 };
-                let h = match decode(&c.rx[c.start..c.end], self.limits) {
+                let h = match decode_header(&c.rx[c.start..c.end], self.limits) {
                     Ok(Some(h)) => h,
                     Ok(None) => break,
                     Err(e) => {
@@ -565,6 +663,55 @@ impl TcpSim {
                 let f = c.start + FRAME_HDR;
                 let (hs, ps) = (f, f + h.hdr_len);
                 let pe = ps + h.payload_len;
+                if c.end < pe {
+                    // Part of a frame. A large active-message payload may go straight to its
+                    // destination instead of waiting for all of it in `rx`.
+                    let est = c
+                        .peer
+                        .filter(|&r| self.peers[r as usize].state == State::Established(slot));
+                    if let (K_AM, false, true, true, Some(r)) = (
+                        h.kind,
+                        c.buffered || !self.cfg.direct,
+                        h.payload_len >= DIRECT_MIN,
+                        c.end >= ps,
+                        est,
+                    ) {
+                        let pre = c.end - ps;
+                        match sink.am_target(r, &c.rx[hs..ps], 0, h.payload_len) {
+                            Some(p) => {
+                                // SAFETY: `p` is valid for `payload_len >= pre` bytes until our
+                                // next call into the sink (`am_placed` below); `rx` is ours.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        c.rx[ps..].as_ptr(),
+                                        p.as_ptr(),
+                                        pre,
+                                    )
+                                };
+                                if pre > 0 {
+                                    sink.am_placed(r, &c.rx[hs..ps], 0, pre);
+                                }
+                                let mut hdr = [0u8; MAX_HEADER];
+                                hdr[..h.hdr_len].copy_from_slice(&c.rx[hs..ps]);
+                                c.direct = Some(Direct {
+                                    src: r,
+                                    hdr,
+                                    hdr_len: h.hdr_len,
+                                    len: h.payload_len,
+                                    done: pre,
+                                    discard: false,
+                                });
+                                c.start = 0;
+                                c.end = 0;
+                                continue 'read;
+                            }
+                            None => c.buffered = true,
+                        }
+                    }
+                    break;
+                }
+                c.buffered = false;
+                c.expect_large = false;
                 c.start += h.total();
                 match h.kind {
                     K_AM => match c.peer {

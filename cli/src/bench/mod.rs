@@ -479,6 +479,74 @@ mod t {
     }
 
     #[test]
+    fn tables_have_a_column_per_provider_and_ratios() {
+        let col = |label: &str, baseline: bool| Column {
+            label: label.into(),
+            provider: (!baseline).then(|| label.into()),
+            env: vec![],
+            baseline: baseline.then(|| Baseline::parse(label).unwrap()),
+        };
+        let plan = Plan {
+            tests: vec![Test::Latency, Test::Bw],
+            columns: vec![
+                col("shm", false),
+                col("limic/push", false),
+                col("ucx:cma", true),
+            ],
+            sizes: None,
+            iters: None,
+            warmup: None,
+            window: 64,
+            n: 2,
+            reps: 5,
+            env: vec![],
+            job_timeout: Duration::from_secs(1),
+            notes: vec![],
+        };
+        let mut results = vec![];
+        for (test, unit, vals) in [
+            (
+                "latency",
+                "us",
+                [(8, [0.41, 0.79, 0.45]), (65536, [11.4, 6.24, 7.2])],
+            ),
+            (
+                "bw",
+                "MB/s",
+                [(8, [9.5, 4.1, 8.8]), (65536, [8566.0, 10409.0, 13753.0])],
+            ),
+        ] {
+            for (size, v) in vals {
+                for (c, x) in plan.columns.iter().zip(v) {
+                    results.push(Row {
+                        test: test.into(),
+                        provider: c.label.clone(),
+                        baseline: c.baseline.is_some(),
+                        size,
+                        unit: unit.into(),
+                        median: x,
+                        min: x,
+                        max: x,
+                        reps: 5,
+                        env: BTreeMap::new(),
+                    });
+                }
+            }
+        }
+        let machine = [
+            ("cpu", "Test CPU"),
+            ("cpus", "2"),
+            ("kernel", "6.0"),
+            ("date", "2026-11-21 12:00 UTC"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let report = Report { machine, results };
+        insta::assert_snapshot!(render_tables(&plan, &report, Some("shm")));
+    }
+
+    #[test]
     fn utc_format() {
         let s = utc_now();
         assert_eq!(s.len(), "2026-11-21 15:00 UTC".len(), "{s}");

@@ -1,0 +1,133 @@
+//! `weft bench` end to end: usage errors name the problem, and a short real sweep writes the
+//! documented JSON, CSV and plot.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    let mut c = Command::new(weft());
+    c.arg("bench").args(args).env_remove("WEFT_PROVIDER");
+    run_bounded(&mut c, 300)
+}
+
+#[test]
+fn bad_input_is_a_usage_error_naming_the_problem() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["nope"], "unknown test 'nope'"),
+        (
+            &["latency", "--providers", "nope"],
+            "unknown provider 'nope'",
+        ),
+        (&["latency", "--sizes", "8,x"], "x"),
+        (&["latency", "--sizes", "1M:4K"], "1M:4K"),
+        (&["latency", "-n", "1"], "latency needs at least 2 ranks"),
+        (
+            &["latency", "--baseline", "ucx:nope"],
+            "unknown baseline 'ucx:nope'",
+        ),
+        (
+            &["latency", "--providers", "shm", "--ratio", "tcp-sim"],
+            "--ratio tcp-sim: no such column",
+        ),
+        (&["latency", "--variant", "noname"], "is not NAME:K=V"),
+        (
+            &["latency", "--providers", "shm", "--variant", "limic/x:A=1"],
+            "'limic' is not among",
+        ),
+        (&["latency", "--reps", "0"], "--reps"),
+    ];
+    let mut report = String::new();
+    for (args, want) in cases {
+        let o = bench(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: wanted '{want}' in: {err}");
+        report += &format!("{}\n  {}\n", args.join(" "), err.trim());
+    }
+    insta::assert_snapshot!(report);
+}
+
+#[test]
+fn a_short_sweep_writes_json_csv_and_plot() {
+    let dir = std::env::temp_dir().join(format!("weft-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, csv, svg) = (dir.join("r.json"), dir.join("r.csv"), dir.join("r.svg"));
+    let o = bench(&[
+        "latency,bw,put_lat",
+        "--providers",
+        "shm,tcp-sim",
+        "--variant",
+        "shm/mpsc:WEFT_SHM_QUEUE=mpsc",
+        "--sizes",
+        "8,4K",
+        "--reps",
+        "2",
+        "--iters",
+        "200",
+        "--warmup",
+        "20",
+        "--ratio",
+        "shm",
+        "--json",
+        json.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    // One table per test, a row per size, a column per provider/variant and one ratio each.
+    for t in ["# latency:", "# bw:", "# put_lat:"] {
+        assert!(out.contains(t), "{out}");
+    }
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("size"))
+        .expect("a table header");
+    let cols: Vec<&str> = header.split_whitespace().collect();
+    assert_eq!(
+        cols,
+        [
+            "size",
+            "shm",
+            "shm/mpsc",
+            "tcp-sim",
+            "shm/mpsc/shm",
+            "tcp-sim/shm"
+        ],
+        "{out}"
+    );
+    // The JSON object is the documented one, with a positive measurement in every row.
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for k in ["cpu", "cpus", "date", "kernel", "weft"] {
+        assert!(j["machine"][k].is_string(), "machine.{k}: {j}");
+    }
+    let rows = j["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 3 * 3 * 2, "3 tests x 3 columns x 2 sizes: {j}");
+    for r in rows {
+        let med = r["median"].as_f64().unwrap();
+        let (lo, hi) = (r["min"].as_f64().unwrap(), r["max"].as_f64().unwrap());
+        assert!(med > 0.0 && lo <= med && med <= hi, "{r}");
+        assert_eq!(r["reps"], 2, "{r}");
+        assert_eq!(r["baseline"], false, "{r}");
+        let unit = if r["test"] == "bw" { "MB/s" } else { "us" };
+        assert_eq!(r["unit"], unit, "{r}");
+        let variant = r["provider"] == "shm/mpsc";
+        assert_eq!(r["env"]["WEFT_SHM_QUEUE"].is_string(), variant, "{r}");
+    }
+    let csv = std::fs::read_to_string(&csv).unwrap();
+    assert!(
+        csv.starts_with("test,provider,baseline,size,unit,median,min,max,reps"),
+        "{csv}"
+    );
+    assert_eq!(csv.lines().count(), 1 + rows.len(), "{csv}");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.contains("<svg") && svg.contains("tcp-sim"),
+        "plot has no lines"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -44,6 +44,7 @@ use crate::provider::{
 use crate::rma::{self, Wait, WinState};
 use crate::types::{BasicType, Element, Op, Rank};
 use crate::{Error, ErrorDetail, Result};
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 
@@ -765,30 +766,44 @@ impl<'w, P: Provider> Window<'w, P> {
     /// the last batch of each target in `fold_targets`: returns the targets whose sync was
     /// folded (their sync message must not be sent again).
     fn drain_pending(&self, fold: Option<(u8, &[(u32, u64)])>) -> Result<Vec<u32>> {
+        // Keep the list's capacity across epochs: an epoch should not cost an allocation.
         let mut ops = std::mem::take(&mut *self.pending.borrow_mut());
         if ops.is_empty() && fold.is_none() {
+            *self.pending.borrow_mut() = ops;
             return Ok(vec![]);
         }
-        if self.sched.reorders() {
+        let r = self.drain_ops(&mut ops, fold);
+        ops.clear();
+        let mut p = self.pending.borrow_mut();
+        if p.is_empty() {
+            *p = ops;
+        }
+        r
+    }
+
+    fn drain_ops(
+        &self,
+        ops: &mut Vec<PendingOp>,
+        fold: Option<(u8, &[(u32, u64)])>,
+    ) -> Result<Vec<u32>> {
+        let is_get = |o: &PendingOp| o.kind == OpKind::Get;
+        if self.sched.reorders() && ops.iter().any(is_get) && !ops.iter().all(is_get) {
             // Gets first, interleaved with the rest so both directions carry data; accumulates
-            // keep their relative order.
-            let (gets, rest): (Vec<_>, Vec<_>) =
-                ops.into_iter().partition(|o| o.kind == OpKind::Get);
-            let mut out = Vec::with_capacity(gets.len() + rest.len());
+            // keep their relative order. (Nothing to do unless both kinds are present.)
+            let (gets, rest): (Vec<_>, Vec<_>) = ops.drain(..).partition(is_get);
             let (mut g, mut r) = (gets.into_iter(), rest.into_iter());
             loop {
                 match (g.next(), r.next()) {
                     (None, None) => break,
                     (a, b) => {
-                        out.extend(a);
-                        out.extend(b);
+                        ops.extend(a);
+                        ops.extend(b);
                     }
                 }
             }
-            ops = out;
         }
         if !self.sched.aggregates() {
-            for op in ops {
+            for op in ops.drain(..) {
                 self.issue(op, None)?;
             }
             return Ok(vec![]);
@@ -808,61 +823,71 @@ impl<'w, P: Provider> Window<'w, P> {
             }
         }
         // Aggregation: per target, consecutive small AM operations go into batch records.
-        let n = self.comm.size() as usize;
-        let mut batches: Vec<Vec<u8>> = vec![Vec::new(); n];
-        let mut counts: Vec<u64> = vec![0; n];
+        // One entry per target this epoch touches (not per rank of the communicator).
+        let mut batches: SmallVec<[(u32, Vec<u8>, u64); 4]> = SmallVec::new();
+        fn slot(b: &mut SmallVec<[(u32, Vec<u8>, u64); 4]>, t: u32) -> usize {
+            b.iter().position(|e| e.0 == t).unwrap_or_else(|| {
+                b.push((t, Vec::new(), 0));
+                b.len() - 1
+            })
+        }
         let chunk = self.engine().st.caps.max_am_payload;
-        for op in ops {
-            let t = op.trank as usize;
+        for op in ops.drain(..) {
+            let i = slot(&mut batches, op.trank);
+            let (t, buf, count) = &mut batches[i];
             let small = op.len <= self.agg_max && !self.is_native(op.kind);
             if !small {
-                self.send_batch(op.trank, &mut batches[t], &mut counts[t], 0, 0, 0)?;
+                self.send_batch(*t, buf, count, 0, 0, 0)?;
                 self.issue(op, None)?;
                 continue;
             }
-            let rec = self.record(op)?;
-            if batches[t].len() + rec.len() > chunk {
-                self.send_batch(op.trank, &mut batches[t], &mut counts[t], 0, 0, 0)?;
+            if !buf.is_empty() && buf.len() + Self::record_len(&op) > chunk {
+                self.send_batch(*t, buf, count, 0, 0, 0)?;
             }
-            batches[t].extend_from_slice(&rec);
-            counts[t] += 1;
+            self.record_into(op, buf)?;
+            *count += 1;
         }
         let mut folded = vec![];
         if let Some((flag, targets)) = fold {
             for &(tr, token) in targets {
-                let t = tr as usize;
                 let lock = self.lazy_lock.get().filter(|(lt, _)| *lt == tr);
-                if batches[t].is_empty() && lock.is_none() && flag != rma::B_COMPLETE {
+                let has = batches.iter().any(|e| e.0 == tr && !e.1.is_empty());
+                if !has && lock.is_none() && flag != rma::B_COMPLETE {
                     continue;
                 }
                 let (lflag, lkind) = match lock {
                     Some((_, k)) => (rma::B_LOCK, k),
                     None => (0, 0),
                 };
-                self.send_batch(
-                    tr,
-                    &mut batches[t],
-                    &mut counts[t],
-                    flag | lflag,
-                    lkind,
-                    token,
-                )?;
+                let i = slot(&mut batches, tr);
+                let (t, buf, count) = &mut batches[i];
+                self.send_batch(*t, buf, count, flag | lflag, lkind, token)?;
                 if lock.is_some() {
                     self.lazy_lock.set(None);
                 }
                 folded.push(tr);
             }
         }
-        for t in 0..n {
-            self.send_batch(t as u32, &mut batches[t], &mut counts[t], 0, 0, 0)?;
+        for (t, buf, count) in &mut batches {
+            self.send_batch(*t, buf, count, 0, 0, 0)?;
         }
         Ok(folded)
     }
 
-    /// Encode one operation as a batch record; registers a wait for returned data.
-    fn record(&self, op: PendingOp) -> Result<Vec<u8>> {
+    /// Bytes of `op`'s batch record: kind, offset and length, at most 11 bytes of operation
+    /// fields, then the origin (and compare) data.
+    fn record_len(op: &PendingOp) -> usize {
+        let data = match op.kind {
+            OpKind::Get => 0,
+            _ if !op.compare.is_null() => 2 * op.len,
+            _ => op.len,
+        };
+        13 + 11 + data
+    }
+
+    /// Append one operation's batch record to `r`; registers a wait for returned data.
+    fn record_into(&self, op: PendingOp, r: &mut Vec<u8>) -> Result<()> {
         let target = self.world(op.trank);
-        let mut r = Vec::with_capacity(32 + op.len);
         let (kind, token) = match op.kind {
             OpKind::Put => (rma::R_PUT, None),
             OpKind::Acc(..) => (rma::R_ACC, None),
@@ -925,7 +950,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 }
             }
         }
-        Ok(r)
+        Ok(())
     }
 
     /// Send a batch (if it has records or a sync flag).

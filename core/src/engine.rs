@@ -1542,12 +1542,8 @@ impl State {
             return Some(());
         };
         let RecvPhase::Stream {
-            got,
-            expect,
-            total,
-            src: from,
-            tag,
-        } = &mut r.phase
+            expect, src: from, ..
+        } = &r.phase
         else {
             self.malformed(src, "DATA for a receive that is not streaming");
             return Some(());
@@ -1561,13 +1557,36 @@ impl State {
         } else {
             r.buf.write(off, payload);
         }
-        *got += payload.len();
+        self.data_arrived(rreq, src, payload.len());
+        Some(())
+    }
+
+    /// `k` more bytes of streaming receive `rreq` are in its buffer (copied by `on_data` or
+    /// placed by the provider); finish it when all have arrived.
+    fn data_arrived(&mut self, rreq: u64, src: Rank, k: usize) {
+        let Some(Req {
+            kind: Kind::Recv(r),
+            ..
+        }) = self.reqs.get_mut(rreq)
+        else {
+            return;
+        };
+        let RecvPhase::Stream {
+            got,
+            expect,
+            total,
+            tag,
+            ..
+        } = &mut r.phase
+        else {
+            return;
+        };
+        *got += k;
         if *got >= *expect {
             let st = status(src, *tag, *total);
             let cap = r.buf.cap;
             self.finish(rreq, recv_result(st, cap));
         }
-        Some(())
     }
 
     /// For direct placement of a DATA payload: the streaming receive that bytes `[poff,
@@ -1743,32 +1762,9 @@ impl Sink for State {
     }
 
     fn am_placed(&mut self, src: Rank, header: &[u8], off: usize, k: usize) {
-        let Some((rreq, _)) = self.data_slot(src, header, off, k) else {
-            self.malformed(src, "placed DATA outside a streaming receive");
-            return;
-        };
-        let Some(Req {
-            kind: Kind::Recv(r),
-            ..
-        }) = self.reqs.get_mut(rreq)
-        else {
-            return;
-        };
-        let RecvPhase::Stream {
-            got,
-            expect,
-            total,
-            tag,
-            ..
-        } = &mut r.phase
-        else {
-            return;
-        };
-        *got += k;
-        if *got >= *expect {
-            let st = status(src, *tag, *total);
-            let cap = r.buf.cap;
-            self.finish(rreq, recv_result(st, cap));
+        match self.data_slot(src, header, off, k) {
+            Some((rreq, _)) => self.data_arrived(rreq, src, k),
+            None => self.malformed(src, "placed DATA outside a streaming receive"),
         }
     }
 

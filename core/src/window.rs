@@ -1886,15 +1886,9 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
         self.win.complete_local()
     }
 
-    /// Request-based put (MPI_Rput): issued now; the request completes locally.
-    pub fn rput<T: Element>(
-        &self,
-        origin: &'e [T],
-        target: u32,
-        disp: usize,
-    ) -> Result<RmaRequest<'e, 'w, P>> {
-        let mut op = self.op(OpKind::Put, target, disp, std::mem::size_of_val(origin))?;
-        op.origin = origin.as_ptr() as *const u8;
+    /// Issue a request-based operation now; its request completes with the operation (at
+    /// once for zero bytes).
+    fn request(&self, op: PendingOp) -> Result<RmaRequest<'e, 'w, P>> {
         let token = if op.len == 0 {
             None
         } else {
@@ -1906,6 +1900,18 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
         })
     }
 
+    /// Request-based put (MPI_Rput): issued now; the request completes locally.
+    pub fn rput<T: Element>(
+        &self,
+        origin: &'e [T],
+        target: u32,
+        disp: usize,
+    ) -> Result<RmaRequest<'e, 'w, P>> {
+        let mut op = self.op(OpKind::Put, target, disp, std::mem::size_of_val(origin))?;
+        op.origin = origin.as_ptr() as *const u8;
+        self.request(op)
+    }
+
     /// Request-based get (MPI_Rget): the request completes when the data is in `origin`.
     pub fn rget<T: Element>(
         &self,
@@ -1915,15 +1921,7 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
     ) -> Result<RmaRequest<'e, 'w, P>> {
         let mut op = self.op(OpKind::Get, target, disp, std::mem::size_of_val(origin))?;
         op.result = origin.as_mut_ptr() as *mut u8;
-        let token = if op.len == 0 {
-            None
-        } else {
-            self.win.issue(op, Some(()))?
-        };
-        Ok(RmaRequest {
-            win: self.win,
-            token,
-        })
+        self.request(op)
     }
 
     /// Request-based accumulate (MPI_Raccumulate).
@@ -1942,15 +1940,7 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
             std::mem::size_of_val(origin),
         )?;
         o.origin = origin.as_ptr() as *const u8;
-        let token = if o.len == 0 {
-            None
-        } else {
-            self.win.issue(o, Some(()))?
-        };
-        Ok(RmaRequest {
-            win: self.win,
-            token,
-        })
+        self.request(o)
     }
 
     /// Request-based get-accumulate (MPI_Rget_accumulate).
@@ -1976,15 +1966,7 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
         )?;
         o.origin = origin.as_ptr() as *const u8;
         o.result = result.as_mut_ptr() as *mut u8;
-        let token = if o.len == 0 {
-            None
-        } else {
-            self.win.issue(o, Some(()))?
-        };
-        Ok(RmaRequest {
-            win: self.win,
-            token,
-        })
+        self.request(o)
     }
 
     /// Complete every operation to `target`, remotely (MPI_Win_flush; passive-target epochs).

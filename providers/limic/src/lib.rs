@@ -341,6 +341,27 @@ impl Limic {
         unsafe { cma::copy(self.pids[peer], dir, local, remote, limit) }
     }
 
+    /// The slot status and the caller's result for a finished copy with `peer`.
+    fn copy_outcome(
+        &self,
+        peer: usize,
+        res: std::result::Result<usize, CopyError>,
+        what: &str,
+        ok: Completed,
+    ) -> (u32, Result<Completed>) {
+        match res {
+            Ok(_) => (E_OK, Ok(ok)),
+            Err(e) => {
+                let code = if matches!(e, CopyError::Gone) {
+                    E_PEER
+                } else {
+                    E_FAULT
+                };
+                (code, Err(self.copy_error(peer, e, what)))
+            }
+        }
+    }
+
     fn copy_error(&self, peer: usize, e: CopyError, what: &str) -> Error {
         match e {
             CopyError::Gone => self.peer_err(peer, "process died"),
@@ -398,21 +419,13 @@ impl Limic {
         let cap = rs.len.load(Ordering::Relaxed) as usize;
         let local = Self::read_iov(rs);
         let remote = Self::read_iov(ss);
-        let (err, r) = match self.xfer(sender, Dir::Pull, &local, &remote, len.min(cap)) {
-            Ok(_) => (
-                E_OK,
-                Ok(Completed::Received(TaggedStatus {
-                    source: sender as Rank,
-                    tag: tag as i32,
-                    bytes: len,
-                })),
-            ),
-            Err(CopyError::Gone) => (E_PEER, Err(self.peer_err(sender, "process died"))),
-            Err(e) => (
-                E_FAULT,
-                Err(self.copy_error(sender, e, "pulling a message")),
-            ),
-        };
+        let res = self.xfer(sender, Dir::Pull, &local, &remote, len.min(cap));
+        let status = Completed::Received(TaggedStatus {
+            source: sender as Rank,
+            tag: tag as i32,
+            bytes: len,
+        });
+        let (err, r) = self.copy_outcome(sender, res, "pulling a message", status);
         self.finish_slot(sender, si, me as u32, tag, len as u64, err);
         r
     }
@@ -545,11 +558,7 @@ impl Limic {
                 let remote = Self::read_iov(rs);
                 self.xfer(dest, Dir::Push, iov, &remote, len.min(cap))
             };
-            let (err, r) = match res {
-                Ok(_) => (E_OK, Ok(Completed::Done)),
-                Err(CopyError::Gone) => (E_PEER, Err(self.peer_err(dest, "process died"))),
-                Err(e) => (E_FAULT, Err(self.copy_error(dest, e, "pushing a message"))),
-            };
+            let (err, r) = self.copy_outcome(dest, res, "pushing a message", Completed::Done);
             self.finish_slot(dest, ri, me as u32, tag as i64, len as u64, err);
             self.done.push(token, r);
             return Ok(true);
@@ -632,21 +641,12 @@ impl Limic {
                 let remote = Self::read_iov(ss);
                 self.xfer(sender, Dir::Pull, iov, &remote, len.min(cap))
             };
-            let (err, r) = match res {
-                Ok(_) => (
-                    E_OK,
-                    Ok(Completed::Received(TaggedStatus {
-                        source: sender as Rank,
-                        tag: stag as i32,
-                        bytes: len,
-                    })),
-                ),
-                Err(CopyError::Gone) => (E_PEER, Err(self.peer_err(sender, "process died"))),
-                Err(e) => (
-                    E_FAULT,
-                    Err(self.copy_error(sender, e, "pulling a message")),
-                ),
-            };
+            let status = Completed::Received(TaggedStatus {
+                source: sender as Rank,
+                tag: stag as i32,
+                bytes: len,
+            });
+            let (err, r) = self.copy_outcome(sender, res, "pulling a message", status);
             self.finish_slot(sender, si, me as u32, stag, len as u64, err);
             self.done.push(token, r);
             return Ok(true);

@@ -1,11 +1,12 @@
 //! Failure probe for tests: a rank dies while a large message to a peer is in flight.
 //!
-//! Run with two ranks under `weft run --keep-going -n 2`. Rank 0 tells rank 1 to go, posts a
-//! large send (`FAULT_SIZE` bytes, default 256 MiB) and, `FAULT_SPIN_MS` (default 20) later,
-//! is killed with SIGKILL from a thread of its own. Rank 1 receives it and reports what it saw —
-//! the whole, correct message (the copy finished before the sender vanished) or "peer failed"
-//! — then checks that a further receive from rank 0 fails with "peer failed" too. Rank 1 exits 0
-//! when both answers are acceptable and 1 otherwise; it never hangs (set `WEFT_TIMEOUT`).
+//! Run with two ranks under `weft run --keep-going -n 2`. Rank 0 tells rank 1 to go, waits for
+//! its answer, posts a large send (`FAULT_SIZE` bytes, default 256 MiB) and, `FAULT_SPIN_MS`
+//! (default 20) later, is killed with SIGKILL from a thread of its own. Rank 1 receives it and
+//! reports what it saw — the whole, correct message (the copy finished before the sender
+//! vanished) or "peer failed" — then checks that a further receive from rank 0 fails with "peer
+//! failed" too. Rank 1 exits 0 when both answers are acceptable and 1 otherwise; it never hangs
+//! (set `WEFT_TIMEOUT`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -53,7 +54,11 @@ fn main() -> ExitCode {
     }
     let data = pattern(size);
     if world.rank() == 0 {
+        // A round trip first, so that the ranks are connected both ways before the kill: a
+        // provider that connects lazily (tcp-sim) cannot tell who died on a connection that
+        // never got as far as saying who it was from.
         let _ = world.send(&[1u8], 1, 1);
+        let _ = world.recv(&mut [0u8], 1, 4);
         // The kill comes from another thread, so it lands wherever the send is, even inside
         // one long progress call.
         std::thread::spawn(move || {
@@ -74,7 +79,10 @@ fn main() -> ExitCode {
         }
     }
     let mut go = [0u8];
-    let first = world.recv(&mut go, 0, 1).map(|_| ());
+    let first = world
+        .recv(&mut go, 0, 1)
+        .and_then(|_| world.send(&[1u8], 0, 4))
+        .map(|_| ());
     let mut buf = vec![0u8; size];
     let big = first.and_then(|_| {
         let st = world.recv(&mut buf, 0, 2)?;

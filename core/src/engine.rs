@@ -524,7 +524,15 @@ pub(crate) struct State {
     /// Finalize passed its barrier: peers going away now is expected.
     pub(crate) closing: bool,
     scratch: Vec<u8>,
+    /// Small payload buffers kept for reuse: of sent `Out::Owned` messages (RMA replies,
+    /// batches) and of unexpected eager messages once received, which would otherwise cost an
+    /// allocation each.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Owned payload buffers kept for reuse, and the largest capacity kept.
+const SPARE_BUFS: usize = 32;
+const SPARE_MAX: usize = 32 << 10;
 
 /// The engine: a provider plus the core state.
 pub(crate) struct Engine<P: Provider> {
@@ -594,6 +602,7 @@ impl<P: Provider> Engine<P> {
             rma: Default::default(),
             closing: false,
             scratch: Vec::new(),
+            spare: Vec::new(),
         };
         Ok(Engine { p, st, cfg })
     }
@@ -665,6 +674,12 @@ impl<P: Provider> Engine<P> {
                     .mr_register(buf.base as *mut u8, buf.len, Access::READ)
             } {
                 Ok(m) => mr = Some(Box::new(m)),
+                // Providers whose RMA reaches only memory they placed (shm windows) cannot
+                // register user buffers: stop asking (each refusal costs an error value).
+                Err(e) if e.kind() == ErrorKind::Unsupported => {
+                    tracing::debug!("rendezvous streams from now on: {e}");
+                    self.st.rma_read = false;
+                }
                 Err(e) => tracing::debug!("registration failed, streaming instead: {e}"),
             }
         }
@@ -777,16 +792,15 @@ impl<P: Provider> Engine<P> {
                 Unexp::Eager { data, sreq } => {
                     let n = data.len().min(buf.cap);
                     buf.write(0, &data[..n]);
+                    let st = status(msrc, mtag, data.len());
+                    self.st.recycle(data);
                     if let Some(s) = sreq {
                         let mut h = Hdr::new(H_SACK);
                         h.u64(s);
                         self.st.push_out(msrc, Out::Ctrl(h));
                         self.flush_out()?;
                     }
-                    return Ok(Posted::Done(recv_result(
-                        status(msrc, mtag, data.len()),
-                        buf.cap,
-                    )));
+                    return Ok(Posted::Done(recv_result(st, buf.cap)));
                 }
                 Unexp::Rts {
                     total,
@@ -991,7 +1005,9 @@ impl<P: Provider> Engine<P> {
                     blocked = true;
                     break;
                 }
-                self.st.outq[dest as usize].pop_front();
+                if let Some(Out::Owned(_, data)) = self.st.outq[dest as usize].pop_front() {
+                    self.st.recycle(data);
+                }
                 sent += 1;
             }
             if blocked {
@@ -1338,6 +1354,18 @@ impl State {
         self.push_out(dest, Out::Ctrl(h));
     }
 
+    /// An empty buffer for an owned payload, reusing one of a message already sent.
+    pub(crate) fn spare_buf(&mut self) -> Vec<u8> {
+        self.spare.pop().unwrap_or_default()
+    }
+
+    fn recycle(&mut self, mut data: Vec<u8>) {
+        if self.spare.len() < SPARE_BUFS && data.capacity() <= SPARE_MAX && data.capacity() > 0 {
+            data.clear();
+            self.spare.push(data);
+        }
+    }
+
     pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, data: Vec<u8>) {
         self.push_out(dest, Out::Owned(h, data));
     }
@@ -1452,15 +1480,10 @@ impl State {
                 self.push_out(src, Out::Ctrl(h));
             }
         } else {
-            self.matcher.add_unexpected(
-                ctx,
-                src,
-                tag,
-                Unexp::Eager {
-                    data: payload.to_vec(),
-                    sreq,
-                },
-            );
+            let mut data = self.spare_buf();
+            data.extend_from_slice(payload);
+            self.matcher
+                .add_unexpected(ctx, src, tag, Unexp::Eager { data, sreq });
         }
         Some(())
     }

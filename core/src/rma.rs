@@ -421,7 +421,8 @@ fn get(st: &mut State, src: Rank, win: u32, off: u64, len: usize, token: u64) ->
     loop {
         let n = (len - at).min(chunk);
         // SAFETY: within the checked range of window memory.
-        let data = unsafe { std::slice::from_raw_parts(p.add(at), n) }.to_vec();
+        let mut data = st.spare_buf();
+        data.extend_from_slice(unsafe { std::slice::from_raw_parts(p.add(at), n) });
         let mut h = Hdr::new(H_GET_REPLY);
         h.u64(token).u64(at as u64);
         st.push_owned(src, h, data);
@@ -488,13 +489,14 @@ fn rmw(
     } else {
         payload.len()
     };
+    let mut old = st.spare_buf();
     let w = win_mut(st, src, win)?;
     let Some(p) = w.range(off, n) else {
         return bad(src, "RMW outside the window");
     };
     // SAFETY: as in `acc`.
     let target = unsafe { std::slice::from_raw_parts_mut(p, n) };
-    let old = target.to_vec();
+    old.extend_from_slice(target);
     if has_compare {
         if op != Op::Cswap || n != ty.size() {
             return bad(src, "compare-and-swap of more than one element");

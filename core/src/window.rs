@@ -48,6 +48,9 @@ use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 
+/// A few communicator ranks (the targets of one synchronisation), without an allocation.
+type Targets = SmallVec<[u32; 4]>;
+
 crate::param!(RMA_SCHED: Enum(&["off", "reorder", "aggregate", "full"]) = "", "RMA_SCHED", "off",
     "epoch scheduling of RMA operations: off (program order), reorder (gets interleaved ahead of puts), aggregate (pack small operations, fold the sync), full (both)");
 crate::param!(RMA_AGG_MAX: Size = "", "RMA_AGG_MAX", "1K",
@@ -194,6 +197,8 @@ pub struct Window<'w, P: Provider> {
     mr: Option<MemRegion>,
     owned: Option<Owned>,
     pending: RefCell<Vec<PendingOp>>,
+    /// Gets and the rest while reordering (kept to reuse their capacity).
+    reorder_scratch: RefCell<(Vec<PendingOp>, Vec<PendingOp>)>,
     access: Cell<Access_>,
     /// Targets of the current start epoch, or the locked target(s).
     targets: RefCell<Vec<u32>>,
@@ -417,6 +422,7 @@ impl<'w, P: Provider> Window<'w, P> {
             mr: if owned.is_some() { None } else { mr },
             owned,
             pending: RefCell::new(Vec::new()),
+            reorder_scratch: RefCell::new((Vec::new(), Vec::new())),
             access: Cell::new(Access_::None),
             targets: RefCell::new(Vec::new()),
             exposed: RefCell::new(Vec::new()),
@@ -765,12 +771,12 @@ impl<'w, P: Provider> Window<'w, P> {
     /// active-message operations per target into batches. `fold` names a sync to fold into
     /// the last batch of each target in `fold_targets`: returns the targets whose sync was
     /// folded (their sync message must not be sent again).
-    fn drain_pending(&self, fold: Option<(u8, &[(u32, u64)])>) -> Result<Vec<u32>> {
+    fn drain_pending(&self, fold: Option<(u8, &[(u32, u64)])>) -> Result<Targets> {
         // Keep the list's capacity across epochs: an epoch should not cost an allocation.
         let mut ops = std::mem::take(&mut *self.pending.borrow_mut());
         if ops.is_empty() && fold.is_none() {
             *self.pending.borrow_mut() = ops;
-            return Ok(vec![]);
+            return Ok(Targets::new());
         }
         let r = self.drain_ops(&mut ops, fold);
         ops.clear();
@@ -785,13 +791,21 @@ impl<'w, P: Provider> Window<'w, P> {
         &self,
         ops: &mut Vec<PendingOp>,
         fold: Option<(u8, &[(u32, u64)])>,
-    ) -> Result<Vec<u32>> {
+    ) -> Result<Targets> {
         let is_get = |o: &PendingOp| o.kind == OpKind::Get;
         if self.sched.reorders() && ops.iter().any(is_get) && !ops.iter().all(is_get) {
             // Gets first, interleaved with the rest so both directions carry data; accumulates
             // keep their relative order. (Nothing to do unless both kinds are present.)
-            let (gets, rest): (Vec<_>, Vec<_>) = ops.drain(..).partition(is_get);
-            let (mut g, mut r) = (gets.into_iter(), rest.into_iter());
+            let mut scratch = self.reorder_scratch.borrow_mut();
+            let (gets, rest) = &mut *scratch;
+            for op in ops.drain(..) {
+                if is_get(&op) {
+                    gets.push(op);
+                } else {
+                    rest.push(op);
+                }
+            }
+            let (mut g, mut r) = (gets.drain(..), rest.drain(..));
             loop {
                 match (g.next(), r.next()) {
                     (None, None) => break,
@@ -806,7 +820,7 @@ impl<'w, P: Provider> Window<'w, P> {
             for op in ops.drain(..) {
                 self.issue(op, None)?;
             }
-            return Ok(vec![]);
+            return Ok(Targets::new());
         }
         // A lazy lock may only ride on a batch that carries every operation to its target;
         // otherwise take the lock explicitly before issuing anything.
@@ -844,10 +858,13 @@ impl<'w, P: Provider> Window<'w, P> {
             if !buf.is_empty() && buf.len() + Self::record_len(&op) > chunk {
                 self.send_batch(*t, buf, count, 0, 0, 0)?;
             }
+            if buf.capacity() == 0 {
+                *buf = self.engine().st.spare_buf();
+            }
             self.record_into(op, buf)?;
             *count += 1;
         }
-        let mut folded = vec![];
+        let mut folded = Targets::new();
         if let Some((flag, targets)) = fold {
             for &(tr, token) in targets {
                 let lock = self.lazy_lock.get().filter(|(lt, _)| *lt == tr);
@@ -984,7 +1001,7 @@ impl<'w, P: Provider> Window<'w, P> {
     /// Wait for every operation issued so far to complete at the origin (replies arrived,
     /// native operations done, the outbox drained), returning the first error.
     fn complete_local(&self) -> Result<()> {
-        let toks = std::mem::take(&mut *self.tokens.borrow_mut());
+        let mut toks = std::mem::take(&mut *self.tokens.borrow_mut());
         let id = self.id;
         let mut eng = self.engine();
         let mut cntr_err = None;
@@ -999,10 +1016,15 @@ impl<'w, P: Provider> Window<'w, P> {
                 && self.cntr_caught_up(e, &mut cntr_err)
         })?;
         let mut first = cntr_err;
-        for t in toks {
+        for t in toks.drain(..) {
             if let Err(err) = eng.st.rma.take(t) {
                 first.get_or_insert(err);
             }
+        }
+        // Keep the list's capacity for the next epoch.
+        let mut tokens = self.tokens.borrow_mut();
+        if tokens.is_empty() {
+            *tokens = toks;
         }
         first.map_or(Ok(()), Err)
     }
@@ -1167,24 +1189,22 @@ impl<'w, P: Provider> Window<'w, P> {
         // Everybody learns how many active-message operations each origin sent it, then waits
         // until it has applied them (per origin, cumulative counts).
         let n = self.comm.size() as usize;
-        let sent: Vec<u64> = {
+        let sent: SmallVec<[u64; 8]> = {
             let eng = self.engine();
             let w = eng.st.rma.wins.get(&self.id).expect("window registered");
             (0..n as u32)
                 .map(|r| w.sent.get(&self.world(r)).copied().unwrap_or(0))
                 .collect()
         };
-        let mut incoming = vec![0u64; n];
+        let mut incoming: SmallVec<[u64; 8]> = smallvec::smallvec![0u64; n];
         self.comm.alltoall(&sent, &mut incoming)?;
         let id = self.id;
-        let members: Vec<Rank> = (0..n as u32).map(|r| self.world(r)).collect();
         let mut eng = self.engine();
         // `applied` counts per window, not per origin; compare against the total.
         let total: u64 = incoming.iter().sum();
         eng.wait_until("fence: operations from other ranks", |e| {
             e.st.rma.wins.get(&id).is_some_and(|w| w.applied >= total)
         })?;
-        let _ = members;
         drop(eng);
         // Nobody starts the next epoch before everybody has applied this one.
         self.comm.barrier()
@@ -1206,17 +1226,21 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         eng.flush_out()?;
         drop(eng);
-        *self.exposed.borrow_mut() = origins.to_vec();
+        let mut e = self.exposed.borrow_mut();
+        e.clear();
+        e.extend_from_slice(origins);
         Ok(())
     }
 
     /// End the exposure epoch once every origin of the post has completed: MPI_Win_wait.
     pub fn wait(&self) -> Result<()> {
-        let origins = std::mem::take(&mut *self.exposed.borrow_mut());
-        let worlds: Vec<Rank> = origins
-            .iter()
-            .map(|o| self.comm.world_rank(*o))
-            .collect::<Result<_>>()?;
+        let worlds: SmallVec<[Rank; 4]> = {
+            let mut e = self.exposed.borrow_mut();
+            let w: Result<SmallVec<[Rank; 4]>> =
+                e.iter().map(|o| self.comm.world_rank(*o)).collect();
+            e.clear();
+            w?
+        };
         let id = self.id;
         let mut eng = self.engine();
         eng.wait_until("PSCW: complete from every origin", |e| {
@@ -1261,7 +1285,7 @@ impl<'w, P: Provider> Window<'w, P> {
     }
 
     fn start(&self, targets: &[u32]) -> Result<()> {
-        let worlds: Vec<Rank> = targets
+        let worlds: SmallVec<[Rank; 4]> = targets
             .iter()
             .map(|t| self.comm.world_rank(*t))
             .collect::<Result<_>>()?;
@@ -1282,17 +1306,19 @@ impl<'w, P: Provider> Window<'w, P> {
             }
         }
         drop(eng);
-        *self.targets.borrow_mut() = targets.to_vec();
+        let mut t = self.targets.borrow_mut();
+        t.clear();
+        t.extend_from_slice(targets);
         Ok(())
     }
 
     fn complete(&self, targets: &[u32]) -> Result<()> {
-        let fold: Vec<(u32, u64)> = targets.iter().map(|t| (*t, 0)).collect();
+        let fold: SmallVec<[(u32, u64); 4]> = targets.iter().map(|t| (*t, 0)).collect();
         let folded = if self.sched.aggregates() {
             self.drain_pending(Some((rma::B_COMPLETE, &fold)))?
         } else {
             self.drain_pending(None)?;
-            vec![]
+            Targets::new()
         };
         // Gets and native operations must be complete before we say so.
         self.complete_local()?;
@@ -1421,9 +1447,9 @@ impl<'w, P: Provider> Window<'w, P> {
             self.targets.borrow_mut().clear();
             return first.map_or(Ok(()), Err);
         }
-        let mut tokens: Vec<(u32, u64)> = Vec::new();
+        let mut tokens: SmallVec<[(u32, u64); 4]> = SmallVec::new();
         let folded = if self.sched.aggregates() {
-            let fold: Vec<(u32, u64)> = targets
+            let fold: SmallVec<[(u32, u64); 4]> = targets
                 .iter()
                 .map(|t| (*t, self.new_reply_token(*t)))
                 .collect();
@@ -1438,7 +1464,7 @@ impl<'w, P: Provider> Window<'w, P> {
             f
         } else {
             self.drain_pending(None)?;
-            vec![]
+            Targets::new()
         };
         let r = self.complete_local();
         let mut first = r.err();

@@ -322,11 +322,17 @@ pub struct TcpSim {
     sim: Option<Sim>,
     selfq: VecDeque<(Vec<u8>, Vec<u8>)>,
     failures: Vec<(Rank, String)>,
+    /// Buffers of frames already written, kept for the next queued frame (a fresh frame-sized
+    /// allocation per partial write would cost a page fault per page).
+    spare: Vec<Vec<u8>>,
     limits: Limits,
     /// Established connections polled with direct reads (when there are few of them).
     direct: Vec<usize>,
     polls: u32,
 }
+
+/// Written frame buffers kept for reuse.
+const SPARE_FRAMES: usize = 8;
 
 /// Up to this many established connections are polled with direct reads instead of epoll.
 const DIRECT_MAX: usize = 8;
@@ -399,6 +405,7 @@ impl TcpSim {
             sim,
             selfq: VecDeque::new(),
             failures: Vec::new(),
+            spare: Vec::new(),
             limits,
             direct: Vec::new(),
             polls: 0,
@@ -812,7 +819,11 @@ impl TcpSim {
                             f.off += n;
                             if f.off == f.data.len() {
                                 p.out_bytes -= f.data.len();
-                                p.outq.pop_front();
+                                if let Some(f) = p.outq.pop_front() {
+                                    if self.spare.len() < SPARE_FRAMES {
+                                        self.spare.push(f.data);
+                                    }
+                                }
                                 done += 1;
                             }
                         }
@@ -896,7 +907,7 @@ impl Provider for TcpSim {
             (state, self.peers[dest as usize].outq.is_empty(), &self.sim)
         {
             // Straight from the caller's buffers: one writev.
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(payload.len() + 2);
+            let mut iov: smallvec::SmallVec<[IoSlice<'_>; 8]> = smallvec::SmallVec::new();
             iov.push(IoSlice::new(&fh));
             iov.push(IoSlice::new(header));
             iov.extend(payload.iter().map(|s| IoSlice::new(s)));
@@ -919,7 +930,9 @@ impl Provider for TcpSim {
             return Ok(SendOutcome::Busy);
         }
         // Queue (the rest of) the frame.
-        let mut data = Vec::with_capacity(flen);
+        let mut data = self.spare.pop().unwrap_or_default();
+        data.clear();
+        data.reserve(flen);
         data.extend_from_slice(&fh);
         data.extend_from_slice(header);
         for s in payload {

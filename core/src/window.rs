@@ -30,7 +30,9 @@
 //! native, otherwise the active-message path for all of them.
 //!
 //! Epoch scheduling (`WEFT_RMA_SCHED`, or [`WinInfo::sched`]): `off` issues in program order;
-//! `reorder` defers to the synchronisation and issues gets interleaved ahead of puts;
+//! `reorder` holds puts and accumulates, sends each get at once ahead of them together with the
+//! oldest held one (so the two directions interleave while the program goes on), and issues
+//! what is still held at the synchronisation;
 //! `aggregate` defers and packs operations up to `WEFT_RMA_AGG_MAX` bytes per target into one
 //! active message, with the synchronisation (complete, unlock, flush, even the lock itself)
 //! folded into the last one; `full` does both.
@@ -197,6 +199,8 @@ pub struct Window<'w, P: Provider> {
     mr: Option<MemRegion>,
     owned: Option<Owned>,
     pending: RefCell<Vec<PendingOp>>,
+    /// How many operations at the front of `pending` a get has already issued (reorder).
+    released: Cell<usize>,
     /// Gets and the rest while reordering (kept to reuse their capacity).
     reorder_scratch: RefCell<(Vec<PendingOp>, Vec<PendingOp>)>,
     access: Cell<Access_>,
@@ -422,6 +426,7 @@ impl<'w, P: Provider> Window<'w, P> {
             mr: if owned.is_some() { None } else { mr },
             owned,
             pending: RefCell::new(Vec::new()),
+            released: Cell::new(0),
             reorder_scratch: RefCell::new((Vec::new(), Vec::new())),
             access: Cell::new(Access_::None),
             targets: RefCell::new(Vec::new()),
@@ -528,6 +533,20 @@ impl<'w, P: Provider> Window<'w, P> {
     fn submit(&self, op: PendingOp, deferrable: bool) -> Result<()> {
         self.epoch_ops.set(self.epoch_ops.get() + 1);
         if self.sched.defers() && deferrable {
+            if self.sched == Sched::Reorder && op.kind == OpKind::Get {
+                // Reordering as the program goes: a get leaves at once, ahead of the puts held
+                // so far, and takes the oldest of them along, so that the two directions
+                // interleave while the target is busy anyway (rather than idling until the
+                // synchronisation). Held operations that no get releases leave at the sync.
+                self.issue(op, None)?;
+                let i = self.released.get();
+                let held = self.pending.borrow().get(i).copied();
+                if let Some(h) = held {
+                    self.released.set(i + 1);
+                    self.issue(h, None)?;
+                }
+                return Ok(());
+            }
             self.pending.borrow_mut().push(op);
             Ok(())
         } else {
@@ -774,6 +793,9 @@ impl<'w, P: Provider> Window<'w, P> {
     fn drain_pending(&self, fold: Option<(u8, &[(u32, u64)])>) -> Result<Targets> {
         // Keep the list's capacity across epochs: an epoch should not cost an allocation.
         let mut ops = std::mem::take(&mut *self.pending.borrow_mut());
+        // Operations a get already released (reorder) are issued: drop them from the list.
+        let released = self.released.replace(0).min(ops.len());
+        ops.drain(..released);
         if ops.is_empty() && fold.is_none() {
             *self.pending.borrow_mut() = ops;
             return Ok(Targets::new());
@@ -1553,6 +1575,8 @@ struct Unwind<'a, 'w, P: Provider> {
 impl<P: Provider> Drop for Unwind<'_, '_, P> {
     fn drop(&mut self) {
         self.win.pending.borrow_mut().truncate(self.keep);
+        let r = &self.win.released;
+        r.set(r.get().min(self.keep));
         if let Err(e) = self.win.complete_local() {
             tracing::warn!("completing RMA operations while unwinding: {e}");
         }

@@ -755,15 +755,41 @@ impl TcpSim {
     }
 
     fn closed(&mut self, slot: usize, why: String) {
-        let peer = self.conns[slot].as_ref().and_then(|c| c.peer);
-        match peer {
-            Some(r)
+        let conn = self.conns[slot].as_ref().map(|c| (c.peer, &c.role));
+        match conn {
+            Some((Some(r), _))
                 if matches!(self.peers[r as usize].state,
                     State::Established(s) | State::Connecting(s) if s == slot) =>
             {
                 self.fail_peer(r, why)
             }
+            Some((None, Role::Incoming)) => {
+                // A peer connected and went away before saying who it is: it may have died
+                // while connecting. Connect to every peer we have no connection with; a dead
+                // one refuses (its listener is gone) and fails, a live one gets its lazy
+                // connection a little early.
+                self.drop_conn(slot);
+                self.probe_unconnected();
+            }
             _ => self.drop_conn(slot),
+        }
+    }
+
+    /// Connect to every peer with no connection and none under way (see `closed`).
+    fn probe_unconnected(&mut self) {
+        for r in 0..self.size {
+            if r == self.rank {
+                continue;
+            }
+            if matches!(
+                self.peers[r as usize].state,
+                State::Idle | State::WaitIncoming
+            ) {
+                tracing::debug!(peer = r, "tcp-sim: probing after an anonymous disconnect");
+                if let Err(e) = self.connect(r) {
+                    tracing::warn!("tcp-sim: probing rank {r}: {e}");
+                }
+            }
         }
     }
 
@@ -1068,3 +1094,108 @@ weft::register_provider!(
     priority = 10,
     summary = "TCP between ranks on any hosts, with a simulated-network mode"
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft::bootstrap::InProcessJob;
+    use weft::provider::{Completed, Token};
+
+    #[derive(Default)]
+    struct Failures(Vec<(Rank, String)>);
+
+    impl Sink for Failures {
+        fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
+        fn complete(&mut self, _: Token, _: Result<Completed>) {}
+        fn peer_failed(&mut self, r: Rank, why: &str) {
+            self.0.push((r, why.to_string()));
+        }
+    }
+
+    fn config() -> Config {
+        Config {
+            bind: "127.0.0.1".into(),
+            chunk: 64 << 10,
+            eager: 16 << 10,
+            direct: true,
+            queue: 1 << 20,
+            delay: Duration::ZERO,
+            jitter: Duration::ZERO,
+            rate: None,
+        }
+    }
+
+    /// Two ranks of one job, opened concurrently (opening exchanges addresses).
+    fn pair() -> (TcpSim, TcpSim) {
+        let job = InProcessJob::new(2, Duration::from_secs(30));
+        let (a, b) = std::thread::scope(|s| {
+            let open = |r| {
+                let job = job.clone();
+                s.spawn(move || TcpSim::open_with(&mut job.rank(r), config()).unwrap())
+            };
+            let (a, b) = (open(0), open(1));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        (a, b)
+    }
+
+    /// A peer that dies after connecting but before its HELLO leaves an anonymous EOF; the
+    /// survivor must still learn which rank failed (by probing), not wait for it forever.
+    #[test]
+    fn death_before_hello_is_detected() {
+        let (zero, mut one) = pair();
+        let addr_one = zero.addrs[1];
+        drop(zero); // rank 0's listener is gone: it "died"...
+        let half = std::net::TcpStream::connect(addr_one).unwrap();
+        drop(half); // ...right after connecting, before saying who it was.
+        let mut sink = Failures::default();
+        let t0 = Instant::now();
+        while sink.0.is_empty() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "rank 1 did not detect rank 0's death"
+            );
+            one.progress(&mut sink).unwrap();
+            std::thread::yield_now();
+        }
+        assert_eq!(sink.0[0].0, 0, "{:?}", sink.0);
+        assert!(sink.0[0].1.contains("cannot connect"), "{:?}", sink.0);
+    }
+
+    /// The probe is harmless among live ranks: the anonymous EOF leads to an ordinary
+    /// connection, and messages then flow both ways.
+    #[test]
+    fn probe_among_live_ranks_connects() {
+        let (mut zero, mut one) = pair();
+        drop(std::net::TcpStream::connect(zero.addrs[1]).unwrap());
+        let mut sink = Failures::default();
+        let t0 = Instant::now();
+        while !matches!(one.peers[0].state, State::Established(_)) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no connection");
+            one.progress(&mut sink).unwrap();
+            zero.progress(&mut sink).unwrap();
+        }
+        assert!(sink.0.is_empty(), "{:?}", sink.0);
+        #[derive(Default)]
+        struct Count(usize);
+        impl Sink for Count {
+            fn am(&mut self, _: Rank, _: &[u8], p: &[u8]) {
+                assert_eq!(p, b"hi");
+                self.0 += 1;
+            }
+            fn complete(&mut self, _: Token, _: Result<Completed>) {}
+            fn peer_failed(&mut self, r: Rank, why: &str) {
+                panic!("rank {r} failed: {why}");
+            }
+        }
+        let (mut c0, mut c1) = (Count::default(), Count::default());
+        zero.am_send(1, b"h", &[IoSlice::new(b"hi")]).unwrap();
+        one.am_send(0, b"h", &[IoSlice::new(b"hi")]).unwrap();
+        let t0 = Instant::now();
+        while c0.0 + c1.0 < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "messages lost");
+            zero.progress(&mut c0).unwrap();
+            one.progress(&mut c1).unwrap();
+        }
+    }
+}

@@ -119,6 +119,8 @@ enum Cmd {
         warmup: usize,
         #[arg(long)]
         window: usize,
+        #[arg(long)]
+        one_buffer: bool,
     },
 }
 
@@ -143,6 +145,11 @@ struct BenchArgs {
     /// Messages in flight for bw, bibw and mr.
     #[arg(long, default_value_t = 64)]
     window: usize,
+    /// Latency: each rank sends from the buffer it receives into, as NetPIPE does (the ompi,
+    /// mpich and nptcp baselines); default: separate send and receive buffers, as OSU and
+    /// ucx_perftest do.
+    #[arg(long)]
+    one_buffer: bool,
     /// Ranks per job.
     #[arg(short = 'n', long = "np", default_value_t = 2)]
     n: u32,
@@ -340,6 +347,7 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
         iters: a.iters,
         warmup: a.warmup,
         window: a.window,
+        one_buffer: a.one_buffer,
         n: a.n,
         reps: a.reps,
         env: a.env.clone(),
@@ -433,6 +441,7 @@ fn main() -> ExitCode {
             iters,
             warmup,
             window,
+            one_buffer,
         } => {
             let args = bench::tests::Test::parse(&test).and_then(|t| {
                 Ok(bench::rank::RankArgs {
@@ -441,6 +450,7 @@ fn main() -> ExitCode {
                     iters,
                     warmup,
                     window,
+                    one_buffer,
                 })
             });
             match args

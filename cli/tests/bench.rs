@@ -131,3 +131,31 @@ fn a_short_sweep_writes_json_csv_and_plot() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--one-buffer` (NetPIPE's ping-pong convention) reaches the ranks and labels the table.
+#[test]
+fn one_buffer_ping_pong_runs_and_says_so() {
+    let o = bench(&[
+        "latency",
+        "--one-buffer",
+        "--providers",
+        "shm",
+        "--sizes",
+        "8,64K",
+        "--reps",
+        "1",
+        "--iters",
+        "50",
+        "--warmup",
+        "5",
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("2 ranks, one buffer per rank"), "{out}");
+    let rows: Vec<f64> = out
+        .lines()
+        .filter(|l| l.starts_with("8 ") || l.starts_with("64K"))
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert!(rows.len() == 2 && rows.iter().all(|v| *v > 0.0), "{out}");
+}

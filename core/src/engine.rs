@@ -179,17 +179,66 @@ impl SendBuf {
     }
 }
 
-/// Messages at least this long are copied into receive buffers with non-temporal stores.
-fn nt_copy_min() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| match NT_COPY_MIN.get_size() {
-        Ok(0) | Err(_) => usize::MAX,
-        Ok(n) => n,
-    })
+crate::param!(NT_COPY_MIN: Str = "", "NT_COPY_MIN", "auto",
+    "messages at least this long are copied into receive buffers with non-temporal stores: a size, 0 (never) or auto (3/4 of one core's share of the last-level cache, glibc's rule)");
+
+/// `WEFT_NT_COPY_MIN` in bytes (`usize::MAX`: never).
+fn nt_copy_min_from_env() -> Result<usize> {
+    let raw = NT_COPY_MIN.raw();
+    let v = raw.trim();
+    if v.eq_ignore_ascii_case("auto") {
+        return Ok(nt_copy_auto());
+    }
+    match crate::param::parse_size(v) {
+        Some(0) => Ok(usize::MAX),
+        Some(n) => Ok(n),
+        None => Err(Error::from(ErrorDetail::Param {
+            var: NT_COPY_MIN.env_name(),
+            value: raw,
+            expected: "auto, 0 or a size such as 16M".into(),
+        })),
+    }
 }
 
-crate::param!(NT_COPY_MIN: Size = "", "NT_COPY_MIN", "16M",
-    "messages at least this long are copied into receive buffers with non-temporal stores (0: never)");
+/// Streaming stores pay once the destination cannot stay in the cache anyway: from 3/4 of the
+/// last-level cache divided among the CPUs that share it (what glibc's memcpy uses for its own
+/// non-temporal threshold). Unknown cache: 16 MiB.
+fn nt_copy_auto() -> usize {
+    let dir = "/sys/devices/system/cpu/cpu0/cache";
+    let mut best: Option<(u32, usize, usize)> = None; // (level, bytes, sharing CPUs)
+    for i in 0..8 {
+        let read = |f: &str| std::fs::read_to_string(format!("{dir}/index{i}/{f}")).ok();
+        let (Some(level), Some(size)) = (read("level"), read("size")) else {
+            continue;
+        };
+        let level: u32 = level.trim().parse().unwrap_or(0);
+        let Some(bytes) = crate::param::parse_size(size.trim()) else {
+            continue;
+        };
+        let sharing = read("shared_cpu_list").map_or(1, |l| cpu_list_len(l.trim()));
+        if best.is_none_or(|(l, ..)| level > l) {
+            best = Some((level, bytes, sharing.max(1)));
+        }
+    }
+    match best {
+        Some((_, bytes, sharing)) if bytes > 0 => (bytes / sharing) * 3 / 4,
+        _ => 16 << 20,
+    }
+}
+
+/// Number of CPUs in a sysfs CPU list such as `0-3,8,10-11`.
+fn cpu_list_len(list: &str) -> usize {
+    list.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| match p.split_once('-') {
+            Some((a, b)) => match (a.parse::<usize>(), b.parse::<usize>()) {
+                (Ok(a), Ok(b)) if b >= a => b - a + 1,
+                _ => 1,
+            },
+            None => 1,
+        })
+        .sum()
+}
 
 /// Copy `src` to `dst` with non-temporal stores where the platform has them.
 ///
@@ -460,6 +509,9 @@ pub(crate) enum Posted {
 pub struct EngineConfig {
     /// Messages up to this size go eagerly (capped by the provider's payload limit).
     pub eager_limit: Option<usize>,
+    /// DATA for receives at least this long is copied with non-temporal stores
+    /// (`usize::MAX`: never).
+    pub nt_copy_min: usize,
     /// Bound on every blocking wait; `None` waits forever.
     pub timeout: Option<Duration>,
     /// Empty progress rounds before a waiter starts yielding the CPU.
@@ -470,6 +522,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             eager_limit: None,
+            nt_copy_min: nt_copy_auto(),
             timeout: None,
             spin: 1000,
         }
@@ -484,7 +537,7 @@ crate::param!(POLL_SPIN: Uint = "", "POLL_SPIN", "1000",
     "idle progress rounds before a waiting rank starts yielding its core");
 
 impl EngineConfig {
-    /// Read `WEFT_EAGER_LIMIT`, `WEFT_TIMEOUT` and `WEFT_POLL_SPIN`.
+    /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT` and `WEFT_POLL_SPIN`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
         let t = TIMEOUT.get_f64()?;
@@ -497,6 +550,7 @@ impl EngineConfig {
         }
         Ok(EngineConfig {
             eager_limit: (e > 0).then_some(e),
+            nt_copy_min: nt_copy_min_from_env()?,
             timeout: (t > 0.0).then(|| Duration::from_secs_f64(t)),
             spin: POLL_SPIN.get_u64()?.min(u32::MAX as u64) as u32,
         })
@@ -508,6 +562,7 @@ pub(crate) struct State {
     pub(crate) size: u32,
     pub(crate) caps: Caps,
     eager_limit: usize,
+    nt_copy_min: usize,
     chunk: usize,
     rma_read: bool,
     reqs: Slab,
@@ -586,6 +641,7 @@ impl<P: Provider> Engine<P> {
         let st = State {
             size,
             eager_limit,
+            nt_copy_min: cfg.nt_copy_min,
             chunk: caps.max_am_payload,
             rma_read,
             caps,
@@ -1575,7 +1631,7 @@ impl State {
             self.malformed(src, "DATA outside the announced range");
             return Some(());
         }
-        if *expect >= nt_copy_min() {
+        if *expect >= self.nt_copy_min {
             r.buf.write_nt(off, payload);
         } else {
             r.buf.write(off, payload);
@@ -1858,7 +1914,16 @@ impl Sink for State {
 
 #[cfg(test)]
 mod nt_tests {
-    use super::copy_nt;
+    use super::{copy_nt, cpu_list_len, nt_copy_auto};
+
+    #[test]
+    fn cpu_lists_count_their_cpus() {
+        assert_eq!(cpu_list_len("0"), 1);
+        assert_eq!(cpu_list_len("0-1"), 2);
+        assert_eq!(cpu_list_len("0-3,8,10-11"), 7);
+        assert_eq!(cpu_list_len(""), 0);
+        assert!(nt_copy_auto() >= 1 << 20, "{}", nt_copy_auto());
+    }
 
     #[test]
     fn streaming_copy_matches_memcpy_at_every_alignment_and_length() {

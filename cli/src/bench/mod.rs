@@ -37,6 +37,8 @@ pub struct Plan {
     pub iters: Option<usize>,
     pub warmup: Option<usize>,
     pub window: usize,
+    /// Latency ping-pong from and into one buffer per rank (NetPIPE's convention).
+    pub one_buffer: bool,
     pub n: u32,
     pub reps: usize,
     pub env: Vec<(String, String)>,
@@ -190,6 +192,9 @@ fn run_weft(
         "--window".into(),
         plan.window.to_string().into(),
     ];
+    if plan.one_buffer {
+        spec.args.push("--one-buffer".into());
+    }
     spec.provider = col.provider.clone();
     spec.env = plan.env.iter().chain(col.env.iter()).cloned().collect();
     spec.bind = true;
@@ -315,11 +320,16 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
         }
         writeln!(
             s,
-            "# {}: {} — median of {} interleaved repetitions, {} ranks",
+            "# {}: {} — median of {} interleaved repetitions, {} ranks{}",
             test.name(),
             test.describe(),
             plan.reps,
-            plan.n
+            plan.n,
+            if plan.one_buffer && *test == Test::Latency {
+                ", one buffer per rank"
+            } else {
+                ""
+            }
         )
         .unwrap();
         writeln!(
@@ -497,6 +507,7 @@ mod t {
             iters: None,
             warmup: None,
             window: 64,
+            one_buffer: false,
             n: 2,
             reps: 5,
             env: vec![],

@@ -13,6 +13,8 @@ pub struct RankArgs {
     pub iters: usize,
     pub warmup: usize,
     pub window: usize,
+    /// Latency: send from the buffer received into (NetPIPE's convention).
+    pub one_buffer: bool,
 }
 
 /// Iterations for `size`: the requested count, fewer for large messages so each point moves at
@@ -32,10 +34,23 @@ fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| i as u8).collect()
 }
 
-fn latency(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> Result<f64> {
+/// Ping-pong between ranks 0 and 1: from a send buffer into a separate receive buffer (OSU's and
+/// ucx_perftest's convention), or with `one_buffer` from and into one buffer per rank (NetPIPE's),
+/// which halves what the caches must hold; returns the one-way time in µs.
+fn latency(
+    c: &Comm<DynProvider>,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+    one_buffer: bool,
+) -> Result<f64> {
     let r = c.rank();
     let data = pattern(size);
-    let mut buf = vec![0u8; size];
+    let mut buf = if one_buffer {
+        data.clone()
+    } else {
+        vec![0u8; size]
+    };
     let mut t0 = Instant::now();
     for i in 0..warmup + iters {
         if i == warmup {
@@ -43,6 +58,15 @@ fn latency(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> R
             t0 = Instant::now();
         }
         match r {
+            // NetPIPE's convention: one buffer per rank, received into and sent from.
+            0 if one_buffer => {
+                c.send(&buf, 1, 1)?;
+                c.recv(&mut buf, 1, 1)?;
+            }
+            1 if one_buffer => {
+                c.recv(&mut buf, 0, 1)?;
+                c.send(&buf, 0, 1)?;
+            }
             0 => {
                 c.send(&data, 1, 1)?;
                 c.recv(&mut buf, 1, 1)?;
@@ -252,7 +276,13 @@ pub fn run(a: &RankArgs) -> Result<()> {
         let v = match a.test {
             Test::Latency => {
                 let it = scaled(a.iters, size, 512 << 20, 20);
-                latency(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
+                latency(
+                    c,
+                    size,
+                    it,
+                    scaled(a.warmup, size, 64 << 20, 2),
+                    a.one_buffer,
+                )?
             }
             Test::Bw | Test::Bibw | Test::Mr => {
                 let w = effective_window(a.window, size);

@@ -57,23 +57,15 @@ fn latency(
             c.barrier()?;
             t0 = Instant::now();
         }
+        // NetPIPE's convention sends what was just received, from the same buffer.
         match r {
-            // NetPIPE's convention: one buffer per rank, received into and sent from.
-            0 if one_buffer => {
-                c.send(&buf, 1, 1)?;
-                c.recv(&mut buf, 1, 1)?;
-            }
-            1 if one_buffer => {
-                c.recv(&mut buf, 0, 1)?;
-                c.send(&buf, 0, 1)?;
-            }
             0 => {
-                c.send(&data, 1, 1)?;
+                c.send(if one_buffer { &buf } else { &data }, 1, 1)?;
                 c.recv(&mut buf, 1, 1)?;
             }
             1 => {
                 c.recv(&mut buf, 0, 1)?;
-                c.send(&data, 0, 1)?;
+                c.send(if one_buffer { &buf } else { &data }, 0, 1)?;
             }
             _ => {}
         }

@@ -104,6 +104,16 @@ pub fn init() -> Result<World<DynProvider>> {
     let sel = registry::Selection::from_env()?;
     match registry::select_and_open(boot.as_mut(), &sel) {
         Ok((p, _)) => comm::world_from(p, boot),
+        // Selection is collective: when no provider can run, every rank reaches this same
+        // error. They leave together (a barrier, then PMI finalize) and report it themselves:
+        // an abort raced the launcher's kill against that report (Hydra lost it 1 run in 15),
+        // and a rank exiting while others still read the votes broke Hydra's proxies.
+        Err(e) if e.kind() == ErrorKind::ProviderUnavailable => {
+            if boot.fence().is_ok() {
+                let _ = boot.finalize();
+            }
+            Err(e)
+        }
         Err(e) => {
             boot.abort(1, &e.to_string());
             Err(e)

@@ -204,6 +204,12 @@ fn nt_copy_min_from_env() -> Result<usize> {
 /// last-level cache divided among the CPUs that share it (what glibc's memcpy uses for its own
 /// non-temporal threshold). Unknown cache: 16 MiB.
 fn nt_copy_auto() -> usize {
+    // The caches do not change while we run: read sysfs once per process.
+    static AUTO: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *AUTO.get_or_init(read_nt_copy_auto)
+}
+
+fn read_nt_copy_auto() -> usize {
     let dir = "/sys/devices/system/cpu/cpu0/cache";
     let mut best: Option<(u32, usize, usize)> = None; // (level, bytes, sharing CPUs)
     for i in 0..8 {
@@ -582,12 +588,8 @@ pub(crate) struct State {
     /// Small payload buffers kept for reuse: of sent `Out::Owned` messages (RMA replies,
     /// batches) and of unexpected eager messages once received, which would otherwise cost an
     /// allocation each.
-    spare: Vec<Vec<u8>>,
+    spare: crate::BufPool,
 }
-
-/// Owned payload buffers kept for reuse, and the largest capacity kept.
-const SPARE_BUFS: usize = 32;
-const SPARE_MAX: usize = 32 << 10;
 
 /// The engine: a provider plus the core state.
 pub(crate) struct Engine<P: Provider> {
@@ -658,7 +660,8 @@ impl<P: Provider> Engine<P> {
             rma: Default::default(),
             closing: false,
             scratch: Vec::new(),
-            spare: Vec::new(),
+            // 32 buffers of up to 32 KiB: a small-message epoch's replies and batches.
+            spare: crate::BufPool::new(32, 32 << 10),
         };
         Ok(Engine { p, st, cfg })
     }
@@ -1412,14 +1415,11 @@ impl State {
 
     /// An empty buffer for an owned payload, reusing one of a message already sent.
     pub(crate) fn spare_buf(&mut self) -> Vec<u8> {
-        self.spare.pop().unwrap_or_default()
+        self.spare.take()
     }
 
-    fn recycle(&mut self, mut data: Vec<u8>) {
-        if self.spare.len() < SPARE_BUFS && data.capacity() <= SPARE_MAX && data.capacity() > 0 {
-            data.clear();
-            self.spare.push(data);
-        }
+    fn recycle(&mut self, data: Vec<u8>) {
+        self.spare.give(data);
     }
 
     pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, data: Vec<u8>) {

@@ -32,6 +32,7 @@ pub mod loader;
 pub mod loopback;
 pub mod matching;
 pub mod param;
+pub mod pool;
 pub mod provider;
 pub mod registry;
 mod rma;
@@ -48,6 +49,7 @@ pub use comm::{
 pub use datatype::Datatype;
 pub use engine::EngineConfig;
 pub use error::{Error, ErrorDetail, ErrorKind, Result};
+pub use pool::BufPool;
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
 pub use types::{BasicType, Element, Op, Rank};
 pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinCompletion, WinInfo, Window};

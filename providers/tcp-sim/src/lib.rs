@@ -324,7 +324,7 @@ pub struct TcpSim {
     failures: Vec<(Rank, String)>,
     /// Buffers of frames already written, kept for the next queued frame (a fresh frame-sized
     /// allocation per partial write would cost a page fault per page).
-    spare: Vec<Vec<u8>>,
+    spare: weft::BufPool,
     limits: Limits,
     /// Established connections polled with direct reads (when there are few of them).
     direct: Vec<usize>,
@@ -405,7 +405,7 @@ impl TcpSim {
             sim,
             selfq: VecDeque::new(),
             failures: Vec::new(),
-            spare: Vec::new(),
+            spare: weft::BufPool::new(SPARE_FRAMES, usize::MAX),
             limits,
             direct: Vec::new(),
             polls: 0,
@@ -846,9 +846,7 @@ impl TcpSim {
                             if f.off == f.data.len() {
                                 p.out_bytes -= f.data.len();
                                 if let Some(f) = p.outq.pop_front() {
-                                    if self.spare.len() < SPARE_FRAMES {
-                                        self.spare.push(f.data);
-                                    }
+                                    self.spare.give(f.data);
                                 }
                                 done += 1;
                             }
@@ -956,8 +954,7 @@ impl Provider for TcpSim {
             return Ok(SendOutcome::Busy);
         }
         // Queue (the rest of) the frame.
-        let mut data = self.spare.pop().unwrap_or_default();
-        data.clear();
+        let mut data = self.spare.take();
         data.reserve(flen);
         data.extend_from_slice(&fh);
         data.extend_from_slice(header);

@@ -562,3 +562,129 @@ fn unknown_provider_is_an_error_listing_providers() {
     assert_eq!(e.kind(), ErrorKind::UnknownProvider);
     assert!(e.to_string().contains("loopback"));
 }
+
+// ---------------------------------------------------------------- speculative rendezvous
+
+/// Every message above a 4 KiB eager limit goes speculatively (`WEFT_SPEC_LIMIT`): the data
+/// follows the announcement unasked. The same semantics must hold whether the receive was
+/// posted first (data placed), or not: staged within `spec_buffer` (`stage`), or dropped and
+/// asked for again with `CTS` when a receive matches (`drop`, no budget).
+fn spec_opts(stage: bool) -> Options {
+    let mut o = Options::default();
+    o.engine.spec_limit = Some(usize::MAX);
+    o.engine.spec_buffer = if stage { 64 << 20 } else { 0 };
+    o.engine.eager_limit = Some(4096);
+    o
+}
+
+fn spec_tiny_mailbox(stage: bool) -> Options {
+    let mut o = tiny_mailbox();
+    o.engine.spec_limit = Some(usize::MAX);
+    o.engine.spec_buffer = if stage { 64 << 20 } else { 0 };
+    o
+}
+
+macro_rules! spec_paths {
+    ($name:ident, $n:expr, $body:path) => {
+        mod $name {
+            use super::*;
+            both_paths!(stage, $n, $body, spec_opts(true));
+            both_paths!(drop, $n, $body, spec_opts(false));
+        }
+    };
+}
+
+spec_paths!(spec_pingpong_all_sizes, 2, pingpong);
+both_paths!(
+    spec_stage_busy_paths,
+    2,
+    many_outstanding,
+    spec_tiny_mailbox(true)
+);
+both_paths!(
+    spec_drop_busy_paths,
+    2,
+    many_outstanding,
+    spec_tiny_mailbox(false)
+);
+spec_paths!(spec_wildcard_source_and_tag, 4, wildcards);
+spec_paths!(spec_non_overtaking_order, 2, ordering);
+spec_paths!(spec_truncation_is_an_error, 2, truncation);
+spec_paths!(spec_probe_iprobe_cancel, 2, probe_cancel);
+spec_paths!(spec_ssend_is_synchronous, 2, ssend_waits_for_match);
+spec_paths!(spec_waitany_and_waitall, 2, waitany_waitall);
+spec_paths!(spec_derived_datatypes, 2, datatypes);
+
+/// A speculative message that arrives before its receive is staged, and a receive posted
+/// while its data still arrives takes the rest directly; over the budget the data is dropped
+/// and sent again. Both give the data, in order with what follows.
+fn spec_unexpected<P: Provider>(c: &Comm<P>) {
+    let sizes = [5000usize, 100_000, 1 << 20, 7000];
+    if c.rank() == 0 {
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| pattern(n, i as u8))
+            .collect();
+        c.scope(|s| {
+            let reqs: Vec<_> = data.iter().map(|d| c.isend(s, d, 1, 3).unwrap()).collect();
+            c.send(&[1u8], 1, 4).unwrap();
+            for r in reqs {
+                r.wait().unwrap();
+            }
+        });
+    } else {
+        // Everything was sent (and staged or dropped) before any receive is posted.
+        let mut go = [0u8];
+        c.recv(&mut go, 0, 4).unwrap();
+        for (i, &n) in sizes.iter().enumerate() {
+            let mut b = vec![0u8; n];
+            let st = c.recv(&mut b, 0, 3).unwrap();
+            assert_eq!(st.bytes, n);
+            assert!(b == pattern(n, i as u8), "message {i} ({n} B) corrupted");
+        }
+    }
+}
+spec_paths!(spec_unexpected_messages, 2, spec_unexpected);
+
+/// What makes the protocol speculative: a message that fits one frame reaches a posted
+/// receive while its sender does nothing after `isend` (no progress to answer a `CTS`); the
+/// send then completes on the receiver's `SACK`.
+#[test]
+fn spec_data_needs_no_round_trip() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    use std::time::{Duration, Instant};
+    // 0: rank 1 still receiving, 1: it received, 2: it failed.
+    let state = AtomicU8::new(0);
+    let mut o = spec_opts(true);
+    o.engine.timeout = Some(Duration::from_secs(20));
+    let n = 10_000; // above the 4 KiB eager limit, within loopback's 16 KiB frame
+    testing::world_with(2, &o, |c| {
+        if c.rank() == 0 {
+            let mut go = [0u8];
+            c.recv(&mut go, 1, 1).unwrap();
+            let data = pattern(n, 5);
+            c.scope(|s| {
+                let r = c.isend(s, &data, 1, 2).unwrap();
+                // No weft call until rank 1 has its data (bounded; fails loudly).
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while state.load(Ordering::Acquire) == 0 {
+                    assert!(Instant::now() < deadline, "rank 1 never got the data");
+                    std::thread::yield_now();
+                }
+                assert_eq!(state.load(Ordering::Acquire), 1, "rank 1's receive failed");
+                r.wait().unwrap();
+            });
+        } else {
+            let mut b = vec![0u8; n];
+            c.scope(|s| {
+                let r = c.irecv(s, &mut b, 0, 2).unwrap();
+                c.send(&[1u8], 0, 1).unwrap();
+                let res = r.wait();
+                state.store(if res.is_ok() { 1 } else { 2 }, Ordering::Release);
+                res.unwrap();
+            });
+            assert_eq!(b, pattern(n, 5));
+        }
+    });
+}

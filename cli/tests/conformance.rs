@@ -42,6 +42,24 @@ fn builtin_providers_pass_across_processes() {
         "--env",
         "WEFT_TCP_SIM_DIRECT=0",
     ]);
+    // tcp-sim speculates up to 4 MiB by default: unexpected data dropped instead of staged,
+    // and the plain RTS/CTS rendezvous.
+    passes(&[
+        "--provider",
+        "tcp-sim",
+        "-n",
+        "3",
+        "--env",
+        "WEFT_SPEC_BUFFER=0",
+    ]);
+    passes(&[
+        "--provider",
+        "tcp-sim",
+        "-n",
+        "2",
+        "--env",
+        "WEFT_SPEC_LIMIT=0",
+    ]);
     passes(&["--provider", "limic", "-n", "3"]);
 }
 

@@ -718,7 +718,11 @@ impl TcpSim {
                     break;
                 }
                 c.buffered = false;
-                c.expect_large = false;
+                // A control frame (CTS, SACK: no payload) between two large frames keeps the
+                // header-only reads on; a small data frame ends them.
+                if h.payload_len > 0 {
+                    c.expect_large = false;
+                }
                 c.start += h.total();
                 match h.kind {
                     K_AM => match c.peer {

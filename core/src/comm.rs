@@ -725,6 +725,12 @@ impl<P: Provider> Comm<P> {
     pub fn live_requests(&self) -> usize {
         self.sh.engine.borrow().live_requests()
     }
+
+    /// Announced bytes of speculative messages held for receives not posted yet
+    /// (diagnostics; never more than `WEFT_SPEC_BUFFER`).
+    pub fn staged_bytes(&self) -> usize {
+        self.sh.engine.borrow().st.spec_staged_bytes
+    }
 }
 
 /// A region in which nonblocking operations may run; see [`Comm::scope`].

@@ -655,7 +655,7 @@ pub(crate) struct State {
     /// Unexpected speculative messages held for a receive (at most `spec_buffer` bytes of
     /// announced length in all); the unexpected queue has a `Unexp::Spec` for each.
     spec_staged: Vec<Staged>,
-    spec_staged_bytes: usize,
+    pub(crate) spec_staged_bytes: usize,
     spec_buffer: usize,
     nt_copy_min: usize,
     chunk: usize,

@@ -33,33 +33,16 @@ fn passes(args: &[&str]) {
 fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "shm", "-n", "3"]);
     passes(&["--provider", "tcp-sim", "-n", "4"]);
-    // Large payloads through the connection buffer instead of direct placement.
-    passes(&[
-        "--provider",
-        "tcp-sim",
-        "-n",
-        "2",
-        "--env",
+    // Large payloads through the connection buffer instead of direct placement; speculative
+    // data dropped instead of staged (tcp-sim speculates up to 4 MiB by default); the plain
+    // RTS/CTS rendezvous.
+    for env in [
         "WEFT_TCP_SIM_DIRECT=0",
-    ]);
-    // tcp-sim speculates up to 4 MiB by default: unexpected data dropped instead of staged,
-    // and the plain RTS/CTS rendezvous.
-    passes(&[
-        "--provider",
-        "tcp-sim",
-        "-n",
-        "3",
-        "--env",
         "WEFT_SPEC_BUFFER=0",
-    ]);
-    passes(&[
-        "--provider",
-        "tcp-sim",
-        "-n",
-        "2",
-        "--env",
         "WEFT_SPEC_LIMIT=0",
-    ]);
+    ] {
+        passes(&["--provider", "tcp-sim", "-n", "3", "--env", env]);
+    }
     passes(&["--provider", "limic", "-n", "3"]);
 }
 

@@ -799,19 +799,9 @@ impl<P: Provider> Engine<P> {
                     return Ok(Posted::Done(Ok(status(dest, tag, buf.len))));
                 }
             }
-            let id = self.st.reqs.insert(Req {
-                scope,
-                done: None,
-                kind: Kind::Send(SendReq {
-                    dest,
-                    ctx,
-                    tag,
-                    buf,
-                    sync,
-                    phase: SendPhase::Queued,
-                    mr: None,
-                }),
-            });
+            let id = self
+                .st
+                .new_send(scope, dest, ctx, tag, buf, sync, SendPhase::Queued, None);
             self.st.push_out(dest, Out::Eager(id));
             if sync {
                 self.flush_out()?;
@@ -820,22 +810,13 @@ impl<P: Provider> Engine<P> {
         }
         // Not for `ssend`: a staged message is acknowledged before it matches.
         if buf.len <= self.st.spec_limit && !sync {
-            let id = self.st.reqs.insert(Req {
-                scope,
-                done: None,
-                kind: Kind::Send(SendReq {
-                    dest,
-                    ctx,
-                    tag,
-                    buf,
-                    sync,
-                    phase: SendPhase::Spec {
-                        off: 0,
-                        acked: false,
-                    },
-                    mr: None,
-                }),
-            });
+            let phase = SendPhase::Spec {
+                off: 0,
+                acked: false,
+            };
+            let id = self
+                .st
+                .new_send(scope, dest, ctx, tag, buf, sync, phase, None);
             self.st.push_out(dest, Out::Spec(id));
             self.flush_out()?;
             return Ok(Posted::Pending(id));
@@ -860,28 +841,20 @@ impl<P: Provider> Engine<P> {
             }
         }
         let remote = mr.as_ref().map(|m| (m.addr, m.key));
-        let id = self.st.reqs.insert(Req {
-            scope,
-            done: None,
-            kind: Kind::Send(SendReq {
-                dest,
-                ctx,
-                tag,
-                sync,
-                phase: if mr.is_some() {
-                    SendPhase::WaitFin
-                } else {
-                    SendPhase::WaitCts
-                },
-                mr,
-                buf: buf.clone(),
-            }),
-        });
+        let phase = if mr.is_some() {
+            SendPhase::WaitFin
+        } else {
+            SendPhase::WaitCts
+        };
+        let len = buf.len;
+        let id = self
+            .st
+            .new_send(scope, dest, ctx, tag, buf, sync, phase, mr);
         let mut h = Hdr::new(H_RTS);
         h.u8(if remote.is_some() { F_REMOTE } else { 0 })
             .u32(ctx)
             .u32(tag as u32)
-            .u64(buf.len as u64)
+            .u64(len as u64)
             .u64(id);
         if let Some((addr, key)) = remote {
             h.u64(addr).u64(key);
@@ -1685,6 +1658,34 @@ impl State {
         }
     }
 
+    /// A send request in `phase`, owned by `scope`.
+    #[allow(clippy::too_many_arguments)]
+    fn new_send(
+        &mut self,
+        scope: u64,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        phase: SendPhase,
+        mr: Option<Box<MemRegion>>,
+    ) -> ReqId {
+        self.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::Send(SendReq {
+                dest,
+                ctx,
+                tag,
+                buf,
+                sync,
+                phase,
+                mr,
+            }),
+        })
+    }
+
     /// Mark a request finished with `res`.
     pub(crate) fn finish(&mut self, id: ReqId, res: Result<Status>) {
         if let Some(r) = self.reqs.get_mut(id) {
@@ -1881,17 +1882,13 @@ impl State {
                     .add_unexpected(ctx, src, tag, Unexp::Spec { total, sreq });
                 self.spec_ack(src, sreq);
             } else {
-                let remote = None;
-                self.matcher.add_unexpected(
-                    ctx,
-                    src,
-                    tag,
-                    Unexp::Rts {
-                        total,
-                        sreq,
-                        remote,
-                    },
-                );
+                // Over the budget: like an RTS, the data is asked for when a receive matches.
+                let rts = Unexp::Rts {
+                    total,
+                    sreq,
+                    remote: None,
+                };
+                self.matcher.add_unexpected(ctx, src, tag, rts);
                 return Some(());
             }
         }

@@ -615,24 +615,30 @@ spec_paths!(spec_ssend_is_synchronous, 2, ssend_waits_for_match);
 spec_paths!(spec_waitany_and_waitall, 2, waitany_waitall);
 spec_paths!(spec_derived_datatypes, 2, datatypes);
 
+/// Rank 0: start sending `pattern(n_i, i)` for each size to rank 1 with tag 3, tell it to go
+/// (tag 4) before any has completed, then wait for them.
+fn send_all_then_go<P: Provider>(c: &Comm<P>, sizes: &[usize]) {
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| pattern(n, i as u8))
+        .collect();
+    c.scope(|s| {
+        let reqs: Vec<_> = data.iter().map(|d| c.isend(s, d, 1, 3).unwrap()).collect();
+        c.send(&[1u8], 1, 4).unwrap();
+        for r in reqs {
+            r.wait().unwrap();
+        }
+    });
+}
+
 /// A speculative message that arrives before its receive is staged, and a receive posted
 /// while its data still arrives takes the rest directly; over the budget the data is dropped
 /// and sent again. Both give the data, in order with what follows.
 fn spec_unexpected<P: Provider>(c: &Comm<P>) {
     let sizes = [5000usize, 100_000, 1 << 20, 7000];
     if c.rank() == 0 {
-        let data: Vec<Vec<u8>> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| pattern(n, i as u8))
-            .collect();
-        c.scope(|s| {
-            let reqs: Vec<_> = data.iter().map(|d| c.isend(s, d, 1, 3).unwrap()).collect();
-            c.send(&[1u8], 1, 4).unwrap();
-            for r in reqs {
-                r.wait().unwrap();
-            }
-        });
+        send_all_then_go(c, &sizes);
     } else {
         // Everything was sent (and staged or dropped) before any receive is posted.
         let mut go = [0u8];
@@ -699,14 +705,7 @@ fn spec_staging_is_bounded() {
     let n = 1 << 20;
     testing::world_with(2, &o, |c| {
         if c.rank() == 0 {
-            let data: Vec<Vec<u8>> = (0..3).map(|i| pattern(n, i as u8)).collect();
-            c.scope(|s| {
-                let reqs: Vec<_> = data.iter().map(|d| c.isend(s, d, 1, 3).unwrap()).collect();
-                c.send(&[1u8], 1, 4).unwrap();
-                for r in reqs {
-                    r.wait().unwrap();
-                }
-            });
+            send_all_then_go(c, &[n; 3]);
         } else {
             let mut go = [0u8];
             c.recv(&mut go, 0, 4).unwrap();

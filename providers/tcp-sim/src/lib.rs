@@ -177,8 +177,9 @@ struct Conn {
     direct: Option<Direct>,
     /// The core declined direct placement for the frame at `start`: wait for all of it.
     buffered: bool,
-    /// The last frame was placed directly, so the next is likely another large one: read
-    /// only up to its header, leaving its payload in the socket for direct placement.
+    /// A frame was placed directly and no frame with a payload came since, so the next is
+    /// likely another large one: read only up to its header, leaving its payload in the socket
+    /// for direct placement.
     expect_large: bool,
 }
 

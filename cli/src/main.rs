@@ -121,6 +121,8 @@ enum Cmd {
         window: usize,
         #[arg(long)]
         one_buffer: bool,
+        #[arg(long)]
+        distinct_buffers: bool,
     },
 }
 
@@ -150,6 +152,11 @@ struct BenchArgs {
     /// ucx_perftest do.
     #[arg(long)]
     one_buffer: bool,
+    /// bw, bibw, mr: each message of a window into its own receive buffer, as an application's
+    /// would (windows are then capped at 256 MiB); default: the whole window into one receive
+    /// buffer, as OSU and ucx_perftest do.
+    #[arg(long)]
+    distinct_buffers: bool,
     /// Ranks per job.
     #[arg(short = 'n', long = "np", default_value_t = 2)]
     n: u32,
@@ -348,6 +355,7 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
         warmup: a.warmup,
         window: a.window,
         one_buffer: a.one_buffer,
+        distinct_buffers: a.distinct_buffers,
         n: a.n,
         reps: a.reps,
         env: a.env.clone(),
@@ -442,6 +450,7 @@ fn main() -> ExitCode {
             warmup,
             window,
             one_buffer,
+            distinct_buffers,
         } => {
             let args = bench::tests::Test::parse(&test).and_then(|t| {
                 Ok(bench::rank::RankArgs {
@@ -451,6 +460,7 @@ fn main() -> ExitCode {
                     warmup,
                     window,
                     one_buffer,
+                    distinct_buffers,
                 })
             });
             match args

@@ -20,6 +20,55 @@ use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::rc::Rc;
 
+/// A receive buffer that several pending receives may name at once
+/// ([`Comm::irecv_shared`]). Receives borrow it shared for their scope; reading it needs
+/// `&mut` ([`as_mut_slice`](Self::as_mut_slice)), so its bytes can only be looked at once no
+/// receive into it is pending.
+pub struct SharedBuf {
+    // Owned allocation (from `Box<[u8]>`), held as a raw pointer so that handing its address
+    // to the engine never creates a reference to the bytes: several pending receives may write
+    // through their copies of it. Raw pointers also keep the type `!Send` and `!Sync`.
+    ptr: *mut [u8],
+}
+
+impl SharedBuf {
+    /// A zeroed buffer of `len` bytes.
+    pub fn new(len: usize) -> SharedBuf {
+        SharedBuf {
+            ptr: Box::into_raw(vec![0u8; len].into_boxed_slice()),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.ptr.len()
+    }
+
+    /// `true` for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, once no receive names the buffer (what several receives left is unspecified).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is the live allocation we own; `&mut self` means no scope still
+        // borrows the buffer, so no receive can write into it while the slice lives.
+        unsafe { &mut *self.ptr }
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+}
+
+impl Drop for SharedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `Box::into_raw` and is freed only here; a receive naming the
+        // buffer borrows it for its scope, which completes every request before it ends.
+        drop(unsafe { Box::from_raw(self.ptr) });
+    }
+}
+
 /// Largest valid tag.
 pub const TAG_UB: i32 = i32::MAX;
 
@@ -652,6 +701,28 @@ impl<P: Provider> Comm<P> {
     ) -> Result<Request<'s, P>> {
         self.check_scope(s)?;
         let rb = typed_recv(buf, count, dt)?;
+        let p = self.post_recv(rb, src.into(), tag.into(), self.ctx, s.id)?;
+        Ok(self.request(s, p, true))
+    }
+
+    /// Nonblocking receive into a [`SharedBuf`], which other pending receives may name too:
+    /// the convention of OSU's and ucx_perftest's bandwidth tests, which post a whole window of
+    /// receives into one buffer. Matching, truncation and the returned [`Status`] are those of
+    /// [`irecv`](Self::irecv); what the buffer holds after several receives is unspecified (any
+    /// mix of their data), as MPI leaves it.
+    pub fn irecv_shared<'s>(
+        &self,
+        s: &'s Scope<'s, '_, P>,
+        buf: &'s SharedBuf,
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<Request<'s, P>> {
+        self.check_scope(s)?;
+        let rb = RecvBuf {
+            base: buf.as_ptr(),
+            cap: buf.len(),
+            layout: Layout::Contig,
+        };
         let p = self.post_recv(rb, src.into(), tag.into(), self.ctx, s.id)?;
         Ok(self.request(s, p, true))
     }

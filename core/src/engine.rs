@@ -564,6 +564,9 @@ pub struct EngineConfig {
     /// Unexpected speculative data a rank stages for later receives, in bytes; beyond it the
     /// data is dropped and asked for again.
     pub spec_buffer: usize,
+    /// Speculate also behind data already queued or streaming to the same peer (by default
+    /// only onto an idle link: behind other data the `RTS`/`CTS` round trip overlaps that data).
+    pub spec_behind: bool,
 }
 
 impl Default for EngineConfig {
@@ -575,6 +578,7 @@ impl Default for EngineConfig {
             spin: 1000,
             spec_limit: None,
             spec_buffer: 4 << 20,
+            spec_behind: false,
         }
     }
 }
@@ -587,6 +591,8 @@ crate::param!(POLL_SPIN: Uint = "", "POLL_SPIN", "1000",
     "idle progress rounds before a waiting rank starts yielding its core");
 crate::param!(SPEC_LIMIT: Str = "", "SPEC_LIMIT", "auto",
     "rendezvous messages up to this size send their data without waiting for the receiver's CTS: a size, 0 (never) or auto (4M on providers that span hosts and cannot read remote memory, else 0)");
+crate::param!(SPEC_BEHIND: Bool = "", "SPEC_BEHIND", "0",
+    "1: speculate also behind data already queued or streaming to the same peer; 0: only onto an idle link, since behind other data the RTS/CTS round trip is hidden anyway");
 crate::param!(SPEC_BUFFER: Size = "", "SPEC_BUFFER", "4M",
     "speculative messages that arrive before their receive are held up to this many bytes in all; beyond, their data is dropped and sent again when a receive matches");
 
@@ -620,7 +626,7 @@ fn spec_limit_auto(caps: &Caps) -> usize {
 
 impl EngineConfig {
     /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT`, `WEFT_POLL_SPIN`,
-    /// `WEFT_SPEC_LIMIT` and `WEFT_SPEC_BUFFER`.
+    /// `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
         let t = TIMEOUT.get_f64()?;
@@ -638,6 +644,7 @@ impl EngineConfig {
             spin: POLL_SPIN.get_u64()?.min(u32::MAX as u64) as u32,
             spec_limit: spec_limit_from_env()?,
             spec_buffer: SPEC_BUFFER.get_size()?,
+            spec_behind: SPEC_BEHIND.get_bool()?,
         })
     }
 }
@@ -649,6 +656,8 @@ pub(crate) struct State {
     eager_limit: usize,
     /// Rendezvous sends up to this size go speculatively (0: never).
     spec_limit: usize,
+    /// Speculate behind other data to the same peer too (`EngineConfig::spec_behind`).
+    spec_behind: bool,
     /// Speculative messages this rank matched whose data is still arriving: (source, sender's
     /// request, receive).
     spec_rx: Vec<(Rank, u64, ReqId)>,
@@ -734,6 +743,7 @@ impl<P: Provider> Engine<P> {
             size,
             eager_limit,
             spec_limit,
+            spec_behind: cfg.spec_behind,
             spec_rx: Vec::new(),
             spec_staged: Vec::new(),
             spec_staged_bytes: 0,
@@ -809,7 +819,7 @@ impl<P: Provider> Engine<P> {
             return Ok(Posted::Pending(id));
         }
         // Not for `ssend`: a staged message is acknowledged before it matches.
-        if buf.len <= self.st.spec_limit && !sync {
+        if buf.len <= self.st.spec_limit && !sync && (self.st.spec_behind || self.st.idle(dest)) {
             let phase = SendPhase::Spec {
                 off: 0,
                 acked: false,
@@ -1646,6 +1656,14 @@ impl State {
             self.out_flag[dest as usize] = true;
             self.out_pending.push(dest);
         }
+    }
+
+    /// Nothing is queued or streaming to `dest`: data sent now leaves at once.
+    fn idle(&self, dest: Rank) -> bool {
+        self.outq[dest as usize].is_empty()
+            && !self.streams.iter().any(|&id| {
+                matches!(self.reqs.get(id), Some(Req { kind: Kind::Send(s), .. }) if s.dest == dest)
+            })
     }
 
     fn set_send_phase(&mut self, id: ReqId, phase: SendPhase) {

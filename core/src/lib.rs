@@ -43,8 +43,8 @@ pub mod types;
 mod window;
 
 pub use comm::{
-    waitall, waitany, Comm, Request, Scope, Source, Status, TagSel, World, ANY_SOURCE, ANY_TAG,
-    TAG_UB,
+    waitall, waitany, Comm, Request, Scope, SharedBuf, Source, Status, TagSel, World, ANY_SOURCE,
+    ANY_TAG, TAG_UB,
 };
 pub use datatype::Datatype;
 pub use engine::EngineConfig;

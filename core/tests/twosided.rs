@@ -2,7 +2,7 @@
 //! (`Comm<Loopback>`) and the dynamic path (`Comm<Box<dyn Provider>>`, chosen by name).
 
 use weft::testing::{self, Options};
-use weft::{Comm, Datatype, ErrorKind, Op, Provider, ANY_SOURCE, ANY_TAG};
+use weft::{Comm, Datatype, ErrorKind, Op, Provider, SharedBuf, ANY_SOURCE, ANY_TAG};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -100,6 +100,76 @@ fn many_outstanding<P: Provider>(c: &Comm<P>) {
     }
 }
 both_paths!(flow_control_busy_paths, 2, many_outstanding, tiny_mailbox());
+
+/// A window of receives into one `SharedBuf` (OSU's convention): identical messages of every
+/// size leave that message in the buffer, messages of different lengths each report their own,
+/// and one too long for the buffer fails alone with truncation.
+fn shared_window<P: Provider>(c: &Comm<P>) {
+    const WINDOW: usize = 8;
+    let peer = 1 - c.rank();
+    for (i, &n) in SIZES.iter().enumerate() {
+        let tag = i as i32;
+        if c.rank() == 0 {
+            let data = pattern(n, i as u8);
+            c.scope(|s| {
+                let reqs: Vec<_> = (0..WINDOW)
+                    .map(|_| c.isend(s, &data, peer, tag).unwrap())
+                    .collect();
+                weft::waitall(reqs).unwrap();
+            });
+        } else {
+            let mut buf = SharedBuf::new(n);
+            let sts = c.scope(|s| {
+                let reqs: Vec<_> = (0..WINDOW)
+                    .map(|_| c.irecv_shared(s, &buf, peer, tag).unwrap())
+                    .collect();
+                weft::waitall(reqs).unwrap()
+            });
+            assert!(sts
+                .iter()
+                .all(|st| (st.source, st.tag, st.bytes) == (0, tag, n)));
+            assert_eq!(buf.as_mut_slice(), &pattern(n, i as u8)[..], "size {n}");
+        }
+    }
+    // Different lengths into one buffer; the last is one byte too long.
+    let lens = [10usize, 70_000, 3, 1 << 20, (1 << 20) + 1];
+    let tag = 100;
+    if c.rank() == 0 {
+        for (j, &n) in lens.iter().enumerate() {
+            c.send(&pattern(n, j as u8), peer, tag).unwrap();
+        }
+    } else {
+        let buf = SharedBuf::new(1 << 20);
+        c.scope(|s| {
+            let reqs: Vec<_> = lens
+                .iter()
+                .map(|_| c.irecv_shared(s, &buf, peer, tag).unwrap())
+                .collect();
+            for (r, &n) in reqs.into_iter().zip(&lens) {
+                match r.wait() {
+                    Ok(st) => assert_eq!(st.bytes, n),
+                    Err(e) => {
+                        assert_eq!(n, (1 << 20) + 1);
+                        assert_eq!(e.kind(), ErrorKind::Truncated);
+                    }
+                }
+            }
+        });
+    }
+}
+both_paths!(window_into_one_buffer, 2, shared_window);
+both_paths!(
+    window_into_one_buffer_rma_read,
+    2,
+    shared_window,
+    rma_opts()
+);
+both_paths!(
+    window_into_one_buffer_busy_paths,
+    2,
+    shared_window,
+    tiny_mailbox()
+);
 
 fn wildcards<P: Provider>(c: &Comm<P>) {
     let n = c.size();
@@ -569,10 +639,12 @@ fn unknown_provider_is_an_error_listing_providers() {
 /// follows the announcement unasked. The same semantics must hold whether the receive was
 /// posted first (data placed), or not: staged within `spec_buffer` (`stage`), or dropped and
 /// asked for again with `CTS` when a receive matches (`drop`, no budget).
+/// (`spec_behind`: also while other data to the same peer is queued or streaming.)
 fn spec_opts(stage: bool) -> Options {
     let mut o = Options::default();
     o.engine.spec_limit = Some(usize::MAX);
     o.engine.spec_buffer = if stage { 64 << 20 } else { 0 };
+    o.engine.spec_behind = true;
     o.engine.eager_limit = Some(4096);
     o
 }
@@ -581,6 +653,7 @@ fn spec_tiny_mailbox(stage: bool) -> Options {
     let mut o = tiny_mailbox();
     o.engine.spec_limit = Some(usize::MAX);
     o.engine.spec_buffer = if stage { 64 << 20 } else { 0 };
+    o.engine.spec_behind = true;
     o
 }
 
@@ -614,6 +687,7 @@ spec_paths!(spec_probe_iprobe_cancel, 2, probe_cancel);
 spec_paths!(spec_ssend_is_synchronous, 2, ssend_waits_for_match);
 spec_paths!(spec_waitany_and_waitall, 2, waitany_waitall);
 spec_paths!(spec_derived_datatypes, 2, datatypes);
+spec_paths!(spec_window_into_one_buffer, 2, shared_window);
 
 /// Rank 0: start sending `pattern(n_i, i)` for each size to rank 1 with tag 3, tell it to go
 /// (tag 4) before any has completed, then wait for them.
@@ -719,4 +793,31 @@ fn spec_staging_is_bounded() {
             assert_eq!(c.staged_bytes(), 0);
         }
     });
+}
+
+/// By default a send speculates only onto an idle link: three 1 MiB sends in a row through a
+/// 2-deep mailbox find the first still streaming, so only it speculates (and is staged); the
+/// others announce themselves with `RTS` (`spec_behind` makes all three speculate).
+#[test]
+fn spec_only_onto_an_idle_link() {
+    let n = 1 << 20;
+    for behind in [false, true] {
+        let mut o = spec_tiny_mailbox(true);
+        o.engine.spec_behind = behind;
+        testing::world_with(2, &o, |c| {
+            if c.rank() == 0 {
+                send_all_then_go(c, &[n; 3]);
+            } else {
+                let mut go = [0u8];
+                c.recv(&mut go, 0, 4).unwrap();
+                assert_eq!(c.staged_bytes(), if behind { 3 * n } else { n });
+                for i in 0..3 {
+                    let mut b = vec![0u8; n];
+                    c.recv(&mut b, 0, 3).unwrap();
+                    assert!(b == pattern(n, i as u8), "message {i} corrupted");
+                }
+                assert_eq!(c.staged_bytes(), 0);
+            }
+        });
+    }
 }

@@ -39,6 +39,8 @@ pub struct Plan {
     pub window: usize,
     /// Latency ping-pong from and into one buffer per rank (NetPIPE's convention).
     pub one_buffer: bool,
+    /// Streaming tests: a receive buffer per message of the window (default: one for all).
+    pub distinct_buffers: bool,
     pub n: u32,
     pub reps: usize,
     pub env: Vec<(String, String)>,
@@ -195,6 +197,9 @@ fn run_weft(
     if plan.one_buffer {
         spec.args.push("--one-buffer".into());
     }
+    if plan.distinct_buffers {
+        spec.args.push("--distinct-buffers".into());
+    }
     spec.provider = col.provider.clone();
     spec.env = plan.env.iter().chain(col.env.iter()).cloned().collect();
     spec.bind = true;
@@ -325,10 +330,12 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
             test.describe(),
             plan.reps,
             plan.n,
-            if plan.one_buffer && *test == Test::Latency {
-                ", one buffer per rank"
-            } else {
-                ""
+            match test {
+                Test::Latency if plan.one_buffer => ", one buffer per rank",
+                Test::Bw | Test::Bibw | Test::Mr if plan.distinct_buffers => {
+                    ", a receive buffer per message"
+                }
+                _ => "",
             }
         )
         .unwrap();
@@ -508,6 +515,7 @@ mod t {
             warmup: None,
             window: 64,
             one_buffer: false,
+            distinct_buffers: false,
             n: 2,
             reps: 5,
             env: vec![],

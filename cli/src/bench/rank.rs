@@ -3,7 +3,7 @@
 
 use super::tests::Test;
 use std::time::Instant;
-use weft::{Comm, DynProvider, Result};
+use weft::{Comm, DynProvider, Result, SharedBuf};
 
 /// What one job measures.
 #[derive(Debug, Clone)]
@@ -15,6 +15,8 @@ pub struct RankArgs {
     pub window: usize,
     /// Latency: send from the buffer received into (NetPIPE's convention).
     pub one_buffer: bool,
+    /// bw, bibw, mr: a receive buffer per message of the window, instead of one for all.
+    pub distinct_buffers: bool,
 }
 
 /// Iterations for `size`: the requested count, fewer for large messages so each point moves at
@@ -24,10 +26,20 @@ pub fn scaled(iters: usize, size: usize, budget: usize, floor: usize) -> usize {
     iters.min(cap).max(floor)
 }
 
-/// Window actually used for `size`: the requested one, reduced so that the receive buffers of
-/// one window (distinct buffers, as the API requires) stay under 256 MiB.
+/// Window actually used for `size`: the requested one, reduced so that the distinct buffers of
+/// one window stay under 256 MiB.
 pub fn effective_window(window: usize, size: usize) -> usize {
     window.min((256usize << 20) / size.max(1)).max(1)
+}
+
+/// Window of a streaming test: the requested one when the whole window receives into one
+/// buffer, else [`effective_window`].
+fn stream_window(window: usize, size: usize, distinct: bool) -> usize {
+    if distinct {
+        effective_window(window, size)
+    } else {
+        window.max(1)
+    }
 }
 
 fn pattern(size: usize) -> Vec<u8> {
@@ -75,6 +87,8 @@ fn latency(
 }
 
 /// Windowed streaming from `from` to `to`; both directions at once when `both`.
+/// Every receive of a window goes into one buffer (OSU's and ucx_perftest's convention), or with
+/// `distinct` each into its own, as an application's would.
 /// Returns bytes moved per second (all directions) and messages per second.
 fn stream(
     c: &Comm<DynProvider>,
@@ -83,11 +97,14 @@ fn stream(
     warmup: usize,
     window: usize,
     both: bool,
+    distinct: bool,
 ) -> Result<(f64, f64)> {
     let r = c.rank();
-    let w = effective_window(window, size);
+    let w = stream_window(window, size, distinct);
     let data = pattern(size);
-    let mut bufs: Vec<Vec<u8>> = (0..w).map(|_| vec![0u8; size]).collect();
+    let n_bufs = if distinct { w } else { 0 };
+    let mut bufs: Vec<Vec<u8>> = (0..n_bufs).map(|_| vec![0u8; size]).collect();
+    let shared = SharedBuf::new(if distinct { 0 } else { size });
     let mut ack = [0u8; 4];
     let mut t0 = Instant::now();
     if r > 1 {
@@ -104,9 +121,13 @@ fn stream(
         let receiving = r == 1 || both;
         c.scope(|s| -> Result<()> {
             let mut reqs = Vec::with_capacity(2 * w);
-            if receiving {
+            if receiving && distinct {
                 for b in bufs.iter_mut() {
                     reqs.push(c.irecv(s, b, peer, 2)?);
+                }
+            } else if receiving {
+                for _ in 0..w {
+                    reqs.push(c.irecv_shared(s, &shared, peer, 2)?);
                 }
             }
             if sending {
@@ -277,10 +298,11 @@ pub fn run(a: &RankArgs) -> Result<()> {
                 )?
             }
             Test::Bw | Test::Bibw | Test::Mr => {
-                let w = effective_window(a.window, size);
+                let w = stream_window(a.window, size, a.distinct_buffers);
                 let it = scaled(a.iters, size * w, 2 << 30, 3);
                 let wu = scaled(a.warmup, size * w, 256 << 20, 1);
-                let (bps, mps) = stream(c, size, it, wu, a.window, a.test == Test::Bibw)?;
+                let both = a.test == Test::Bibw;
+                let (bps, mps) = stream(c, size, it, wu, a.window, both, a.distinct_buffers)?;
                 if a.test == Test::Mr {
                     mps
                 } else {

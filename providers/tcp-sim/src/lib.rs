@@ -28,7 +28,7 @@ use weft::{Error, ErrorDetail, Rank, Result};
 
 weft::param!(BIND: Str = "tcp-sim", "BIND", "auto",
     "address or interface to listen on (auto: loopback when every rank is on this host, else the first non-loopback IPv4 address)");
-weft::param!(CHUNK: Size = "tcp-sim", "CHUNK", "256K",
+weft::param!(CHUNK: Size = "tcp-sim", "CHUNK", "512K",
     "largest frame payload: the rendezvous chunk size");
 weft::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
     "messages up to this size are sent eagerly");
@@ -185,6 +185,12 @@ struct Conn {
 
 /// Payloads at least this long are offered for direct placement when they arrive in pieces.
 const DIRECT_MIN: usize = 16 * 1024;
+
+/// Without simulation, a payload at least this long that finds the socket full (or frames
+/// queued before it) is refused with `Busy` instead of being copied into the queue: the core
+/// keeps it and retries, so the bytes are copied once, by the kernel. Shorter frames are queued,
+/// which lets small sends complete at once.
+const COPY_MAX: usize = 16 * 1024;
 
 /// An active message whose payload is read from the socket into the memory the core named
 /// (`Sink::am_target`), skipping the copy through `rx`.
@@ -822,57 +828,58 @@ impl TcpSim {
         let mut i = 0;
         while i < self.busy_peers.len() {
             let r = self.busy_peers[i];
-            let slot = match self.peers[r as usize].state {
-                State::Established(s) => s,
-                State::Failed => {
-                    self.busy_peers.swap_remove(i);
-                    continue;
-                }
+            match self.peers[r as usize].state {
+                State::Established(slot) => done += self.flush_peer(r, slot, now),
+                State::Failed => {}
                 _ => {
                     i += 1;
                     continue;
                 }
-            };
-            let mut failed = None;
-            {
-                let p = &mut self.peers[r as usize];
-                let c = self.conns[slot]
-                    .as_mut()
-                    .expect("established connection exists");
-                while let Some(f) = p.outq.front_mut() {
-                    if let (Some(d), Some(n)) = (f.due, now) {
-                        if d > n {
-                            break;
-                        }
-                    }
-                    match c.stream.write(&f.data[f.off..]) {
-                        Ok(n) => {
-                            f.off += n;
-                            if f.off == f.data.len() {
-                                p.out_bytes -= f.data.len();
-                                if let Some(f) = p.outq.pop_front() {
-                                    self.spare.give(f.data);
-                                }
-                                done += 1;
-                            }
-                        }
-                        Err(e) if would_block(&e) => break,
-                        Err(e) => {
-                            failed = Some(format!("connection error: {e}"));
-                            break;
-                        }
-                    }
-                }
-            }
-            if let Some(w) = failed {
-                self.fail_peer(r, w);
-                continue;
             }
             if self.peers[r as usize].outq.is_empty() {
                 self.busy_peers.swap_remove(i);
             } else {
                 i += 1;
             }
+        }
+        done
+    }
+
+    /// Write `r`'s queued frames (those due by `now` when simulating) on its connection `slot`
+    /// until the socket is full; a write error fails the peer. Returns frames completed.
+    fn flush_peer(&mut self, r: Rank, slot: usize, now: Option<Instant>) -> usize {
+        let mut done = 0;
+        let mut failed = None;
+        let p = &mut self.peers[r as usize];
+        let c = self.conns[slot]
+            .as_mut()
+            .expect("established connection exists");
+        while let Some(f) = p.outq.front_mut() {
+            if let (Some(d), Some(n)) = (f.due, now) {
+                if d > n {
+                    break;
+                }
+            }
+            match c.stream.write(&f.data[f.off..]) {
+                Ok(n) => {
+                    f.off += n;
+                    if f.off == f.data.len() {
+                        p.out_bytes -= f.data.len();
+                        if let Some(f) = p.outq.pop_front() {
+                            self.spare.give(f.data);
+                        }
+                        done += 1;
+                    }
+                }
+                Err(e) if would_block(&e) => break,
+                Err(e) => {
+                    failed = Some(format!("connection error: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(w) = failed {
+            self.fail_peer(r, w);
         }
         done
     }
@@ -932,6 +939,16 @@ impl Provider for TcpSim {
             return Err(Error::peer_failed(dest, "connection lost"));
         }
         let mut written = 0;
+        if let (State::Established(slot), None) = (state, &self.sim) {
+            // Frames queued earlier go first; when they are all out, this one can go straight.
+            if !self.peers[dest as usize].outq.is_empty() {
+                self.flush_peer(dest, slot, None);
+                if self.peers[dest as usize].state == State::Failed {
+                    return Err(Error::peer_failed(dest, "connection lost"));
+                }
+            }
+        }
+        let large = total >= COPY_MAX;
         if let (State::Established(slot), true, None) =
             (state, self.peers[dest as usize].outq.is_empty(), &self.sim)
         {
@@ -946,6 +963,9 @@ impl Provider for TcpSim {
             match c.stream.write_vectored(&iov) {
                 Ok(n) if n == flen => return Ok(SendOutcome::Sent),
                 Ok(n) => written = n,
+                // A full socket: a large payload stays with the caller (it retries after
+                // `progress`) rather than being copied here.
+                Err(e) if would_block(&e) && large => return Ok(SendOutcome::Busy),
                 Err(e) if would_block(&e) => {}
                 Err(e) => {
                     let w = format!("connection error: {e}");
@@ -955,7 +975,10 @@ impl Provider for TcpSim {
             }
         }
         let p = &mut self.peers[dest as usize];
-        if written == 0 && !p.outq.is_empty() && p.out_bytes + flen > self.cfg.queue {
+        if written == 0
+            && !p.outq.is_empty()
+            && (p.out_bytes + flen > self.cfg.queue || (large && self.sim.is_none()))
+        {
             return Ok(SendOutcome::Busy);
         }
         // Queue (the rest of) the frame.

@@ -7,7 +7,8 @@
 //! prints a table; `weft::testing::world_dyn` runs it in-process.
 
 use weft::{
-    Assert, Comm, Datatype, DynProvider, ErrorKind, LockKind, Op, WinInfo, ANY_SOURCE, ANY_TAG,
+    Assert, Comm, Datatype, DynProvider, ErrorKind, LockKind, Op, SharedBuf, WinInfo, ANY_SOURCE,
+    ANY_TAG,
 };
 
 /// The C example provider (`libweft-cdgram.so`) and its deliberately faulty twin
@@ -81,6 +82,7 @@ pub const CHECKS: &[(&str, &str, Check)] = &[
     ("two-sided", "truncation", truncation),
     ("two-sided", "probe and cancel", probe_cancel),
     ("two-sided", "synchronous send", ssend),
+    ("two-sided", "a window into one buffer", shared_window),
     ("datatypes", "vector, indexed, struct", datatypes),
     ("rma", "fence put/get", rma_fence),
     ("rma", "post-start-complete-wait", rma_pscw),
@@ -279,6 +281,46 @@ fn truncation(c: &Comm<DynProvider>) -> Result<(), String> {
             ensure!(
                 b[..16] == pattern(n, 5)[..16],
                 "the received prefix differs"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Windows of receives posted into one buffer (OSU's and ucx_perftest's bandwidth tests do
+/// this): every receive completes with its own status, and identical messages leave the buffer
+/// holding that message, whichever protocol (eager, rendezvous, direct placement) carried them.
+fn shared_window(c: &Comm<DynProvider>) -> Result<(), String> {
+    const WINDOW: usize = 16;
+    for (i, size) in [8usize, 100_000, 1 << 20].into_iter().enumerate() {
+        let tag = 60 + i as i32;
+        if c.rank() == 0 {
+            let data = pattern(size, i as u8);
+            c.scope(|s| -> Result<(), String> {
+                let reqs = (0..WINDOW)
+                    .map(|_| w(c.isend(s, &data, 1, tag)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                w(weft::waitall(reqs))?;
+                Ok(())
+            })?;
+        } else if c.rank() == 1 {
+            // One byte more than a message: each status must report the message's length.
+            let mut buf = SharedBuf::new(size + 1);
+            let sts = c.scope(|s| -> Result<Vec<weft::Status>, String> {
+                let reqs = (0..WINDOW)
+                    .map(|_| w(c.irecv_shared(s, &buf, 0, tag)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                w(weft::waitall(reqs))
+            })?;
+            ensure!(
+                sts.iter()
+                    .all(|st| st.bytes == size && st.source == 0 && st.tag == tag),
+                "{size} B: statuses {sts:?}"
+            );
+            let got = buf.as_mut_slice();
+            ensure!(
+                got[..size] == pattern(size, i as u8)[..] && got[size] == 0,
+                "{size} B: the buffer does not hold the message"
             );
         }
     }

@@ -38,7 +38,7 @@ weft::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
 weft::param!(DIRECT: Bool = "tcp-sim", "DIRECT", "1",
     "read large payloads from the socket straight into the receive buffer when the core names it (0: always through the connection's buffer)");
 weft::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
-    "unsent bytes a connection may buffer before senders see Busy");
+    "unsent bytes a connection may buffer before senders see Busy (at least two frames; simulating, plus the bytes on the simulated wire)");
 weft::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
     "simulated one-way delay added to every frame, in microseconds");
 weft::param!(BW_MBPS: Float = "tcp-sim", "BW_MBPS", "0",
@@ -84,7 +84,9 @@ impl Config {
             chunk,
             eager: EAGER.get_size()?.min(chunk),
             direct: DIRECT.get_bool()?,
-            queue: QUEUE.get_size()?.max(FRAME_HDR + MAX_HEADER + chunk),
+            // At least two whole frames: when simulating, one is being serialised through the
+            // token bucket while the next waits (with one, the link idles between frames).
+            queue: QUEUE.get_size()?.max(2 * (FRAME_HDR + MAX_HEADER + chunk)),
             delay: Duration::from_micros(DELAY_US.get_u64()?),
             jitter: Duration::from_micros(JITTER_US.get_u64()?),
             rate: (bw > 0.0).then_some(bw * 1e6),
@@ -185,6 +187,10 @@ struct Conn {
     /// for direct placement.
     expect_large: bool,
 }
+
+/// Rate at which a simulated link without `WEFT_TCP_SIM_BW_MBPS` is assumed to carry data when
+/// sizing what may be in flight on it (loopback TCP moves 3–5 GB/s here).
+const SIM_FAST_LINK: f64 = 10e9;
 
 /// Frames up to this long are gathered on the stack and written with one `send`.
 const SMALL_FRAME: usize = 256;
@@ -290,6 +296,12 @@ struct Sim {
     delay: Duration,
     jitter: Duration,
     rate: Option<f64>,
+    /// Frames wait in the connection's queue until their arrival time: this many bytes of them
+    /// may be "on the wire" on top of `WEFT_TCP_SIM_QUEUE` (the bandwidth-delay product), as a
+    /// real connection keeps its window in flight. Without it a 100 µs delay lets one or two
+    /// frames through per delay; with much more, frames are copied long before they are
+    /// written and have left the cache (both measured slower).
+    in_flight: usize,
     nic_free: Instant,
     rng: u64,
 }
@@ -390,12 +402,20 @@ impl TcpSim {
             delay: cfg.delay,
             jitter: cfg.jitter,
             rate: cfg.rate,
+            in_flight: ((cfg.delay + cfg.jitter).as_secs_f64() * cfg.rate.unwrap_or(SIM_FAST_LINK))
+                as usize,
             nic_free: Instant::now(),
             rng: 0x9E37_79B9_7F4A_7C15 ^ (rank as u64 + 1),
         });
         let limits = Limits {
             max_hdr: MAX_HEADER,
             max_payload: cfg.chunk,
+        };
+        // Simulating, every frame goes through the queue, up to the bytes on the simulated wire:
+        // keep enough buffers for them (fresh frame-sized allocations fault in every page).
+        let spare_frames = match &sim {
+            Some(s) => SPARE_FRAMES + (cfg.queue + s.in_flight) / cfg.chunk,
+            None => SPARE_FRAMES,
         };
         Ok(TcpSim {
             rank,
@@ -418,7 +438,7 @@ impl TcpSim {
             sim,
             selfq: VecDeque::new(),
             failures: Vec::new(),
-            spare: weft::BufPool::new(SPARE_FRAMES, usize::MAX),
+            spare: weft::BufPool::new(spare_frames, usize::MAX),
             limits,
             direct: Vec::new(),
             polls: 0,
@@ -993,9 +1013,11 @@ impl Provider for TcpSim {
             }
         }
         let p = &mut self.peers[dest as usize];
+        // When simulating, the queue also holds the frames on the simulated wire.
+        let limit = self.cfg.queue + self.sim.as_ref().map_or(0, |s| s.in_flight);
         if written == 0
             && !p.outq.is_empty()
-            && (p.out_bytes + flen > self.cfg.queue || (large && self.sim.is_none()))
+            && (p.out_bytes + flen > limit || (large && self.sim.is_none()))
         {
             return Ok(SendOutcome::Busy);
         }

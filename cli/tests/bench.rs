@@ -115,12 +115,18 @@ fn a_short_sweep_writes_json_csv_and_plot() {
         assert_eq!(r["baseline"], false, "{r}");
         let unit = if r["test"] == "bw" { "MB/s" } else { "us" };
         assert_eq!(r["unit"], unit, "{r}");
+        let buffers = match r["test"].as_str() {
+            Some("bw") => "one receive buffer per window",
+            Some("latency") => "separate send and receive buffers",
+            _ => "",
+        };
+        assert_eq!(r["buffers"], buffers, "{r}");
         let variant = r["provider"] == "shm/mpsc";
         assert_eq!(r["env"]["WEFT_SHM_QUEUE"].is_string(), variant, "{r}");
     }
     let csv = std::fs::read_to_string(&csv).unwrap();
     assert!(
-        csv.starts_with("test,provider,baseline,size,unit,median,min,max,reps"),
+        csv.starts_with("test,provider,baseline,size,unit,median,min,max,reps,buffers,env"),
         "{csv}"
     );
     assert_eq!(csv.lines().count(), 1 + rows.len(), "{csv}");

@@ -60,7 +60,23 @@ pub struct Row {
     pub min: f64,
     pub max: f64,
     pub reps: usize,
+    /// weft's buffer convention for this test ([`buffers`]); empty for baselines.
+    pub buffers: String,
     pub env: BTreeMap<String, String>,
+}
+
+/// How `test` uses buffers under `plan`, for the report: (description, whether it is the
+/// non-default choice and so goes into the table header too). Empty for tests without a choice.
+pub fn buffers(plan: &Plan, test: Test) -> (&'static str, bool) {
+    match test {
+        Test::Latency if plan.one_buffer => ("one buffer per rank", true),
+        Test::Latency => ("separate send and receive buffers", false),
+        Test::Bw | Test::Bibw | Test::Mr if plan.distinct_buffers => {
+            ("a receive buffer per message", true)
+        }
+        Test::Bw | Test::Bibw | Test::Mr => ("one receive buffer per window", false),
+        _ => ("", false),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -292,6 +308,10 @@ pub fn execute(plan: &Plan) -> (Report, Vec<String>) {
                 min: mn,
                 max: mx,
                 reps,
+                buffers: match col.baseline {
+                    Some(_) => String::new(),
+                    None => buffers(plan, test).0.into(),
+                },
                 env: plan.env.iter().chain(col.env.iter()).cloned().collect(),
             });
         }
@@ -330,12 +350,9 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
             test.describe(),
             plan.reps,
             plan.n,
-            match test {
-                Test::Latency if plan.one_buffer => ", one buffer per rank",
-                Test::Bw | Test::Bibw | Test::Mr if plan.distinct_buffers => {
-                    ", a receive buffer per message"
-                }
-                _ => "",
+            match buffers(plan, *test) {
+                (b, true) => format!(", {b}"),
+                _ => String::new(),
             }
         )
         .unwrap();
@@ -425,12 +442,12 @@ pub fn render_tables(plan: &Plan, report: &Report, ratio_to: Option<&str>) -> St
 }
 
 pub fn to_csv(report: &Report) -> String {
-    let mut s = String::from("test,provider,baseline,size,unit,median,min,max,reps,env\n");
+    let mut s = String::from("test,provider,baseline,size,unit,median,min,max,reps,buffers,env\n");
     for r in &report.results {
         let env: Vec<String> = r.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},\"{}\"",
+            "{},{},{},{},{},{},{},{},{},{},\"{}\"",
             r.test,
             r.provider,
             r.baseline,
@@ -440,6 +457,7 @@ pub fn to_csv(report: &Report) -> String {
             r.min,
             r.max,
             r.reps,
+            r.buffers,
             env.join(" ")
         )
         .unwrap();
@@ -547,6 +565,7 @@ mod t {
                         min: x,
                         max: x,
                         reps: 5,
+                        buffers: String::new(),
                         env: BTreeMap::new(),
                     });
                 }

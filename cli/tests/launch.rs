@@ -306,3 +306,14 @@ fn limic_unavailable_without_cross_memory_attach() {
     );
     assert!(shm_leftovers().is_empty(), "{:?}", shm_leftovers());
 }
+
+/// The leftover check of these tests skips only objects of jobs whose launcher still runs
+/// (tests run in parallel); objects of ended jobs, or named otherwise, count.
+#[test]
+fn leftover_check_skips_only_running_jobs() {
+    let me = std::process::id();
+    assert!(launcher_running(&format!("weft-weft-{me}-123-h0-limic")));
+    assert!(!launcher_running("weft-weft-4000000000-123-h0-limic"));
+    assert!(!launcher_running("weft-kvs_77_0-h0"));
+    assert!(!launcher_running("weft-weft-x-h0"));
+}

@@ -112,15 +112,33 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// weft shared-memory objects in /dev/shm whose name contains `needle` (or any, if empty).
+/// weft shared-memory objects in /dev/shm that no running job owns: what ended jobs left.
 pub fn shm_leftovers() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("weft-"))
+        .filter(|n| n.starts_with("weft-") && !launcher_running(n))
         .collect()
+}
+
+/// Objects are named `weft-weft-<launcher pid>-<suffix>-...`; while that launcher still runs
+/// (another test's job, in parallel with this one), its objects are not leftovers: it removes
+/// them when its job ends.
+pub fn launcher_running(name: &str) -> bool {
+    let Some(pid) = name
+        .strip_prefix("weft-weft-")
+        .and_then(|r| r.split('-').next())
+        .and_then(|p| p.parse::<u32>().ok())
+    else {
+        return false;
+    };
+    // A zombie has already cleaned up and exited.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z'))
 }
 
 /// A directory holding the example providers as `libweft-rdgram.so` (the Rust cdylib, built

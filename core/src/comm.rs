@@ -156,10 +156,17 @@ pub(crate) struct Shared<P: Provider> {
     next_ctx: Cell<u32>,
     next_scope: Cell<u64>,
     provider_name: String,
+    /// World rank of this process.
+    rank: u32,
     closed: Cell<bool>,
 }
 
 impl<P: Provider> Shared<P> {
+    /// This process's world rank (without borrowing the engine).
+    pub(crate) fn engine_rank(&self) -> u32 {
+        self.rank
+    }
+
     fn close(&self) -> Result<()> {
         if self.closed.replace(true) {
             return Ok(());
@@ -217,6 +224,7 @@ impl<P: Provider> World<P> {
             next_ctx: Cell::new(2),
             next_scope: Cell::new(1),
             provider_name: name,
+            rank,
             closed: Cell::new(false),
         });
         Ok(World {
@@ -795,6 +803,17 @@ impl<P: Provider> Comm<P> {
     /// Requests currently alive in the engine (diagnostics).
     pub fn live_requests(&self) -> usize {
         self.sh.engine.borrow().live_requests()
+    }
+
+    /// Bytes of payload the engine holds copies of while they wait to be sent (diagnostics).
+    pub fn queued_bytes(&self) -> usize {
+        self.sh.engine.borrow().st.queued_copies()
+    }
+
+    /// Bytes of eager messages waiting in the unexpected queue (diagnostics; each peer's
+    /// share is bounded by `WEFT_EAGER_WINDOW`).
+    pub fn unexpected_bytes(&self) -> usize {
+        self.sh.engine.borrow().st.unexpected_bytes
     }
 
     /// Announced bytes of speculative messages held for receives not posted yet

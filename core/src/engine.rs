@@ -48,6 +48,29 @@ const H_FIN: u8 = 5;
 const H_SACK: u8 = 6;
 const H_SPEC: u8 = 7;
 const H_SDATA: u8 = 8;
+const H_CREDIT: u8 = 9;
+
+/// Bytes an eager message counts against its peer's window besides its payload: the share of
+/// an unexpected-queue entry and its header.
+const EAGER_OVERHEAD: usize = 64;
+
+/// The exact header length of a message of `kind` whose second byte is `flags` (for the kinds
+/// that have a flags byte), or `None` for an unknown kind. Every handler's fields are fixed,
+/// so a header of any other length is a protocol error, caught before anything is done.
+fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
+    Some(match kind {
+        H_EAGER => 10 + if flags? & F_SYNC != 0 { 8 } else { 0 },
+        H_RTS => 26 + if flags? & F_REMOTE != 0 { 16 } else { 0 },
+        H_CTS => 25,
+        H_DATA | H_SDATA => 17,
+        H_FIN | H_SACK | H_CREDIT => 9,
+        H_SPEC => 26,
+        k => return crate::rma::header_len(k),
+    })
+}
+
+/// Quarantined request ids remembered for dropping their late messages quietly.
+const QUARANTINE_MEMORY: usize = 4096;
 
 const F_SYNC: u8 = 1;
 const F_REMOTE: u8 = 2;
@@ -347,8 +370,13 @@ impl RecvBuf {
 
 // ------------------------------------------------------------------------------------ requests
 
-/// Request id: generation in the high 32 bits, slot in the low 32.
+/// Request id: generation in bits 32..63, slot in the low 32. Bit 63 is never set (it marks
+/// RMA tokens, see `rma::RMA_TOKEN`) and no id is 0 (which the C ABI reads as "no token").
 pub(crate) type ReqId = u64;
+
+/// Largest slot generation: a slot whose generation reaches it is retired instead of reused,
+/// so an id is never issued twice and never has bit 63 set.
+const MAX_GEN: u32 = 0x7fff_ffff;
 
 #[derive(Debug)]
 enum SendPhase {
@@ -450,7 +478,8 @@ impl Slab {
         self.live += 1;
         if let Some(i) = self.free.pop() {
             let s = &mut self.slots[i as usize];
-            s.gen = s.gen.wrapping_add(1);
+            // `remove` frees only slots whose generation can still grow.
+            s.gen += 1;
             s.req = Some(r);
             ((s.gen as u64) << 32) | i as u64
         } else {
@@ -485,7 +514,11 @@ impl Slab {
             return None;
         }
         self.live -= 1;
-        self.free.push(i as u32);
+        // A slot at the last generation is retired (a few bytes per 2^31 uses of one slot),
+        // so a late completion for an old id can never reach a new request.
+        if s.gen < MAX_GEN {
+            self.free.push(i as u32);
+        }
         s.req.take()
     }
 
@@ -531,8 +564,11 @@ pub(crate) enum Out {
     Ctrl(Hdr),
     /// Header and an owned payload (RMA replies, aggregated batches).
     Owned(Hdr, Vec<u8>),
-    /// Header and a payload in user memory that stays valid until the outbox is drained (RMA
-    /// origin buffers, borrowed by their epoch, which drains the outbox before it ends).
+    /// Header and a payload in memory that stays valid until the message is sent: RMA origin
+    /// buffers, borrowed by their epoch, which drains the outbox before it ends; and window
+    /// memory that a GET reply is read from as the outbox drains (so a large get costs no
+    /// copy of the window at the target). Whoever ends that validity first turns the
+    /// payloads into copies (`State::own_raw_payloads`, `State::own_raw_to`).
     Raw(Hdr, RawIov),
     /// The `SPEC` frame of a speculative rendezvous send (header and first chunk).
     Spec(ReqId),
@@ -567,6 +603,10 @@ pub struct EngineConfig {
     /// Speculate also behind data already queued or streaming to the same peer (by default
     /// only onto an idle link: behind other data the `RTS`/`CTS` round trip overlaps that data).
     pub spec_behind: bool,
+    /// Eager bytes a rank may have sent to one peer that the peer has not matched yet; beyond
+    /// it, messages go by rendezvous until the peer's receives catch up (flow control: what a
+    /// peer can make this rank hold in its unexpected queue is bounded by it).
+    pub eager_window: usize,
 }
 
 impl Default for EngineConfig {
@@ -579,6 +619,7 @@ impl Default for EngineConfig {
             spec_limit: None,
             spec_buffer: 4 << 20,
             spec_behind: false,
+            eager_window: 8 << 20,
         }
     }
 }
@@ -593,6 +634,8 @@ crate::param!(SPEC_LIMIT: Str = "", "SPEC_LIMIT", "auto",
     "rendezvous messages up to this size send their data without waiting for the receiver's CTS: a size, 0 (never) or auto (4M on providers that span hosts and cannot read remote memory, else 0)");
 crate::param!(SPEC_BEHIND: Bool = "", "SPEC_BEHIND", "0",
     "1: speculate also behind data already queued or streaming to the same peer; 0: only onto an idle link, since behind other data the RTS/CTS round trip is hidden anyway");
+crate::param!(EAGER_WINDOW: Size = "", "EAGER_WINDOW", "8M",
+    "eager bytes a rank may send to one peer before that peer matches them; beyond, messages go by rendezvous (bounds each peer's share of the receiver's unexpected queue; the same on every rank)");
 crate::param!(SPEC_BUFFER: Size = "", "SPEC_BUFFER", "4M",
     "speculative messages that arrive before their receive are held up to this many bytes in all; beyond, their data is dropped and sent again when a receive matches");
 
@@ -645,6 +688,7 @@ impl EngineConfig {
             spec_limit: spec_limit_from_env()?,
             spec_buffer: SPEC_BUFFER.get_size()?,
             spec_behind: SPEC_BEHIND.get_bool()?,
+            eager_window: EAGER_WINDOW.get_size()?,
         })
     }
 }
@@ -666,6 +710,13 @@ pub(crate) struct State {
     spec_staged: Vec<Staged>,
     pub(crate) spec_staged_bytes: usize,
     spec_buffer: usize,
+    /// Eager flow control (see `EngineConfig::eager_window`): bytes sent to each peer and not
+    /// yet credited back, and bytes received from each peer, matched, not yet credited.
+    eager_window: usize,
+    eager_out: Vec<usize>,
+    eager_in: Vec<usize>,
+    /// Bytes of eager payload waiting in the unexpected queue (diagnostics).
+    pub(crate) unexpected_bytes: usize,
     nt_copy_min: usize,
     chunk: usize,
     rma_read: bool,
@@ -683,6 +734,16 @@ pub(crate) struct State {
     /// Finalize passed its barrier: peers going away now is expected.
     pub(crate) closing: bool,
     scratch: Vec<u8>,
+    /// Requests given up by [`Engine::quarantine`] (the most recent ones): what still arrives
+    /// for them is dropped quietly instead of being taken for a peer's protocol error.
+    quarantined: VecDeque<ReqId>,
+    /// Peers that sent something malformed: failed, and nothing more from them is taken.
+    rogue: Vec<bool>,
+    /// The provider reported something impossible (a message from outside the world):
+    /// `progress` fails with this.
+    provider_fault: Option<String>,
+    /// Scratch for applying active-message accumulates to a copy of window bytes.
+    pub(crate) scratch_acc: Vec<u8>,
     /// Small payload buffers kept for reuse: of sent `Out::Owned` messages (RMA replies,
     /// batches) and of unexpected eager messages once received, which would otherwise cost an
     /// allocation each.
@@ -748,6 +809,10 @@ impl<P: Provider> Engine<P> {
             spec_staged: Vec::new(),
             spec_staged_bytes: 0,
             spec_buffer: cfg.spec_buffer,
+            eager_window: cfg.eager_window.max(2 * (eager_limit + EAGER_OVERHEAD)),
+            eager_out: vec![0; size as usize],
+            eager_in: vec![0; size as usize],
+            unexpected_bytes: 0,
             nt_copy_min: cfg.nt_copy_min,
             chunk: caps.max_am_payload,
             rma_read,
@@ -765,6 +830,10 @@ impl<P: Provider> Engine<P> {
             rma: Default::default(),
             closing: false,
             scratch: Vec::new(),
+            quarantined: VecDeque::new(),
+            rogue: vec![false; size as usize],
+            provider_fault: None,
+            scratch_acc: Vec::new(),
             // 32 buffers of up to 32 KiB: a small-message epoch's replies and batches.
             spare: crate::BufPool::new(32, 32 << 10),
         };
@@ -799,7 +868,7 @@ impl<P: Provider> Engine<P> {
         if self.st.caps.tagged {
             return self.native_send(dest, ctx, tag, buf, sync, scope);
         }
-        if buf.len <= self.st.eager_limit {
+        if buf.len <= self.st.eager_limit && self.st.eager_credit(dest, buf.len) {
             // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
             // plain send then needs no request at all.
             if !sync && self.st.outq[dest as usize].is_empty() {
@@ -993,7 +1062,12 @@ impl<P: Provider> Engine<P> {
                     let n = data.len().min(buf.cap);
                     buf.write(0, &data[..n]);
                     let st = status(msrc, mtag, data.len());
+                    self.st.unexpected_bytes -= data.len();
+                    self.st.eager_consumed(msrc, data.len());
                     self.st.recycle(data);
+                    if sreq.is_none() && !self.st.out_pending.is_empty() {
+                        self.flush_out()?;
+                    }
                     if let Some(s) = sreq {
                         let mut h = Hdr::new(H_SACK);
                         h.u64(s);
@@ -1063,6 +1137,10 @@ impl<P: Provider> Engine<P> {
             .iter()
             .position(|e| e.src == src && e.sreq == sreq)
         else {
+            // Released when its sender failed before all of it arrived.
+            if let Some(why) = &st.failed[src as usize] {
+                return Err(Error::peer_failed(src, why.clone()));
+            }
             return Err(Error::malformed(src, "staged speculative message lost"));
         };
         let staged = st.spec_staged.swap_remove(i);
@@ -1187,6 +1265,12 @@ impl<P: Provider> Engine<P> {
     /// One round: provider arrivals, then queued sends, streams and RMA reads.
     pub(crate) fn progress(&mut self) -> Result<usize> {
         let mut n = self.p.progress(&mut self.st)?;
+        if let Some(why) = &self.st.provider_fault {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{}' is broken: it {why}",
+                self.p.name()
+            ))));
+        }
         if !self.st.out_pending.is_empty() || !self.st.streams.is_empty() {
             n += self.flush_out()?;
         }
@@ -1202,6 +1286,10 @@ impl<P: Provider> Engine<P> {
     }
 
     /// Send queued messages in per-destination order, then advance rendezvous streams.
+    ///
+    /// A send the provider refuses with an error fails what it belongs to, never the queue: a
+    /// user's message fails its request; a protocol message (a reply, a handshake), whose loss
+    /// would leave this rank or the peer waiting, fails the peer. Either way the queue moves on.
     pub(crate) fn flush_out(&mut self) -> Result<usize> {
         let mut sent = 0;
         let mut i = 0;
@@ -1209,22 +1297,20 @@ impl<P: Provider> Engine<P> {
             let dest = self.st.out_pending[i];
             let mut blocked = false;
             while let Some(item) = self.st.outq[dest as usize].front() {
-                let outcome = match item {
+                let tried = match item {
                     Out::Ctrl(h) => {
                         let h = *h;
-                        self.p.am_send(dest, h.bytes(), &[])?
+                        self.p.am_send(dest, h.bytes(), &[])
                     }
-                    Out::Owned(h, data) => {
-                        self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)])?
-                    }
+                    Out::Owned(h, data) => self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)]),
                     Out::Raw(h, r) => {
                         // SAFETY: see `Out::Raw`: the memory outlives the queued message.
                         let data = unsafe { raw_slice(r) };
-                        self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)])?
+                        self.p.am_send(dest, h.bytes(), &[IoSlice::new(data)])
                     }
                     Out::Spec(id) => {
                         let id = *id;
-                        self.send_spec_head(id)?
+                        self.send_spec_head(id)
                     }
                     Out::Eager(id) => {
                         let id = *id;
@@ -1243,8 +1329,8 @@ impl<P: Provider> Engine<P> {
                                 }
                                 let (buf, sync, rdest, tag) =
                                     (r.buf.clone(), r.sync, r.dest, r.tag);
-                                let o = self.send_eager_now(rdest, &h, &buf)?;
-                                if o == SendOutcome::Sent {
+                                let o = self.send_eager_now(rdest, &h, &buf);
+                                if o.as_ref().is_ok_and(|o| *o == SendOutcome::Sent) {
                                     if sync {
                                         self.st.set_send_phase(id, SendPhase::WaitAck);
                                     } else {
@@ -1254,8 +1340,18 @@ impl<P: Provider> Engine<P> {
                                 o
                             }
                             // Failed or cancelled meanwhile: drop it.
-                            _ => SendOutcome::Sent,
+                            _ => Ok(SendOutcome::Sent),
                         }
+                    }
+                };
+                let outcome = match tried {
+                    Ok(o) => o,
+                    Err(e) => {
+                        self.send_failed(dest, e);
+                        if self.st.outq[dest as usize].is_empty() {
+                            break;
+                        }
+                        continue;
                     }
                 };
                 if outcome == SendOutcome::Busy {
@@ -1276,6 +1372,30 @@ impl<P: Provider> Engine<P> {
         }
         sent += self.pump_streams()?;
         Ok(sent)
+    }
+
+    /// The provider refused the message at the head of `dest`'s queue with `e`: drop it and
+    /// fail what it belongs to (see `flush_out`).
+    fn send_failed(&mut self, dest: Rank, e: Error) {
+        let Some(item) = self.st.outq[dest as usize].pop_front() else {
+            return;
+        };
+        match item {
+            Out::Eager(id) | Out::Spec(id) if e.kind() != ErrorKind::PeerFailed => {
+                tracing::debug!(peer = dest, "a send failed: {e}");
+                self.st.finish(id, Err(e));
+            }
+            other => {
+                if let Out::Owned(_, data) = other {
+                    self.st.recycle(data);
+                }
+                let why = match e.detail() {
+                    ErrorDetail::PeerFailed { reason, .. } => reason.clone(),
+                    _ => format!("sending to it failed: {e}"),
+                };
+                self.st.fail_peer(dest, &why);
+            }
+        }
     }
 
     /// Advance the data of rendezvous sends: `DATA` after a `CTS`, `SDATA` of speculative ones.
@@ -1332,12 +1452,23 @@ impl<P: Provider> Engine<P> {
                     dest,
                     h.bytes(),
                     &pieces,
-                )? {
-                    SendOutcome::Sent => {
+                ) {
+                    Ok(SendOutcome::Sent) => {
                         off += n;
                         sent += 1;
                     }
-                    SendOutcome::Busy => break,
+                    Ok(SendOutcome::Busy) => break,
+                    Err(e) => {
+                        // The stream cannot go on: its send fails (and with it the peer, whose
+                        // receive would otherwise wait for the rest).
+                        self.st.finish(id, Err(e.clone()));
+                        let why = match e.detail() {
+                            ErrorDetail::PeerFailed { reason, .. } => reason.clone(),
+                            _ => format!("sending to it failed: {e}"),
+                        };
+                        self.st.fail_peer(dest, &why);
+                        break;
+                    }
                 }
             }
             let mut finished = false;
@@ -1474,13 +1605,74 @@ impl<P: Provider> Engine<P> {
         }
     }
 
+    /// Wait for request `id`. If the wait itself fails (timeout, provider error) the request
+    /// is quarantined: it gives up its buffer before the error is returned.
     pub(crate) fn wait(&mut self, id: ReqId) -> Result<Status> {
         let mut out = None;
-        self.wait_until("a request", |e| {
+        if let Err(e) = self.wait_until("a request", |e| {
             out = e.try_take(id);
             out.is_some()
-        })?;
+        }) {
+            self.quarantine(id);
+            return Err(e);
+        }
         out.expect("set when done")
+    }
+
+    /// Give up request `id` without waiting for it: once this returns, nothing writes into its
+    /// buffer or reads from it, so the caller may free the memory.
+    ///
+    /// Where the engine performs every access itself (the active-message protocols), the
+    /// request is dropped and whatever still arrives for it is discarded. Where the provider
+    /// holds a pointer into the buffer that it cannot hand back (a native send or a matched
+    /// native receive, an RMA read in flight), no safe way remains but to end the process, as
+    /// MPI's default error handler does: waiting longer is a hang, and returning would let the
+    /// provider write into memory the caller is about to free.
+    pub(crate) fn quarantine(&mut self, id: ReqId) {
+        let held = match self.st.reqs.get(id) {
+            None => return,
+            Some(Req { done: Some(_), .. }) => {
+                self.st.reqs.remove(id);
+                return;
+            }
+            Some(Req { kind, .. }) => match kind {
+                Kind::NSend { .. } => Some("a send whose buffer the provider may still read"),
+                Kind::NRecv { .. } => match self.p.tagged_cancel(id) {
+                    Ok(true) => None,
+                    _ => Some("a matched receive the provider may still write into"),
+                },
+                Kind::Recv(RecvReq {
+                    phase: RecvPhase::Reading { issued: true, .. },
+                    ..
+                }) => Some("an RMA read the provider is still performing into a receive buffer"),
+                _ => None,
+            },
+        };
+        if let Some(what) = held {
+            fatal(self.p.rank(), what);
+        }
+        let Some(req) = self.st.reqs.remove(id) else {
+            return;
+        };
+        match req.kind {
+            Kind::Recv(r) => match r.phase {
+                RecvPhase::Posted(h) => {
+                    self.st.matcher.cancel(h);
+                }
+                RecvPhase::Stream { .. } => self.st.spec_done(id),
+                RecvPhase::Reading { .. } => {}
+            },
+            Kind::Send(s) => {
+                // The receiver may hold the key for a read: revoke it now.
+                if let Some(m) = s.mr {
+                    if let Err(e) = self.p.mr_deregister(&m) {
+                        tracing::warn!("deregistration failed: {e}");
+                    }
+                }
+            }
+            Kind::NSend { .. } | Kind::NRecv { .. } => {}
+        }
+        self.st.note_quarantined(id);
     }
 
     pub(crate) fn is_done(&self, id: ReqId) -> bool {
@@ -1518,7 +1710,9 @@ impl<P: Provider> Engine<P> {
         }
     }
 
-    /// Complete every request of `scope` (receives that have not matched are cancelled).
+    /// Complete every request of `scope` (receives that have not matched are cancelled). If a
+    /// wait fails, the scope's remaining requests are quarantined without waiting (each would
+    /// fail the same way), so the scope's buffers may go away when this returns, in any case.
     pub(crate) fn drain_scope(&mut self, scope: u64) -> Result<()> {
         if self.st.reqs.live == 0 {
             return Ok(());
@@ -1531,7 +1725,12 @@ impl<P: Provider> Engine<P> {
             .filter(|id| self.st.reqs.get(*id).is_some_and(|r| r.scope == scope))
             .collect();
         let mut first_err = None;
+        let mut broken = false;
         for id in ids {
+            if broken {
+                self.quarantine(id);
+                continue;
+            }
             let is_recv = matches!(
                 self.st.reqs.get(id).map(|r| &r.kind),
                 Some(Kind::Recv(_) | Kind::NRecv { .. })
@@ -1539,11 +1738,49 @@ impl<P: Provider> Engine<P> {
             if is_recv {
                 let _ = self.cancel(id);
             }
-            if let Err(e) = self.wait(id) {
-                first_err.get_or_insert(e);
+            let mut out = None;
+            match self.wait_until("a request at the end of its scope", |e| {
+                out = e.try_take(id);
+                out.is_some()
+            }) {
+                Ok(()) => {
+                    if let Some(Err(e)) = out {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Err(e) => {
+                    self.quarantine(id);
+                    broken = true;
+                    first_err.get_or_insert(e);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Give up RMA operations whose completion wait failed (see [`Engine::quarantine`]):
+    /// queued messages that still point at origin buffers get a copy of their data, and
+    /// replies that arrive later for `tokens` are dropped. `native_outstanding`: the provider
+    /// may still be performing native operations into this window's buffers, which only
+    /// ending the process can stop.
+    pub(crate) fn quarantine_rma(&mut self, tokens: &[u64], native_outstanding: bool) {
+        self.st.own_raw_payloads();
+        let native = tokens.iter().any(|t| {
+            matches!(
+                self.st.rma.waits.get(t),
+                Some(crate::rma::Wait::Native { done: false, .. })
+            )
+        });
+        if native || native_outstanding {
+            fatal(
+                self.p.rank(),
+                "native RMA operations were still in flight into the epoch's buffers",
+            );
+        }
+        for &t in tokens {
+            let _ = self.st.rma.take(t);
+            self.st.note_quarantined(t);
+        }
     }
 
     /// Wait until nothing is queued for sending (used before shutdown).
@@ -1557,6 +1794,17 @@ impl<P: Provider> Engine<P> {
     pub(crate) fn live_requests(&self) -> usize {
         self.st.reqs.live
     }
+}
+
+/// End the process because `what` cannot be released safely (see [`Engine::quarantine`]).
+pub(crate) fn fatal(rank: Rank, what: &str) -> ! {
+    let msg = format!(
+        "weft: rank {rank}: fatal: a wait failed while {what}; ending the process so that no \
+         memory it no longer owns can be written (raise WEFT_TIMEOUT if the peer is only slow)"
+    );
+    tracing::error!("{msg}");
+    eprintln!("{msg}");
+    std::process::exit(1)
 }
 
 fn cancelled_status() -> Status {
@@ -1628,6 +1876,94 @@ unsafe fn raw_slice<'a>(pc: &RawIov) -> &'a [u8] {
 // ---------------------------------------------------------------------------------- handlers
 
 impl State {
+    /// Turn every queued message whose payload points into user or window memory (`Out::Raw`)
+    /// into one that owns a copy: before an epoch gives up its buffers, and before a window
+    /// goes away.
+    pub(crate) fn own_raw_payloads(&mut self) {
+        for d in 0..self.outq.len() as Rank {
+            self.own_raw_to(d);
+        }
+    }
+
+    /// Like `own_raw_payloads`, for the messages queued to `dest` only: before `dest`'s access
+    /// epoch on one of our windows ends (UNLOCK, COMPLETE), the GET replies still queued for it
+    /// must hold the data the window had during the epoch.
+    pub(crate) fn own_raw_to(&mut self, dest: Rank) {
+        let Some(q) = self.outq.get_mut(dest as usize) else {
+            return;
+        };
+        for o in q.iter_mut() {
+            if let Out::Raw(h, r) = o {
+                // SAFETY: see `Out::Raw`: the memory is valid until the message is sent or
+                // this conversion runs, whichever comes first.
+                let data = unsafe { raw_slice(r) }.to_vec();
+                *o = Out::Owned(*h, data);
+            }
+        }
+    }
+
+    /// Take `len` bytes of eager credit towards `dest`, if its window has room.
+    #[inline]
+    fn eager_credit(&mut self, dest: Rank, len: usize) -> bool {
+        let out = &mut self.eager_out[dest as usize];
+        let cost = len + EAGER_OVERHEAD;
+        if *out + cost > self.eager_window {
+            return false;
+        }
+        *out += cost;
+        true
+    }
+
+    /// An eager message of `len` bytes from `src` was matched: return the credit once half a
+    /// window has gathered (one small message per half window).
+    #[inline]
+    fn eager_consumed(&mut self, src: Rank, len: usize) {
+        let got = &mut self.eager_in[src as usize];
+        *got += len + EAGER_OVERHEAD;
+        if *got >= self.eager_window / 2 {
+            let mut h = Hdr::new(H_CREDIT);
+            h.u64(*got as u64);
+            *got = 0;
+            self.push_out(src, Out::Ctrl(h));
+        }
+    }
+
+    fn on_credit(&mut self, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let n = usize::try_from(rd.u64()?).ok()?;
+        let out = &mut self.eager_out[src as usize];
+        if n > *out {
+            self.malformed(src, "credit for more eager bytes than were sent");
+            return Some(());
+        }
+        *out -= n;
+        Some(())
+    }
+
+    /// Bytes of payload copies waiting in the outbox (diagnostics).
+    pub(crate) fn queued_copies(&self) -> usize {
+        self.outq
+            .iter()
+            .flatten()
+            .map(|o| match o {
+                Out::Owned(_, d) => d.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Remember a quarantined request (bounded: the oldest are forgotten).
+    fn note_quarantined(&mut self, id: ReqId) {
+        if self.quarantined.len() >= QUARANTINE_MEMORY {
+            self.quarantined.pop_front();
+        }
+        self.quarantined.push_back(id);
+    }
+
+    /// Was `id` given up by a failed wait? (Late messages for it are expected then.)
+    pub(crate) fn was_quarantined(&self, id: u64) -> bool {
+        self.quarantined.contains(&id)
+    }
+
     /// Nothing queued for sending and no rendezvous stream running.
     pub(crate) fn out_idle(&self) -> bool {
         self.out_pending.is_empty() && self.streams.is_empty()
@@ -1766,8 +2102,34 @@ impl State {
         }
     }
 
-    fn malformed(&self, src: Rank, what: &str) {
-        tracing::warn!(peer = src, "dropping malformed active message: {what}");
+    /// A message from `src` breaks the protocol: that peer is failed (everything that waits
+    /// for it ends with "peer failed: rank N (malformed message: ...)") and whatever else it
+    /// sends is dropped. A protocol error never leaves a rank waiting for a message that will
+    /// not come.
+    pub(crate) fn malformed(&mut self, src: Rank, what: &str) {
+        if src >= self.size {
+            // Not a peer at all: the provider itself is broken.
+            self.provider_fault
+                .get_or_insert_with(|| format!("delivered a message from rank {src}: {what}"));
+            return;
+        }
+        if !std::mem::replace(&mut self.rogue[src as usize], true) {
+            tracing::error!(
+                peer = src,
+                "malformed message: {what}; the peer is treated as failed"
+            );
+        }
+        self.fail_peer(src, &format!("malformed message: {what}"));
+    }
+
+    /// A message that names request `id`, which no longer exists: expected when `id` was
+    /// quarantined (its data is dropped quietly), a protocol error otherwise.
+    fn stale(&mut self, src: Rank, id: u64, what: &str) {
+        if self.was_quarantined(id) {
+            tracing::debug!(peer = src, "dropping {what} for a request given up earlier");
+        } else {
+            self.malformed(src, &format!("{what} for an unknown request"));
+        }
     }
 
     fn on_eager(&mut self, src: Rank, rd: &mut Rd<'_>, payload: &[u8]) -> Option<()> {
@@ -1790,6 +2152,7 @@ impl State {
                 let cap = r.buf.cap;
                 self.finish(id, recv_result(status(src, tag, payload.len()), cap));
             }
+            self.eager_consumed(src, payload.len());
             if let Some(s) = sreq {
                 let mut h = Hdr::new(H_SACK);
                 h.u64(s);
@@ -1798,6 +2161,7 @@ impl State {
         } else {
             let mut data = self.spare_buf();
             data.extend_from_slice(payload);
+            self.unexpected_bytes += data.len();
             self.matcher
                 .add_unexpected(ctx, src, tag, Unexp::Eager { data, sreq });
         }
@@ -1845,7 +2209,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(sreq)
         else {
-            self.malformed(src, "CTS for an unknown send");
+            self.stale(src, sreq, "CTS");
             return Some(());
         };
         if s.dest != src
@@ -2001,7 +2365,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(rreq)
         else {
-            self.malformed(src, "DATA for an unknown receive");
+            self.stale(src, rreq, "DATA");
             return Some(());
         };
         let RecvPhase::Stream {
@@ -2114,7 +2478,7 @@ impl State {
             ..
         }) = self.reqs.get_mut(sreq)
         else {
-            self.malformed(src, "FIN for an unknown send");
+            self.stale(src, sreq, "FIN");
             return Some(());
         };
         if s.dest != src {
@@ -2144,7 +2508,7 @@ impl State {
                     _ => self.finish(sreq, Ok(status(src, tag, len))),
                 }
             }
-            _ => self.malformed(src, "SACK for an unknown send"),
+            _ => self.stale(src, sreq, "SACK"),
         }
         Some(())
     }
@@ -2160,8 +2524,26 @@ impl State {
         }
         self.failed[rank as usize] = Some(reason.to_string());
         self.nfailed += 1;
-        self.outq[rank as usize].clear();
+        // Owned payloads of messages that will never be sent go back to the pool.
+        while let Some(o) = self.outq[rank as usize].pop_front() {
+            if let Out::Owned(_, data) = o {
+                self.recycle(data);
+            }
+        }
         self.spec_rx.retain(|e| e.0 != rank);
+        // Speculative data staged from it that will never be complete: release it and its
+        // share of WEFT_SPEC_BUFFER (a complete message stays: it can still be received).
+        let mut freed = 0;
+        self.spec_staged.retain(|e| {
+            let keep = e.src != rank || e.data.len() == e.total;
+            if !keep {
+                freed += e.total;
+            }
+            keep
+        });
+        self.spec_staged_bytes -= freed;
+        self.eager_out[rank as usize] = 0;
+        self.eager_in[rank as usize] = 0;
         let all_others_gone = self.nfailed + 1 >= self.size;
         let err = || Error::peer_failed(rank, reason);
         let mut affected = 0usize;
@@ -2218,7 +2600,35 @@ impl State {
 impl Sink for State {
     fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if src >= self.size {
-            tracing::warn!(src, "active message from a rank outside the world");
+            self.malformed(src, "a rank outside the world");
+            return;
+        }
+        if self.rogue[src as usize] {
+            return;
+        }
+        if header.len() > self.caps.max_am_header || payload.len() > self.caps.max_am_payload {
+            let what = format!(
+                "{}-byte header and {}-byte payload exceed the provider's limits ({} and {})",
+                header.len(),
+                payload.len(),
+                self.caps.max_am_header,
+                self.caps.max_am_payload
+            );
+            self.malformed(src, &what);
+            return;
+        }
+        let kind = header.first().copied();
+        let want = kind.and_then(|k| header_len(k, header.get(1).copied()));
+        if want != Some(header.len()) {
+            let what = match want {
+                None => format!("unknown or short header (kind {kind:?})"),
+                Some(n) => format!(
+                    "a header of kind {} with {} bytes instead of {n}",
+                    kind.unwrap_or(0),
+                    header.len()
+                ),
+            };
+            self.malformed(src, &what);
             return;
         }
         let mut rd = Rd::new(header);
@@ -2232,11 +2642,15 @@ impl Sink for State {
             Some(H_SACK) => self.on_sack(src, &mut rd),
             Some(H_SPEC) => self.on_spec(src, &mut rd, payload),
             Some(H_SDATA) => self.on_sdata(src, &mut rd, payload),
+            Some(H_CREDIT) => self.on_credit(src, &mut rd),
             Some(k) if k >= crate::rma::H_PUT => crate::rma::on_am(self, src, k, &mut rd, payload),
             _ => None,
         };
         if ok.is_none() {
-            self.malformed(src, &format!("unknown or short header (kind {kind:?})"));
+            self.malformed(
+                src,
+                &format!("a header of kind {kind:?} that does not parse"),
+            );
         }
     }
 
@@ -2370,5 +2784,45 @@ mod nt_tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod slab_tests {
+    use super::{Kind, Req, Slab, MAX_GEN};
+
+    fn req() -> Req {
+        Req {
+            scope: 0,
+            done: None,
+            kind: Kind::NSend {
+                dest: 0,
+                _tmp: None,
+            },
+        }
+    }
+
+    /// A slot reused 2^31 times must neither issue an id that looks like an RMA token (bit 63)
+    /// nor wrap to an id it issued before (or to 0, "no token" in the C ABI).
+    #[test]
+    fn worn_out_slots_retire_instead_of_wrapping() {
+        let mut s = Slab::default();
+        let first = s.insert(req());
+        s.remove(first);
+        // Fast-forward slot 0 to just below the last generation.
+        s.slots[0].gen = MAX_GEN - 2;
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            let id = s.insert(req());
+            assert_eq!(id >> 63, 0, "id {id:#x} has the RMA-token bit");
+            assert_ne!(id, 0);
+            assert!(!seen.contains(&id), "id {id:#x} issued twice");
+            seen.push(id);
+            assert!(s.remove(id).is_some());
+        }
+        // Slot 0 retired at MAX_GEN; later ids come from new slots.
+        assert_eq!(s.slots[0].gen, MAX_GEN);
+        assert!(s.slots.len() > 1);
+        assert_eq!(s.live, 0);
     }
 }

@@ -21,7 +21,8 @@
 //! is processed after every operation the origin sent before it: no per-operation
 //! acknowledgements are needed.
 
-use crate::engine::{Hdr, Rd, State};
+use crate::engine::{Hdr, Out, Rd, State};
+use crate::provider::RawIov;
 use crate::types::{apply_op, BasicType, Op, Rank};
 use crate::{Error, ErrorDetail, Result};
 use hashbrown::HashMap;
@@ -41,6 +42,23 @@ pub(crate) const H_UNLOCK: u8 = 26;
 pub(crate) const H_FLUSH: u8 = 27;
 pub(crate) const H_ACK: u8 = 28;
 pub(crate) const H_BATCH: u8 = 29;
+
+/// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
+pub(crate) fn header_len(kind: u8) -> Option<usize> {
+    Some(match kind {
+        H_PUT => 13,
+        H_GET => 29,
+        H_GET_REPLY => 17,
+        H_ACC => 15,
+        H_RMW => 24,
+        H_RMW_REPLY | H_GRANT | H_ACK => 9,
+        H_POST | H_COMPLETE => 5,
+        H_LOCK => 14,
+        H_UNLOCK | H_FLUSH => 13,
+        H_BATCH => 15,
+        _ => return None,
+    })
+}
 
 /// Provider completion tokens with this bit belong to RMA operations.
 pub(crate) const RMA_TOKEN: u64 = 1 << 63;
@@ -171,7 +189,9 @@ impl WinState {
         }
     }
 
-    /// Bounds-checked view of window bytes `[off, off + n)`.
+    /// Bounds-checked start of window bytes `[off, off + n)`. Window memory is shared with
+    /// other ranks (native operations, other processes): it is only ever accessed through raw
+    /// pointers, never through a reference.
     fn range(&self, off: u64, n: usize) -> Option<*mut u8> {
         let off = usize::try_from(off).ok()?;
         if off.checked_add(n)? > self.len {
@@ -186,6 +206,8 @@ impl WinState {
 #[derive(Debug, Default)]
 pub(crate) struct RmaState {
     pub wins: HashMap<u32, WinState>,
+    /// Windows released without the collective free (their closure panicked).
+    pub released: Vec<u32>,
     pub waits: HashMap<u64, Wait>,
     /// The remote rank each wait depends on (to fail it when that rank dies).
     waits_on: HashMap<u64, Rank>,
@@ -251,9 +273,37 @@ impl RmaState {
     }
 }
 
-fn bad(src: Rank, what: &str) -> Option<()> {
-    tracing::warn!(peer = src, "dropping malformed RMA message: {what}");
+/// A malformed RMA message: the peer is failed (see `State::malformed`).
+fn bad(st: &mut State, src: Rank, what: &str) -> Option<()> {
+    st.malformed(src, what);
     Some(())
+}
+
+/// A message for window `win`, which this rank does not have: dropped quietly if the window
+/// was released here without the collective free (a panic in its closure), when peers may
+/// still be sending to it; a protocol error otherwise.
+fn unknown_window(st: &mut State, src: Rank, win: u32) -> Option<()> {
+    if st.rma.released.contains(&win) {
+        tracing::debug!(
+            peer = src,
+            win,
+            "dropping an RMA message for a released window"
+        );
+        Some(())
+    } else {
+        bad(st, src, &format!("RMA message for unknown window {win}"))
+    }
+}
+
+/// A reply for `token`, which this rank does not wait for: dropped quietly if the wait was
+/// given up (quarantined), a protocol error otherwise.
+fn unknown_token(st: &mut State, src: Rank, token: u64, what: &str) -> Option<()> {
+    if st.was_quarantined(token) {
+        tracing::debug!(peer = src, "dropping a late {what}");
+        Some(())
+    } else {
+        bad(st, src, &format!("{what} for an unknown request"))
+    }
 }
 
 /// Dispatch an RMA active message (handler ids 16..).
@@ -290,7 +340,8 @@ pub(crate) fn on_am(
                     *got += payload.len();
                     Some(())
                 }
-                _ => bad(src, "GET reply for an unknown or smaller request"),
+                Some(Wait::Data { .. }) => bad(st, src, "GET reply outside its request"),
+                _ => unknown_token(st, src, token, "GET reply"),
             }
         }
         H_ACC => {
@@ -320,7 +371,8 @@ pub(crate) fn on_am(
                     *done = true;
                     Some(())
                 }
-                _ => bad(src, "RMW reply for an unknown request"),
+                Some(Wait::Reply { .. }) => bad(st, src, "RMW reply of the wrong length"),
+                _ => unknown_token(st, src, token, "RMW reply"),
             }
         }
         H_ACK | H_GRANT => {
@@ -330,13 +382,16 @@ pub(crate) fn on_am(
                     *done = true;
                     Some(())
                 }
-                _ => bad(src, "acknowledgement for an unknown request"),
+                _ => unknown_token(st, src, token, "acknowledgement"),
             }
         }
         H_POST | H_COMPLETE => {
+            if kind == H_COMPLETE {
+                st.own_raw_to(src);
+            }
             let win = rd.u32()?;
             let Some(w) = st.rma.wins.get_mut(&win) else {
-                return bad(src, "POST/COMPLETE for an unknown window");
+                return unknown_window(st, src, win);
             };
             let m = if kind == H_POST {
                 &mut w.posts
@@ -351,7 +406,7 @@ pub(crate) fn on_am(
             let lk = rd.u8()?;
             let token = rd.u64()?;
             let Some(w) = st.rma.wins.get_mut(&win) else {
-                return bad(src, "LOCK for an unknown window");
+                return unknown_window(st, src, win);
             };
             if w.waiters.is_empty() && w.try_lock(lk) {
                 reply(st, src, H_GRANT, token);
@@ -365,6 +420,8 @@ pub(crate) fn on_am(
             Some(())
         }
         H_UNLOCK => {
+            // Replies to this origin read from the window must not see later epochs.
+            st.own_raw_to(src);
             let win = rd.u32()?;
             let token = rd.u64()?;
             unlock(st, src, win, token)
@@ -389,18 +446,20 @@ fn reply(st: &mut State, dest: Rank, kind: u8, token: u64) {
     st.push_ctrl(dest, h);
 }
 
-fn win_mut(st: &mut State, src: Rank, win: u32) -> Option<&mut WinState> {
-    let w = st.rma.wins.get_mut(&win);
-    if w.is_none() {
-        tracing::warn!(peer = src, win, "RMA message for an unknown window");
-    }
-    w
+/// The window a message targets, or return from the handler with what to do without it.
+macro_rules! target_win {
+    ($st:expr, $src:expr, $win:expr) => {
+        match $st.rma.wins.get_mut(&$win) {
+            Some(w) => w,
+            None => return unknown_window($st, $src, $win),
+        }
+    };
 }
 
 fn put(st: &mut State, src: Rank, win: u32, off: u64, data: &[u8]) -> Option<()> {
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     let Some(p) = w.range(off, data.len()) else {
-        return bad(src, "PUT outside the window");
+        return bad(st, src, "PUT outside the window");
     };
     // SAFETY: `p` is in bounds of the window memory (checked by `range`); message bytes cannot
     // overlap window memory.
@@ -411,21 +470,26 @@ fn put(st: &mut State, src: Rank, win: u32, off: u64, data: &[u8]) -> Option<()>
 
 fn get(st: &mut State, src: Rank, win: u32, off: u64, len: usize, token: u64) -> Option<()> {
     let chunk = st.caps.max_am_payload;
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     let Some(p) = w.range(off, len) else {
-        return bad(src, "GET outside the window");
+        return bad(st, src, "GET outside the window");
     };
     w.applied += 1;
-    // Reply in chunks; copied now (the window may change after this message).
+    // Reply in chunks read from the window as the outbox drains (no copy of the range here,
+    // whatever its size). The window cannot change under them before the origin's epoch
+    // ends: the origin waits for this data before it unlocks or completes, and a batch that
+    // carries the unlock or completion with the get makes `own_raw_to` copy them first.
     let mut at = 0;
     loop {
         let n = (len - at).min(chunk);
-        // SAFETY: within the checked range of window memory.
-        let mut data = st.spare_buf();
-        data.extend_from_slice(unsafe { std::slice::from_raw_parts(p.add(at), n) });
         let mut h = Hdr::new(H_GET_REPLY);
         h.u64(token).u64(at as u64);
-        st.push_owned(src, h, data);
+        let piece = RawIov {
+            // SAFETY: within the checked range of window memory.
+            ptr: unsafe { p.add(at) },
+            len: n,
+        };
+        st.push_out(src, Out::Raw(h, piece));
         at += n;
         if at >= len {
             break;
@@ -443,18 +507,41 @@ fn acc(
     ty: BasicType,
     data: &[u8],
 ) -> Option<()> {
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     let Some(p) = w.range(off, data.len()) else {
-        return bad(src, "ACC outside the window");
+        return bad(st, src, "ACC outside the window");
     };
-    // SAFETY: in bounds (checked); this thread is the only one applying AM operations to the
-    // window, and the window's users may not access these bytes during the epoch.
-    let target = unsafe { std::slice::from_raw_parts_mut(p, data.len()) };
-    if apply_acc(op, ty, target, data).is_err() {
-        return bad(src, "ACC with an invalid operation/type");
+    // Apply on a private copy, then write the result back: no reference to window memory.
+    let mut cur = std::mem::take(&mut st.scratch_acc);
+    cur.clear();
+    // SAFETY: `[p, p + len)` is in bounds of the window (checked); this thread is the only
+    // one applying active-message operations to it.
+    unsafe { append_raw(&mut cur, p, data.len()) };
+    let ok = apply_acc(op, ty, &mut cur, data).is_ok();
+    if ok {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(cur.as_ptr(), p, cur.len()) };
     }
-    w.applied += 1;
+    st.scratch_acc = cur;
+    if !ok {
+        return bad(st, src, "ACC with an invalid operation/type");
+    }
+    if let Some(w) = st.rma.wins.get_mut(&win) {
+        w.applied += 1;
+    }
     Some(())
+}
+
+/// Append `n` bytes at `p` to `v` without forming a reference to them.
+///
+/// # Safety
+/// `p` must be valid for reads of `n` bytes.
+unsafe fn append_raw(v: &mut Vec<u8>, p: *const u8, n: usize) {
+    v.reserve(n);
+    let at = v.len();
+    // SAFETY: `reserve` made room for `n` more bytes; the caller guarantees the source.
+    std::ptr::copy_nonoverlapping(p, v.as_mut_ptr().add(at), n);
+    v.set_len(at + n);
 }
 
 /// `target = target op origin`, where `Replace` copies and `NoOp` leaves it alone.
@@ -489,26 +576,39 @@ fn rmw(
     } else {
         payload.len()
     };
-    let mut old = st.spare_buf();
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     let Some(p) = w.range(off, n) else {
-        return bad(src, "RMW outside the window");
+        return bad(st, src, "RMW outside the window");
     };
-    // SAFETY: as in `acc`.
-    let target = unsafe { std::slice::from_raw_parts_mut(p, n) };
-    old.extend_from_slice(target);
-    if has_compare {
-        if op != Op::Cswap || n != ty.size() {
-            return bad(src, "compare-and-swap of more than one element");
-        }
-        let (origin, compare) = payload.split_at(n);
-        if target == compare {
-            target.copy_from_slice(origin);
-        }
-    } else if apply_acc(op, ty, target, &payload[..n]).is_err() {
-        return bad(src, "RMW with an invalid operation/type");
+    if has_compare && (op != Op::Cswap || n != ty.size()) {
+        return bad(st, src, "compare-and-swap of more than one element");
     }
-    w.applied += 1;
+    let mut old = st.spare_buf();
+    // SAFETY: as in `acc`.
+    unsafe { append_raw(&mut old, p, n) };
+    let mut new = std::mem::take(&mut st.scratch_acc);
+    new.clear();
+    new.extend_from_slice(&old);
+    let ok = if has_compare {
+        let (origin, compare) = payload.split_at(n);
+        if old == compare {
+            new.copy_from_slice(origin);
+        }
+        true
+    } else {
+        apply_acc(op, ty, &mut new, &payload[..n]).is_ok()
+    };
+    if ok {
+        // SAFETY: as in `acc`.
+        unsafe { std::ptr::copy_nonoverlapping(new.as_ptr(), p, n) };
+    }
+    st.scratch_acc = new;
+    if !ok {
+        return bad(st, src, "RMW with an invalid operation/type");
+    }
+    if let Some(w) = st.rma.wins.get_mut(&win) {
+        w.applied += 1;
+    }
     let mut h = Hdr::new(H_RMW_REPLY);
     h.u64(token);
     st.push_owned(src, h, old);
@@ -544,7 +644,7 @@ fn grant_waiters(st: &mut State, win: u32) {
 }
 
 fn unlock(st: &mut State, src: Rank, win: u32, token: u64) -> Option<()> {
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     w.unlock();
     reply(st, src, H_ACK, token);
     grant_waiters(st, win);
@@ -557,7 +657,7 @@ fn batch(st: &mut State, src: Rank, hdr: &[u8], payload: &[u8]) -> Option<()> {
     let win = rd.u32()?;
     let flags = rd.u8()?;
     let lk = rd.u8()?;
-    let w = win_mut(st, src, win)?;
+    let w = target_win!(st, src, win);
     if flags & B_LOCK != 0 && !(w.waiters.is_empty() && w.try_lock(lk)) {
         // Wait for the lock with the whole batch.
         let mut msg = hdr.to_vec();
@@ -609,11 +709,15 @@ fn apply_batch(st: &mut State, src: Rank, hdr: &[u8], payload: &[u8], _locked: b
                 let data = p.bytes(len)?;
                 rmw(st, src, win, off, op, ty, t, cmp, data)?;
             }
-            _ => return bad(src, "unknown record in a batch"),
+            _ => return bad(st, src, "unknown record in a batch"),
         }
     }
+    if flags & (B_COMPLETE | B_UNLOCK) != 0 {
+        // The gets of this batch are queued as window reads: copy them before the epoch ends.
+        st.own_raw_to(src);
+    }
     if flags & B_COMPLETE != 0 {
-        let w = win_mut(st, src, win)?;
+        let w = target_win!(st, src, win);
         *w.completes.entry(src).or_insert(0) += 1;
     }
     if flags & B_FLUSH != 0 {

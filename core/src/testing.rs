@@ -32,6 +32,9 @@ pub struct Options {
     pub loopback: LoopbackConfig,
     /// Engine settings; `timeout` above overrides its timeout.
     pub engine: EngineConfig,
+    /// The test makes peers fail on purpose: an error from `finalize` (whose barrier needs
+    /// every rank) is not a test failure.
+    pub finalize_may_fail: bool,
 }
 
 impl Default for Options {
@@ -43,6 +46,7 @@ impl Default for Options {
                 spin: 50,
                 ..EngineConfig::default()
             },
+            finalize_may_fail: false,
         }
     }
 }
@@ -107,6 +111,7 @@ fn run<P: Provider, R: Send>(
     let job = InProcessJob::new(n, opts.timeout);
     let mut cfg = opts.engine.clone();
     cfg.timeout = Some(opts.timeout);
+    let may_fail = opts.finalize_may_fail;
     let results: Vec<std::thread::Result<R>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
@@ -122,9 +127,11 @@ fn run<P: Provider, R: Send>(
                             let world = World::from_parts(p, Box::new(boot), cfg)
                                 .unwrap_or_else(|e| panic!("rank {r}: {e}"));
                             let out = f(world.comm());
-                            world
-                                .finalize()
-                                .unwrap_or_else(|e| panic!("rank {r}: finalize: {e}"));
+                            if let Err(e) = world.finalize() {
+                                if !may_fail {
+                                    panic!("rank {r}: finalize: {e}");
+                                }
+                            }
                             out
                         }));
                         if out.is_err() {
@@ -160,4 +167,90 @@ fn run<P: Provider, R: Send>(
         resume_unwind(p);
     }
     out
+}
+
+/// The value an accumulate-class operation leaves: `op(target, origin)`, computed independently
+/// of the library's own reduction code (wide integers and `f64`, then narrowed), so that tests
+/// of accumulates and atomics are checked against something other than what they exercise.
+/// `Replace` gives `origin`, `NoOp` `target`; compare-and-swap is not an accumulate.
+pub fn oracle<T: crate::Element>(op: crate::Op, target: T, origin: T) -> T {
+    use crate::{BasicType as B, Op};
+    let ty = T::TYPE;
+    let (a, b) = (bytemuck::bytes_of(&target), bytemuck::bytes_of(&origin));
+    if ty.is_float() {
+        let f = |x: &[u8]| match ty {
+            B::F32 => f32::from_le_bytes(x.try_into().expect("4 bytes")) as f64,
+            _ => f64::from_le_bytes(x.try_into().expect("8 bytes")),
+        };
+        let (x, y) = (f(a), f(b));
+        let truth = |v: bool| if v { 1.0 } else { 0.0 };
+        let r = match op {
+            Op::Sum => x + y,
+            Op::Prod => x * y,
+            Op::Min => x.min(y),
+            Op::Max => x.max(y),
+            Op::Land => truth(x != 0.0 && y != 0.0),
+            Op::Lor => truth(x != 0.0 || y != 0.0),
+            Op::Lxor => truth((x != 0.0) != (y != 0.0)),
+            Op::Replace => y,
+            Op::NoOp => x,
+            _ => panic!("{} is not an accumulate on {}", op.name(), ty.name()),
+        };
+        // Computing in f64 and rounding once to f32 is exact for + and * (double rounding is
+        // harmless at this width).
+        let bytes: Vec<u8> = match ty {
+            B::F32 => (r as f32).to_le_bytes().to_vec(),
+            _ => r.to_le_bytes().to_vec(),
+        };
+        return *bytemuck::from_bytes(&bytes);
+    }
+    let signed = matches!(ty, B::I8 | B::I16 | B::I32 | B::I64);
+    let wide = |x: &[u8]| -> i128 {
+        let mut v = [0u8; 16];
+        v[..x.len()].copy_from_slice(x);
+        if signed && x[x.len() - 1] & 0x80 != 0 {
+            v[x.len()..].fill(0xff);
+        }
+        i128::from_le_bytes(v)
+    };
+    let (x, y) = (wide(a), wide(b));
+    let truth = |v: bool| v as i128;
+    let r = match op {
+        Op::Sum => x.wrapping_add(y),
+        Op::Prod => x.wrapping_mul(y),
+        Op::Min => x.min(y),
+        Op::Max => x.max(y),
+        Op::Band => x & y,
+        Op::Bor => x | y,
+        Op::Bxor => x ^ y,
+        Op::Land => truth(x != 0 && y != 0),
+        Op::Lor => truth(x != 0 || y != 0),
+        Op::Lxor => truth((x != 0) != (y != 0)),
+        Op::Replace => y,
+        Op::NoOp => x,
+        Op::Cswap => panic!("compare-and-swap is not an accumulate"),
+    };
+    // Narrow by keeping the low bytes: two's-complement wrapping.
+    *bytemuck::from_bytes(&r.to_le_bytes()[..ty.size()])
+}
+
+#[cfg(test)]
+mod oracle_tests {
+    use super::oracle;
+    use crate::Op;
+
+    #[test]
+    fn oracle_wraps_and_compares_like_the_types() {
+        assert_eq!(oracle(Op::Sum, 250u8, 10), 4);
+        assert_eq!(oracle(Op::Sum, i8::MAX, 1), i8::MIN);
+        assert_eq!(oracle(Op::Prod, u64::MAX, u64::MAX), 1);
+        assert_eq!(oracle(Op::Min, -3i16, 2), -3);
+        assert_eq!(oracle(Op::Max, 3u32, 4_000_000_000), 4_000_000_000);
+        assert_eq!(oracle(Op::Land, 2i64, 0), 0);
+        assert_eq!(oracle(Op::Lxor, 2i64, 0), 1);
+        assert_eq!(oracle(Op::Sum, 1.5f32, -2.25), -0.75);
+        assert_eq!(oracle(Op::Max, -0.5f64, 3.75), 3.75);
+        assert_eq!(oracle(Op::Replace, 1u8, 9), 9);
+        assert_eq!(oracle(Op::NoOp, 1u8, 9), 1);
+    }
 }

@@ -8,14 +8,28 @@
 //! ```
 //! # weft::testing::world(2, |comm| {
 //! let mut mem = vec![0u64; 4];
-//! let win = comm.win_create(&mut mem, weft::WinInfo::default()).unwrap();
 //! let me = comm.rank();
-//! let src = [me as u64 + 1; 2];
-//! win.fence_epoch(weft::Assert::NONE, |e| e.put(&src, 1 - me, 2)).unwrap();
-//! let mut seen = [0u64; 2];
-//! win.read_local(2, &mut seen);
-//! assert_eq!(seen, [(1 - me) as u64 + 1; 2]);
-//! win.free().unwrap();
+//! comm.win_create(&mut mem, weft::WinInfo::default(), |win| {
+//!     let src = [me as u64 + 1; 2];
+//!     win.fence_epoch(weft::Assert::NONE, |e| e.put(&src, 1 - me, 2))?;
+//!     let mut seen = [0u64; 2];
+//!     win.read_local(2, &mut seen)?;
+//!     assert_eq!(seen, [(1 - me) as u64 + 1; 2]);
+//!     Ok(())
+//! })
+//! .unwrap();
+//! assert_eq!(mem[2..], [(1 - me) as u64 + 1; 2]); // the memory is the caller's again
+//! # });
+//! ```
+//!
+//! A window cannot leave its closure, so it cannot be leaked (`mem::forget`) while its memory
+//! goes away and peers still write into it:
+//!
+//! ```compile_fail
+//! # weft::testing::world(1, |comm| {
+//! let mut mem = vec![0u8; 8];
+//! let win = comm.win_create(&mut mem, weft::WinInfo::default(), |w| Ok(w)).unwrap();
+//! std::mem::forget(win);
 //! # });
 //! ```
 //!
@@ -95,6 +109,10 @@ pub struct WinInfo {
     pub accumulate_ops: Option<Vec<(Op, BasicType)>>,
     /// Scheduling policy; `None` reads `WEFT_RMA_SCHED`.
     pub sched: Option<Sched>,
+    /// Largest operation the `aggregate` and `full` policies pack into batches; `None` reads
+    /// `WEFT_RMA_AGG_MAX`. Operations whose batch record would not fit one active message of
+    /// the provider are never aggregated.
+    pub agg_max: Option<usize>,
 }
 
 /// Fence assertions (MPI_MODE_*).
@@ -226,21 +244,37 @@ pub struct Window<'w, P: Provider> {
     epoch_ops: Cell<u64>,
     /// The current lock epoch is exclusive.
     excl: Cell<bool>,
+    /// The provider's ranks may be processes (else threads of this one: see `self_addr`).
+    spans_processes: bool,
     freed: Cell<bool>,
     _mem: PhantomData<&'w mut [u8]>,
 }
 
 impl<P: Provider> Comm<P> {
-    /// Create a window over `mem` (MPI_Win_create); `disp_unit` = `size_of::<T>()`.
-    /// Collective over the communicator.
-    pub fn win_create<'w, T: Element>(
+    /// Expose `mem` as a window for the duration of `f` (MPI_Win_create ... MPI_Win_free);
+    /// `disp_unit` = `size_of::<T>()`. Collective over the communicator, at both ends: the
+    /// window is freed (a barrier) when `f` returns, and `f`'s result is returned after that.
+    ///
+    /// The window lives in a closure, like the requests of a [`Comm::scope`], so that it cannot
+    /// outlive `mem`: a window that could be leaked (`mem::forget`) would stay registered while
+    /// the memory went away, and a peer's put would land in freed memory. If `f` panics, the
+    /// window is released locally (not collectively) on the way out. Windows whose memory the
+    /// library allocates ([`Comm::win_allocate`]) own it and need no closure.
+    pub fn win_create<T: Element, R>(
         &self,
-        mem: &'w mut [T],
+        mem: &mut [T],
         info: WinInfo,
-    ) -> Result<Window<'w, P>> {
+        f: impl FnOnce(&Window<'_, P>) -> Result<R>,
+    ) -> Result<R> {
         let base = mem.as_mut_ptr() as *mut u8;
         let len = std::mem::size_of_val(mem);
-        Window::new(self, base, len, std::mem::size_of::<T>(), info, None)
+        let win = Window::new(self, base, len, std::mem::size_of::<T>(), info, None)?;
+        let r = f(&win);
+        // Dropped here on unwinding instead: `Drop` releases locally.
+        let freed = win.free_inner();
+        let v = r?;
+        freed?;
+        Ok(v)
     }
 
     /// Create a window over `len` zeroed elements of `T` placed by the provider where it can
@@ -314,7 +348,10 @@ impl<'w, P: Provider> Window<'w, P> {
             Some(s) => s,
             None => Sched::from_env()?,
         };
-        let agg_max = RMA_AGG_MAX.get_size()?;
+        let agg_max = match info.agg_max {
+            Some(v) => v,
+            None => RMA_AGG_MAX.get_size()?,
+        };
         let caps = comm.provider_caps();
         let (owned, pre_mr) = match owned {
             Some((o, m)) => (Some(o), m),
@@ -440,6 +477,7 @@ impl<'w, P: Provider> Window<'w, P> {
             cntr_targets: RefCell::new(Vec::new()),
             epoch_ops: Cell::new(0),
             excl: Cell::new(false),
+            spans_processes: caps.spans_processes,
             freed: Cell::new(false),
             comm: wcomm,
             _mem: PhantomData,
@@ -488,25 +526,98 @@ impl<'w, P: Provider> Window<'w, P> {
         self.len
     }
 
-    /// Copy local window elements starting at `disp` into `out` (outside conflicting epochs).
-    pub fn read_local<T: Element>(&self, disp: usize, out: &mut [T]) {
-        let off = disp * self.disp_unit;
+    /// Copy local window elements starting at `disp` into `out`. Outside this rank's epochs
+    /// on the window only (an open access or exposure epoch is an error): the window's own
+    /// operations may still be landing then.
+    pub fn read_local<T: Element>(&self, disp: usize, out: &mut [T]) -> Result<()> {
+        let off = self.local_range(disp, std::mem::size_of_val(out), "read")?;
         let n = std::mem::size_of_val(out);
-        assert!(off + n <= self.len, "read outside the local window");
-        // SAFETY: in bounds of the window memory; MPI rules forbid conflicting remote access
-        // during this local access, and we copy without forming a reference to the window.
+        if let Some(ra) = self.self_addr(off) {
+            let local = [RawIovMut {
+                ptr: out.as_mut_ptr() as *mut u8,
+                len: n,
+            }];
+            let me = self.world(self.comm.rank());
+            // SAFETY: `out` is borrowed for the call and the copy finishes within it (the
+            // in-process providers copy at issue time).
+            return unsafe {
+                self.engine()
+                    .p
+                    .rma_read(me, &local, ra, Completion::default())
+            };
+        }
+        // SAFETY: `[off, off + n)` is inside the window memory (checked); the copy goes through
+        // raw pointers, so no reference to memory other processes may write is ever formed.
         unsafe {
             std::ptr::copy_nonoverlapping(self.base.add(off), out.as_mut_ptr() as *mut u8, n)
         };
+        Ok(())
     }
 
-    /// Copy `data` into local window elements starting at `disp` (outside conflicting epochs).
-    pub fn write_local<T: Element>(&self, disp: usize, data: &[T]) {
-        let off = disp * self.disp_unit;
+    /// Copy `data` into local window elements starting at `disp` (outside this rank's epochs on
+    /// the window, as for [`Window::read_local`]).
+    pub fn write_local<T: Element>(&self, disp: usize, data: &[T]) -> Result<()> {
         let n = std::mem::size_of_val(data);
-        assert!(off + n <= self.len, "write outside the local window");
+        let off = self.local_range(disp, n, "write")?;
+        if let Some(ra) = self.self_addr(off) {
+            let local = [RawIov {
+                ptr: data.as_ptr() as *const u8,
+                len: n,
+            }];
+            let me = self.world(self.comm.rank());
+            // SAFETY: as in `read_local`.
+            return unsafe {
+                self.engine()
+                    .p
+                    .rma_write(me, &local, ra, Completion::default())
+            };
+        }
         // SAFETY: as in `read_local`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, self.base.add(off), n) };
+        Ok(())
+    }
+
+    /// The byte offset of local elements `[disp, disp + n bytes)`, checked without overflow,
+    /// outside this rank's epochs on the window.
+    fn local_range(&self, disp: usize, n: usize, what: &str) -> Result<usize> {
+        if self.freed.get() {
+            return Err(Error::invalid("window already freed"));
+        }
+        if self.access.get() != Access_::None || !self.exposed.borrow().is_empty() {
+            return Err(Error::invalid(format!(
+                "local {what} of window memory during an epoch of this window"
+            )));
+        }
+        disp.checked_mul(self.disp_unit)
+            .filter(|off| off.checked_add(n).is_some_and(|end| end <= self.len))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "local {what} of {n} bytes at element {disp} is outside the {}-byte window",
+                    self.len
+                ))
+            })
+    }
+
+    /// Where the provider addresses this rank's own window memory at `off`, when local access
+    /// must go through it: native windows of a provider whose ranks are threads of one process
+    /// (other ranks' threads copy into this memory under the provider's lock, so a plain copy
+    /// here would race with them).
+    fn self_addr(&self, off: usize) -> Option<RemoteAddr> {
+        if self.spans_processes || !(self.native_put || self.native_get) {
+            return None;
+        }
+        let me = self.comm.rank() as usize;
+        let base = match &self.keys {
+            Some(k) => k[me],
+            None => RemoteAddr {
+                addr: 0,
+                key: self.id as u64,
+            },
+        };
+        Some(RemoteAddr {
+            addr: base.addr + off as u64,
+            key: base.key,
+        })
     }
 
     fn engine(&self) -> std::cell::RefMut<'_, Engine<P>> {
@@ -850,8 +961,8 @@ impl<'w, P: Provider> Window<'w, P> {
             let chunk = self.engine().st.caps.max_am_payload;
             let mut bytes = 0usize;
             let all_small = ops.iter().filter(|o| o.trank == lt).all(|o| {
-                bytes += o.len * 2 + 32;
-                o.len <= self.agg_max && !self.is_native(o.kind)
+                bytes += Self::record_len(o);
+                self.aggregatable(o, chunk)
             });
             if !all_small || bytes > chunk || fold.is_none() {
                 self.lazy_lock.set(None);
@@ -871,7 +982,7 @@ impl<'w, P: Provider> Window<'w, P> {
         for op in ops.drain(..) {
             let i = slot(&mut batches, op.trank);
             let (t, buf, count) = &mut batches[i];
-            let small = op.len <= self.agg_max && !self.is_native(op.kind);
+            let small = self.aggregatable(&op, chunk);
             if !small {
                 self.send_batch(*t, buf, count, 0, 0, 0)?;
                 self.issue(op, None)?;
@@ -911,6 +1022,13 @@ impl<'w, P: Provider> Window<'w, P> {
             self.send_batch(*t, buf, count, 0, 0, 0)?;
         }
         Ok(folded)
+    }
+
+    /// Whether `op` goes into a batch: small by `WEFT_RMA_AGG_MAX`, on the active-message
+    /// path, and its record fits one active message of `chunk` bytes (so a batch never
+    /// exceeds what the provider carries, whatever `WEFT_RMA_AGG_MAX` says).
+    fn aggregatable(&self, op: &PendingOp, chunk: usize) -> bool {
+        op.len <= self.agg_max && !self.is_native(op.kind) && Self::record_len(op) <= chunk
     }
 
     /// Bytes of `op`'s batch record: kind, offset and length, at most 11 bytes of operation
@@ -1027,7 +1145,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let id = self.id;
         let mut eng = self.engine();
         let mut cntr_err = None;
-        eng.wait_until("RMA operations to complete", |e| {
+        let waited = eng.wait_until("RMA operations to complete", |e| {
             e.st.out_idle()
                 && toks.iter().all(|t| e.st.rma.is_done(*t))
                 && e.st
@@ -1036,7 +1154,20 @@ impl<'w, P: Provider> Window<'w, P> {
                     .get(&id)
                     .is_none_or(|w| w.native_done >= w.native_issued)
                 && self.cntr_caught_up(e, &mut cntr_err)
-        })?;
+        });
+        if let Err(err) = waited {
+            // The epoch's buffers go back to the caller with the error: nothing may land in
+            // them later.
+            let native_outstanding = eng
+                .st
+                .rma
+                .wins
+                .get(&id)
+                .is_some_and(|w| w.native_done < w.native_issued)
+                || (self.cntr.is_some() && self.cntr_seen.get().total() < self.cntr_issued.get());
+            eng.quarantine_rma(&toks, native_outstanding);
+            return Err(err);
+        }
         let mut first = cntr_err;
         for t in toks.drain(..) {
             if let Err(err) = eng.st.rma.take(t) {
@@ -1119,14 +1250,20 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         h.u64(t);
         eng.st.push_ctrl(target, h);
-        eng.flush_out()?;
-        eng.wait_until("an RMA synchronisation reply", |e| e.st.rma.is_done(t))?;
-        eng.st.rma.take(t)
+        drop(eng);
+        self.wait_token(t)
     }
 
+    /// Wait for the operation or reply of token `t`; if the wait fails, `t` is quarantined.
     fn wait_token(&self, t: u64) -> Result<()> {
         let mut eng = self.engine();
-        eng.wait_until("an RMA synchronisation reply", |e| e.st.rma.is_done(t))?;
+        let r = eng
+            .flush_out()
+            .and_then(|_| eng.wait_until("an RMA synchronisation reply", |e| e.st.rma.is_done(t)));
+        if let Err(e) = r {
+            eng.quarantine_rma(&[t], false);
+            return Err(e);
+        }
         eng.st.rma.take(t)
     }
 
@@ -1519,6 +1656,8 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         let b = self.comm.barrier();
         let mut eng = self.engine();
+        // Replies still queued may read this window's memory: copy them before it goes.
+        eng.st.own_raw_payloads();
         eng.st.rma.wins.remove(&self.id);
         if let Some(c) = self.cntr {
             let _ = eng.p.cntr_close(c);
@@ -1538,8 +1677,19 @@ impl<P: Provider> Drop for Window<'_, P> {
         if !self.freed.get() {
             // Not collective any more (the others may be gone): just release locally.
             self.freed.set(true);
-            if let Ok(mut eng) = self.comm.sh.engine.try_borrow_mut() {
+            let Ok(mut eng) = self.comm.sh.engine.try_borrow_mut() else {
+                // Only reachable if a window is dropped from inside an engine call: its memory
+                // is about to go away while registered, which must not happen.
+                crate::engine::fatal(
+                    self.comm.sh.engine_rank(),
+                    "a window was released while the engine was busy",
+                );
+            };
+            {
+                eng.st.own_raw_payloads();
                 eng.st.rma.wins.remove(&self.id);
+                // Peers may still send to it: their messages are dropped quietly.
+                eng.st.rma.released.push(self.id);
                 if let Some(c) = self.cntr {
                     let _ = eng.p.cntr_close(c);
                 }
@@ -1903,15 +2053,15 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
     /// ```
     /// # weft::testing::world(2, |comm| {
     /// # let mut mem = vec![0u64; 1];
-    /// # let win = comm.win_create(&mut mem, weft::WinInfo::default()).unwrap();
+    /// # comm.win_create(&mut mem, weft::WinInfo::default(), |win| {
     /// win.lock_epoch(0, weft::LockKind::Exclusive, |e| {
     ///     let mut v = [0u64];
     ///     e.local(|l| l.get(&mut v, 0, 0))?;            // v holds the value now
     ///     let w = [v[0] + 1];
     ///     e.local(|l| l.put(&w, 0, 0))
-    /// }).unwrap();
-    /// # comm.barrier().unwrap();
-    /// # win.free().unwrap();
+    /// })?;
+    /// # comm.barrier()
+    /// # }).unwrap();
     /// # });
     /// ```
     pub fn local<'l, R>(&'l self, f: impl FnOnce(&Epoch<'l, 'w, P>) -> Result<R>) -> Result<R> {

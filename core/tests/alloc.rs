@@ -43,7 +43,7 @@ unsafe impl GlobalAlloc for Counting {
 static A: Counting = Counting;
 
 /// One round of everything measured: returns nothing, allocates nothing once warm.
-fn round(c: &Comm<DynProvider>, small: &mut [u8], large: &mut [u8], wins: &[WinOps<'_>]) {
+fn round(c: &Comm<DynProvider>, small: &mut [u8], large: &mut [u8], wins: &[WinOps<'_, '_>]) {
     let peer = 1 - c.rank();
     // Eager and rendezvous ping-pong.
     for buf in [&mut *small, &mut *large] {
@@ -60,11 +60,11 @@ fn round(c: &Comm<DynProvider>, small: &mut [u8], large: &mut [u8], wins: &[WinO
     }
 }
 
-struct WinOps<'a> {
-    win: weft::Window<'a, DynProvider>,
+struct WinOps<'a, 'w> {
+    win: &'a weft::Window<'w, DynProvider>,
 }
 
-impl WinOps<'_> {
+impl WinOps<'_, '_> {
     fn epochs(&self, c: &Comm<DynProvider>) {
         let peer = 1 - c.rank();
         let src = [7u64; 4];
@@ -109,46 +109,54 @@ fn steady_state_allocations(provider: &str) -> Vec<u64> {
     testing::world_dyn(2, provider, |c| {
         let mut small = vec![1u8; 8];
         let mut large = vec![2u8; 256 << 10];
-        let scheds = [Sched::Off, Sched::Reorder, Sched::Aggregate, Sched::Full];
-        let mut mems: Vec<Vec<u64>> = scheds.iter().map(|_| vec![0u64; 160]).collect();
-        let wins: Vec<WinOps<'_>> = mems
-            .iter_mut()
-            .zip(scheds)
-            .map(|(m, s)| WinOps {
-                win: c
-                    .win_create(
-                        m,
-                        WinInfo {
-                            accumulate_ops: None,
-                            sched: Some(s),
-                        },
-                    )
-                    .unwrap(),
+        let info = |s| WinInfo {
+            accumulate_ops: None,
+            sched: Some(s),
+            agg_max: None,
+        };
+        let mut mems: Vec<Vec<u64>> = (0..4).map(|_| vec![0u64; 160]).collect();
+        let [m0, m1, m2, m3] = &mut mems[..] else {
+            unreachable!()
+        };
+        c.win_create(m0, info(Sched::Off), |w0| {
+            c.win_create(m1, info(Sched::Reorder), |w1| {
+                c.win_create(m2, info(Sched::Aggregate), |w2| {
+                    c.win_create(m3, info(Sched::Full), |w3| {
+                        let wins = [w0, w1, w2, w3].map(|win| WinOps { win });
+                        Ok(counted_rounds(c, &mut small, &mut large, &wins))
+                    })
+                })
             })
-            .collect();
-        for _ in 0..200 {
-            round(c, &mut small, &mut large, &wins);
-        }
-        c.barrier().unwrap();
-        if c.rank() == 0 {
-            ALLOCS.store(0, Ordering::SeqCst);
-            COUNTING.store(true, Ordering::SeqCst);
-        }
-        c.barrier().unwrap();
-        for _ in 0..ROUNDS {
-            round(c, &mut small, &mut large, &wins);
-        }
-        c.barrier().unwrap();
-        let n = ALLOCS.load(Ordering::SeqCst);
-        c.barrier().unwrap();
-        if c.rank() == 0 {
-            COUNTING.store(false, Ordering::SeqCst);
-        }
-        for w in wins {
-            w.win.free().unwrap();
-        }
-        n
+        })
+        .unwrap()
     })
+}
+
+fn counted_rounds(
+    c: &Comm<DynProvider>,
+    small: &mut [u8],
+    large: &mut [u8],
+    wins: &[WinOps<'_, '_>],
+) -> u64 {
+    for _ in 0..200 {
+        round(c, small, large, wins);
+    }
+    c.barrier().unwrap();
+    if c.rank() == 0 {
+        ALLOCS.store(0, Ordering::SeqCst);
+        COUNTING.store(true, Ordering::SeqCst);
+    }
+    c.barrier().unwrap();
+    for _ in 0..ROUNDS {
+        round(c, small, large, wins);
+    }
+    c.barrier().unwrap();
+    let n = ALLOCS.load(Ordering::SeqCst);
+    c.barrier().unwrap();
+    if c.rank() == 0 {
+        COUNTING.store(false, Ordering::SeqCst);
+    }
+    n
 }
 
 const ROUNDS: u64 = 100;

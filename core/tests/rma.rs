@@ -4,7 +4,7 @@
 
 use weft::testing::{self, Options};
 use weft::{
-    Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion, WinInfo,
+    Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion, WinInfo, Window,
 };
 use weft_shm as _;
 
@@ -25,6 +25,28 @@ fn info(s: Sched) -> WinInfo {
     WinInfo {
         accumulate_ops: None,
         sched: Some(s),
+        agg_max: None,
+    }
+}
+
+/// Run `f` on a window holding `mem`'s values: allocated by the library (`alloc`, then freed) or
+/// created over `mem` for the duration of `f`.
+fn with_window<T: Element, P: Provider, R>(
+    c: &Comm<P>,
+    mem: &mut [T],
+    info: WinInfo,
+    alloc: bool,
+    f: impl FnOnce(&Window<'_, P>) -> R,
+) -> R {
+    if alloc {
+        let w = c.win_allocate::<T>(mem.len(), info).unwrap();
+        w.write_local(0, mem).unwrap();
+        c.barrier().unwrap();
+        let r = f(&w);
+        w.free().unwrap();
+        r
+    } else {
+        c.win_create(mem, info, |w| Ok(f(w))).unwrap()
     }
 }
 
@@ -73,32 +95,34 @@ fn fence_put_get<P: Provider>(c: &Comm<P>, s: Sched) {
     let n = c.size();
     let me = c.rank();
     let mut mem = vec![0u64; 8 * n as usize];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    // Each rank writes its row into every other rank's window.
-    let row: Vec<u64> = (0..8).map(|i| (me as u64) << 32 | i).collect();
-    win.fence_epoch(Assert::NONE, |e| {
-        for t in 0..n {
-            e.put(&row, t, 8 * me as usize)?;
+    c.win_create(&mut mem, info(s), |win| {
+        // Each rank writes its row into every other rank's window.
+        let row: Vec<u64> = (0..8).map(|i| (me as u64) << 32 | i).collect();
+        win.fence_epoch(Assert::NONE, |e| {
+            for t in 0..n {
+                e.put(&row, t, 8 * me as usize)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        let mut mine = vec![0u64; 8 * n as usize];
+        win.read_local(0, &mut mine).unwrap();
+        for r in 0..n as u64 {
+            for i in 0..8u64 {
+                assert_eq!(mine[(r * 8 + i) as usize], r << 32 | i, "{s:?}");
+            }
         }
+        // Read the right neighbour's whole window back.
+        let right = (me + 1) % n;
+        let mut got = vec![0u64; 8 * n as usize];
+        win.fence_epoch(Assert::NONE, |e| e.get(&mut got, right, 0))
+            .unwrap();
+        assert_eq!(got, mine, "{s:?}");
+        // A fence with NOPRECEDE and no operations.
+        win.fence(Assert::NOPRECEDE).unwrap();
         Ok(())
     })
     .unwrap();
-    let mut mine = vec![0u64; 8 * n as usize];
-    win.read_local(0, &mut mine);
-    for r in 0..n as u64 {
-        for i in 0..8u64 {
-            assert_eq!(mine[(r * 8 + i) as usize], r << 32 | i, "{s:?}");
-        }
-    }
-    // Read the right neighbour's whole window back.
-    let right = (me + 1) % n;
-    let mut got = vec![0u64; 8 * n as usize];
-    win.fence_epoch(Assert::NONE, |e| e.get(&mut got, right, 0))
-        .unwrap();
-    assert_eq!(got, mine, "{s:?}");
-    // A fence with NOPRECEDE and no operations.
-    win.fence(Assert::NOPRECEDE).unwrap();
-    win.free().unwrap();
 }
 every_way!(fence_put_and_get, 3, fence_put_get);
 
@@ -108,33 +132,35 @@ fn pscw<P: Provider>(c: &Comm<P>, s: Sched) {
     let me = c.rank();
     let (left, right) = ((me + n - 1) % n, (me + 1) % n);
     let mut mem = vec![0i32; 4];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    for round in 0..3i32 {
-        win.post(&[left]).unwrap();
-        let v = [me as i32 * 10 + round; 2];
-        let one = [1i32];
-        let mut old = 0i32;
-        win.start_epoch(&[right], |e| {
-            e.put(&v, right, 0)?;
-            e.accumulate(&one, right, 2, Op::Sum)?;
-            e.fetch_and_op(&one[0], &mut old, right, 3, Op::Sum)
-        })
-        .unwrap();
-        assert_eq!(old, round, "{s:?}");
-        win.wait().unwrap();
-        let mut m = [0i32; 4];
-        win.read_local(0, &mut m);
-        assert_eq!(
-            m,
-            [
-                left as i32 * 10 + round,
-                left as i32 * 10 + round,
-                round + 1,
-                round + 1
-            ]
-        );
-    }
-    win.free().unwrap();
+    c.win_create(&mut mem, info(s), |win| {
+        for round in 0..3i32 {
+            win.post(&[left]).unwrap();
+            let v = [me as i32 * 10 + round; 2];
+            let one = [1i32];
+            let mut old = 0i32;
+            win.start_epoch(&[right], |e| {
+                e.put(&v, right, 0)?;
+                e.accumulate(&one, right, 2, Op::Sum)?;
+                e.fetch_and_op(&one[0], &mut old, right, 3, Op::Sum)
+            })
+            .unwrap();
+            assert_eq!(old, round, "{s:?}");
+            win.wait().unwrap();
+            let mut m = [0i32; 4];
+            win.read_local(0, &mut m).unwrap();
+            assert_eq!(
+                m,
+                [
+                    left as i32 * 10 + round,
+                    left as i32 * 10 + round,
+                    round + 1,
+                    round + 1
+                ]
+            );
+        }
+        Ok(())
+    })
+    .unwrap();
 }
 every_way!(post_start_complete_wait, 3, pscw);
 
@@ -142,44 +168,46 @@ fn locks<P: Provider>(c: &Comm<P>, s: Sched) {
     let n = c.size();
     let me = c.rank();
     let mut mem = vec![0u64; 2];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    // Everybody increments a counter on rank 0 under an exclusive lock, 5 times, with a
-    // get-modify-put (only correct if the lock excludes).
-    for _ in 0..5 {
-        win.lock_epoch(0, LockKind::Exclusive, |e| {
-            let mut v = [0u64];
-            e.local(|l| l.get(&mut v, 0, 0))?;
-            let w = [v[0] + 1];
-            e.local(|l| l.put(&w, 0, 0))?;
-            e.flush(0)
+    c.win_create(&mut mem, info(s), |win| {
+        // Everybody increments a counter on rank 0 under an exclusive lock, 5 times, with a
+        // get-modify-put (only correct if the lock excludes).
+        for _ in 0..5 {
+            win.lock_epoch(0, LockKind::Exclusive, |e| {
+                let mut v = [0u64];
+                e.local(|l| l.get(&mut v, 0, 0))?;
+                let w = [v[0] + 1];
+                e.local(|l| l.put(&w, 0, 0))?;
+                e.flush(0)
+            })
+            .unwrap();
+        }
+        // Shared locks with atomic adds.
+        let one = [1u64];
+        win.lock_epoch(0, LockKind::Shared, |e| {
+            e.accumulate(&one, 0, 1, Op::Sum)?;
+            e.flush_all()
         })
         .unwrap();
-    }
-    // Shared locks with atomic adds.
-    let one = [1u64];
-    win.lock_epoch(0, LockKind::Shared, |e| {
-        e.accumulate(&one, 0, 1, Op::Sum)?;
-        e.flush_all()
-    })
-    .unwrap();
-    c.barrier().unwrap();
-    if me == 0 {
-        let mut m = [0u64; 2];
-        win.read_local(0, &mut m);
-        assert_eq!(m, [5 * n as u64, n as u64], "{s:?}");
-    }
-    c.barrier().unwrap();
-    // lock_all: read everyone's counter slot.
-    let mut seen = vec![0u64; n as usize];
-    win.lock_all_epoch(|e| {
-        for (t, slot) in seen.iter_mut().enumerate() {
-            e.get(std::slice::from_mut(slot), t as u32, 1)?;
+        c.barrier().unwrap();
+        if me == 0 {
+            let mut m = [0u64; 2];
+            win.read_local(0, &mut m).unwrap();
+            assert_eq!(m, [5 * n as u64, n as u64], "{s:?}");
         }
-        e.flush_local()
+        c.barrier().unwrap();
+        // lock_all: read everyone's counter slot.
+        let mut seen = vec![0u64; n as usize];
+        win.lock_all_epoch(|e| {
+            for (t, slot) in seen.iter_mut().enumerate() {
+                e.get(std::slice::from_mut(slot), t as u32, 1)?;
+            }
+            e.flush_local()
+        })
+        .unwrap();
+        assert_eq!(seen[0], n as u64);
+        Ok(())
     })
     .unwrap();
-    assert_eq!(seen[0], n as u64);
-    win.free().unwrap();
 }
 every_way!(lock_unlock_flush, 3, locks);
 
@@ -187,26 +215,28 @@ fn requests<P: Provider>(c: &Comm<P>, s: Sched) {
     let me = c.rank();
     let peer = 1 - me;
     let mut mem = vec![0u32; 16];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    let src: Vec<u32> = (0..16).map(|i| me * 100 + i).collect();
-    let mut back = vec![0u32; 16];
-    let mut old = [0u32; 2];
-    let twos = [2u32; 2];
-    win.lock_epoch(peer, LockKind::Exclusive, |e| {
-        e.rput(&src, peer, 0)?.wait()?;
-        e.flush(peer)?;
-        let r = e.rget(&mut back, peer, 0)?;
-        r.wait()?;
-        e.raccumulate(&twos, peer, 0, Op::Prod)?.wait()?;
-        e.flush(peer)?;
-        let mut r = e.rget_accumulate(&twos, &mut old, peer, 0, Op::NoOp)?;
-        while !r.test()? {}
+    c.win_create(&mut mem, info(s), |win| {
+        let src: Vec<u32> = (0..16).map(|i| me * 100 + i).collect();
+        let mut back = vec![0u32; 16];
+        let mut old = [0u32; 2];
+        let twos = [2u32; 2];
+        win.lock_epoch(peer, LockKind::Exclusive, |e| {
+            e.rput(&src, peer, 0)?.wait()?;
+            e.flush(peer)?;
+            let r = e.rget(&mut back, peer, 0)?;
+            r.wait()?;
+            e.raccumulate(&twos, peer, 0, Op::Prod)?.wait()?;
+            e.flush(peer)?;
+            let mut r = e.rget_accumulate(&twos, &mut old, peer, 0, Op::NoOp)?;
+            while !r.test()? {}
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(back, src, "{s:?}");
+        assert_eq!(old, [me * 100 * 2, (me * 100 + 1) * 2], "{s:?}");
         Ok(())
     })
     .unwrap();
-    assert_eq!(back, src, "{s:?}");
-    assert_eq!(old, [me * 100 * 2, (me * 100 + 1) * 2], "{s:?}");
-    win.free().unwrap();
 }
 every_way!(request_based_operations, 2, requests);
 
@@ -217,60 +247,64 @@ fn typed<P: Provider>(c: &Comm<P>, s: Sched) {
     // The target is a 4x4 matrix of f64; put column 1 from a contiguous vector, then get the
     // diagonal into a strided buffer.
     let mut mem = vec![0f64; 16];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    let f64t = Datatype::of::<f64>();
-    let col = Datatype::vector(4, 1, 4, &f64t).unwrap().commit();
-    let contig = Datatype::contiguous(4, &f64t).unwrap().commit();
-    let v = [1.5f64, 2.5, 3.5, 4.5];
-    win.fence_epoch(Assert::NONE, |e| {
-        e.put_typed(bytemuck::cast_slice(&v), 1, &contig, peer, 1, 1, &col)
+    c.win_create(&mut mem, info(s), |win| {
+        let f64t = Datatype::of::<f64>();
+        let col = Datatype::vector(4, 1, 4, &f64t).unwrap().commit();
+        let contig = Datatype::contiguous(4, &f64t).unwrap().commit();
+        let v = [1.5f64, 2.5, 3.5, 4.5];
+        win.fence_epoch(Assert::NONE, |e| {
+            e.put_typed(bytemuck::cast_slice(&v), 1, &contig, peer, 1, 1, &col)
+        })
+        .unwrap();
+        let mut m = [0f64; 16];
+        win.read_local(0, &mut m).unwrap();
+        assert_eq!([m[1], m[5], m[9], m[13]], v, "{s:?}");
+        let diag = Datatype::vector(4, 1, 5, &f64t).unwrap().commit();
+        let mut out = [0f64; 8];
+        let strided = Datatype::vector(4, 1, 2, &f64t).unwrap().commit();
+        win.fence_epoch(Assert::NONE, |e| {
+            e.get_typed(
+                bytemuck::cast_slice_mut(&mut out),
+                1,
+                &strided,
+                peer,
+                0,
+                1,
+                &diag,
+            )
+        })
+        .unwrap();
+        assert_eq!(
+            [out[0], out[2], out[4], out[6]],
+            [0.0, 2.5, 0.0, 0.0],
+            "{s:?}"
+        );
+        Ok(())
     })
     .unwrap();
-    let mut m = [0f64; 16];
-    win.read_local(0, &mut m);
-    assert_eq!([m[1], m[5], m[9], m[13]], v, "{s:?}");
-    let diag = Datatype::vector(4, 1, 5, &f64t).unwrap().commit();
-    let mut out = [0f64; 8];
-    let strided = Datatype::vector(4, 1, 2, &f64t).unwrap().commit();
-    win.fence_epoch(Assert::NONE, |e| {
-        e.get_typed(
-            bytemuck::cast_slice_mut(&mut out),
-            1,
-            &strided,
-            peer,
-            0,
-            1,
-            &diag,
-        )
-    })
-    .unwrap();
-    assert_eq!(
-        [out[0], out[2], out[4], out[6]],
-        [0.0, 2.5, 0.0, 0.0],
-        "{s:?}"
-    );
-    win.free().unwrap();
 }
 every_way!(derived_datatypes, 2, typed);
 
 fn errors<P: Provider>(c: &Comm<P>, s: Sched) {
     let mut mem = vec![0u8; 16];
-    let win = c.win_create(&mut mem, info(s)).unwrap();
-    let big = [0u8; 17];
-    let r = win.fence_epoch(Assert::NONE, |e| e.put(&big, 1 - c.rank(), 0));
-    assert_eq!(r.unwrap_err().kind(), ErrorKind::RemoteAccess);
-    let r = win.fence_epoch(Assert::NONE, |e| e.put(&big[..1], 7, 0));
-    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidRank);
-    let f = [1.0f32];
-    let r = win.fence_epoch(Assert::NONE, |e| {
-        e.accumulate(&f[..], 1 - c.rank(), 0, Op::Bxor)
-    });
-    assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidArgument);
-    // NOPRECEDE after operations is refused.
-    let r = win.fence_epoch(Assert::NOPRECEDE, |e| e.put(&big[..1], 1 - c.rank(), 0));
-    assert!(r.is_err());
-    c.barrier().unwrap();
-    win.free().unwrap();
+    c.win_create(&mut mem, info(s), |win| {
+        let big = [0u8; 17];
+        let r = win.fence_epoch(Assert::NONE, |e| e.put(&big, 1 - c.rank(), 0));
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::RemoteAccess);
+        let r = win.fence_epoch(Assert::NONE, |e| e.put(&big[..1], 7, 0));
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidRank);
+        let f = [1.0f32];
+        let r = win.fence_epoch(Assert::NONE, |e| {
+            e.accumulate(&f[..], 1 - c.rank(), 0, Op::Bxor)
+        });
+        assert_eq!(r.unwrap_err().kind(), ErrorKind::InvalidArgument);
+        // NOPRECEDE after operations is refused.
+        let r = win.fence_epoch(Assert::NOPRECEDE, |e| e.put(&big[..1], 1 - c.rank(), 0));
+        assert!(r.is_err());
+        c.barrier().unwrap();
+        Ok(())
+    })
+    .unwrap();
 }
 every_way!(bad_operations_are_errors, 2, errors);
 
@@ -281,14 +315,9 @@ fn val<T: Element + TryFrom<i8>>(x: i8) -> T {
     T::try_from(x).ok().expect("small value fits")
 }
 
+/// The expected result, from an implementation independent of the library's reductions.
 fn reference<T: Element>(op: Op, a: T, b: T) -> T {
-    let mut t = bytemuck::bytes_of(&a).to_vec();
-    match op {
-        Op::Replace => return b,
-        Op::NoOp => return a,
-        _ => weft::types::apply_op(op, T::TYPE, &mut t, bytemuck::bytes_of(&b)).unwrap(),
-    }
-    *bytemuck::from_bytes(&t)
+    testing::oracle(op, a, b)
 }
 
 fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(
@@ -304,97 +333,83 @@ fn atomics_for<T: Element + TryFrom<i8> + std::fmt::Debug, P: Provider>(
         }
         let init: T = val(3);
         let mut mem = vec![init; 2];
-        let win = if alloc {
-            let w = c.win_allocate::<T>(2, info(s)).unwrap();
-            w.write_local(0, &[init, init]);
-            c.barrier().unwrap();
-            w
-        } else {
-            c.win_create(&mut mem, info(s)).unwrap()
-        };
-        // Everyone but rank 0 accumulates into rank 0, element 0 (order-free for commutative
-        // ops; Replace only from rank 1).
-        let mine: T = val(me as i8 + 1);
-        win.fence_epoch(Assert::NONE, |e| {
-            if me != 0 && (op != Op::Replace || me == 1) {
-                e.accumulate(std::slice::from_ref(&mine), 0, 0, op)?;
-            }
-            Ok(())
-        })
-        .unwrap();
-        if me == 0 {
-            let mut expect = init;
-            for r in 1..n {
-                if op != Op::Replace || r == 1 {
-                    expect = reference(op, expect, val::<T>(r as i8 + 1));
+        with_window(c, &mut mem, info(s), alloc, |win| {
+            // Everyone but rank 0 accumulates into rank 0, element 0 (order-free for commutative
+            // ops; Replace only from rank 1).
+            let mine: T = val(me as i8 + 1);
+            win.fence_epoch(Assert::NONE, |e| {
+                if me != 0 && (op != Op::Replace || me == 1) {
+                    e.accumulate(std::slice::from_ref(&mine), 0, 0, op)?;
                 }
+                Ok(())
+            })
+            .unwrap();
+            if me == 0 {
+                let mut expect = init;
+                for r in 1..n {
+                    if op != Op::Replace || r == 1 {
+                        expect = reference(op, expect, val::<T>(r as i8 + 1));
+                    }
+                }
+                let mut got = [init];
+                win.read_local(0, &mut got).unwrap();
+                assert_eq!(
+                    got[0],
+                    expect,
+                    "accumulate {} on {}",
+                    op.name(),
+                    T::TYPE.name()
+                );
             }
-            let mut got = [init];
-            win.read_local(0, &mut got);
-            assert_eq!(
-                got[0],
-                expect,
-                "accumulate {} on {}",
-                op.name(),
-                T::TYPE.name()
-            );
-        }
-        // fetch_and_op from rank 1 only: deterministic old values.
-        let mut old: T = val(0);
-        let two: T = val(2);
-        win.fence_epoch(Assert::NONE, |e| {
+            // fetch_and_op from rank 1 only: deterministic old values.
+            let mut old: T = val(0);
+            let two: T = val(2);
+            win.fence_epoch(Assert::NONE, |e| {
+                if me == 1 {
+                    e.fetch_and_op(&two, &mut old, 0, 1, op)?;
+                }
+                Ok(())
+            })
+            .unwrap();
             if me == 1 {
-                e.fetch_and_op(&two, &mut old, 0, 1, op)?;
+                assert_eq!(
+                    old,
+                    init,
+                    "fetch_and_op {} on {}",
+                    op.name(),
+                    T::TYPE.name()
+                );
             }
-            Ok(())
-        })
-        .unwrap();
-        if me == 1 {
-            assert_eq!(
-                old,
-                init,
-                "fetch_and_op {} on {}",
-                op.name(),
-                T::TYPE.name()
-            );
-        }
-        if me == 0 {
-            let mut got = [init];
-            win.read_local(1, &mut got);
-            assert_eq!(
-                got[0],
-                reference(op, init, two),
-                "fetch_and_op {} {}",
-                op.name(),
-                T::TYPE.name()
-            );
-        }
-        win.free().unwrap();
+            if me == 0 {
+                let mut got = [init];
+                win.read_local(1, &mut got).unwrap();
+                assert_eq!(
+                    got[0],
+                    reference(op, init, two),
+                    "fetch_and_op {} {}",
+                    op.name(),
+                    T::TYPE.name()
+                );
+            }
+        });
     }
     // compare_and_swap: succeeds once, then fails.
     let mut mem = vec![val::<T>(5)];
-    let win = if alloc {
-        let w = c.win_allocate::<T>(1, info(s)).unwrap();
-        w.write_local(0, &[val::<T>(5)]);
+    with_window(c, &mut mem, info(s), alloc, |win| {
+        let (new, cmp) = (val::<T>(9), val::<T>(5));
+        let mut old1 = val::<T>(0);
+        let mut old2 = val::<T>(0);
+        if me == 1 {
+            win.lock_epoch(0, LockKind::Exclusive, |e| {
+                e.compare_and_swap(&new, &cmp, &mut old1, 0, 0)?;
+                e.flush(0)?;
+                e.compare_and_swap(&new, &cmp, &mut old2, 0, 0)
+            })
+            .unwrap();
+            assert_eq!((old1, old2), (val(5), val(9)), "cas on {}", T::TYPE.name());
+        }
         c.barrier().unwrap();
-        w
-    } else {
-        c.win_create(&mut mem, info(s)).unwrap()
-    };
-    let (new, cmp) = (val::<T>(9), val::<T>(5));
-    let mut old1 = val::<T>(0);
-    let mut old2 = val::<T>(0);
-    if me == 1 {
-        win.lock_epoch(0, LockKind::Exclusive, |e| {
-            e.compare_and_swap(&new, &cmp, &mut old1, 0, 0)?;
-            e.flush(0)?;
-            e.compare_and_swap(&new, &cmp, &mut old2, 0, 0)
-        })
-        .unwrap();
-        assert_eq!((old1, old2), (val(5), val(9)), "cas on {}", T::TYPE.name());
-    }
-    c.barrier().unwrap();
-    win.free().unwrap();
+    });
 }
 
 fn atomics<P: Provider>(c: &Comm<P>, s: Sched, alloc: bool) {
@@ -430,9 +445,11 @@ fn shm_native_atomics_agree_with_the_reference() {
         assert!(w.native_locks());
         w.free().unwrap();
         let mut m = vec![0u64; 4];
-        let w = c.win_create(&mut m, WinInfo::default()).unwrap();
-        assert_eq!(w.native_paths(), (false, false, false));
-        w.free().unwrap();
+        c.win_create(&mut m, WinInfo::default(), |w| {
+            assert_eq!(w.native_paths(), (false, false, false));
+            Ok(())
+        })
+        .unwrap();
         for s in [Sched::Off, Sched::Full] {
             atomics(c, s, true);
             atomics(c, s, false);
@@ -444,24 +461,30 @@ fn shm_native_atomics_agree_with_the_reference() {
 fn scalable_keys_mean_no_key_table() {
     testing::world_with(2, &opts(true), |c| {
         let mut mem = vec![0u8; 8];
-        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
-        assert_eq!(win.native_paths(), (true, true, false));
-        assert!(!win.has_key_table());
-        assert_eq!(win.completion(), WinCompletion::Counter);
-        win.free().unwrap();
+        c.win_create(&mut mem, WinInfo::default(), |win| {
+            assert_eq!(win.native_paths(), (true, true, false));
+            assert!(!win.has_key_table());
+            assert_eq!(win.completion(), WinCompletion::Counter);
+            Ok(())
+        })
+        .unwrap();
     });
     testing::world_with(2, &opts_queue(), |c| {
         let mut mem = vec![0u8; 8];
-        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
-        assert_eq!(win.completion(), WinCompletion::Queue);
-        win.free().unwrap();
+        c.win_create(&mut mem, WinInfo::default(), |win| {
+            assert_eq!(win.completion(), WinCompletion::Queue);
+            Ok(())
+        })
+        .unwrap();
     });
     testing::world_with(2, &opts(false), |c| {
         let mut mem = vec![0u8; 8];
-        let win = c.win_create(&mut mem, WinInfo::default()).unwrap();
-        assert_eq!(win.native_paths(), (false, false, false));
-        assert_eq!(win.completion(), WinCompletion::ActiveMessages);
-        win.free().unwrap();
+        c.win_create(&mut mem, WinInfo::default(), |win| {
+            assert_eq!(win.native_paths(), (false, false, false));
+            assert_eq!(win.completion(), WinCompletion::ActiveMessages);
+            Ok(())
+        })
+        .unwrap();
     });
 }
 
@@ -474,30 +497,32 @@ fn counters_are_per_window() {
         let mut a = vec![0u32; 4];
         let mut b = vec![0u32; 4];
         for round in 0..3u32 {
-            let wa = c.win_create(&mut a, WinInfo::default()).unwrap();
-            let wb = c.win_create(&mut b, WinInfo::default()).unwrap();
-            assert_eq!(wa.completion(), WinCompletion::Counter);
-            assert_eq!(wb.completion(), WinCompletion::Counter);
-            let va = [me * 10 + round; 4];
-            let vb = [me * 100 + round; 4];
-            wa.fence(Assert::NONE).unwrap();
-            wb.fence(Assert::NONE).unwrap();
-            wa.fence_epoch(Assert::NONE, |e| e.put(&va, peer, 0))
-                .unwrap();
-            wb.lock_epoch(peer, LockKind::Shared, |e| {
-                e.put(&vb[..2], peer, 0)?;
-                e.flush(peer)?;
-                e.put(&vb[2..], peer, 2)
+            c.win_create(&mut a, WinInfo::default(), |wa| {
+                c.win_create(&mut b, WinInfo::default(), |wb| {
+                    assert_eq!(wa.completion(), WinCompletion::Counter);
+                    assert_eq!(wb.completion(), WinCompletion::Counter);
+                    let va = [me * 10 + round; 4];
+                    let vb = [me * 100 + round; 4];
+                    wa.fence(Assert::NONE).unwrap();
+                    wb.fence(Assert::NONE).unwrap();
+                    wa.fence_epoch(Assert::NONE, |e| e.put(&va, peer, 0))
+                        .unwrap();
+                    wb.lock_epoch(peer, LockKind::Shared, |e| {
+                        e.put(&vb[..2], peer, 0)?;
+                        e.flush(peer)?;
+                        e.put(&vb[2..], peer, 2)
+                    })
+                    .unwrap();
+                    c.barrier().unwrap();
+                    let mut got = [0u32; 4];
+                    wa.read_local(0, &mut got).unwrap();
+                    assert_eq!(got, [peer * 10 + round; 4]);
+                    wb.read_local(0, &mut got).unwrap();
+                    assert_eq!(got, [peer * 100 + round; 4]);
+                    Ok(())
+                })
             })
             .unwrap();
-            c.barrier().unwrap();
-            let mut got = [0u32; 4];
-            wa.read_local(0, &mut got);
-            assert_eq!(got, [peer * 10 + round; 4]);
-            wb.read_local(0, &mut got);
-            assert_eq!(got, [peer * 100 + round; 4]);
-            wb.free().unwrap();
-            wa.free().unwrap();
         }
     });
 }
@@ -512,7 +537,7 @@ fn allocated_windows() {
             .unwrap();
         if me == 0 {
             let mut x = [0u32];
-            win.read_local(9, &mut x);
+            win.read_local(9, &mut x).unwrap();
             assert_eq!(x[0], 6);
         }
         win.free().unwrap();
@@ -626,98 +651,94 @@ fn random_epochs<P: Provider>(c: &Comm<P>, s: Sched, mode: Mode, seed: u64, allo
     let n = c.size();
     let me = c.rank();
     let mut mem = vec![0i64; SLOTS];
-    let win = if alloc {
-        c.win_allocate::<i64>(SLOTS, info(s)).unwrap()
-    } else {
-        c.win_create(&mut mem, info(s)).unwrap()
-    };
-    let mut model = vec![vec![0i64; SLOTS]; n as usize];
-    for ep in 0..12u64 {
-        // Local stores to the read slots, then a barrier-like synchronisation.
-        for slot in 36..SLOTS {
-            let v = local_store(ep, me, slot);
-            win.write_local(slot, &[v]);
-            for (r, m) in model.iter_mut().enumerate() {
-                m[slot] = local_store(ep, r as u32, slot);
+    with_window(c, &mut mem, info(s), alloc, |win| {
+        let mut model = vec![vec![0i64; SLOTS]; n as usize];
+        for ep in 0..12u64 {
+            // Local stores to the read slots, then a barrier-like synchronisation.
+            for slot in 36..SLOTS {
+                let v = local_store(ep, me, slot);
+                win.write_local(slot, &[v]).unwrap();
+                for (r, m) in model.iter_mut().enumerate() {
+                    m[slot] = local_store(ep, r as u32, slot);
+                }
             }
-        }
-        c.barrier().unwrap();
-        let mine = ops_of(seed, ep, me, n);
-        let mut values: Vec<i64> = mine
-            .iter()
-            .map(|o| match o {
-                ROp::Put { v, .. } | ROp::Acc { v, .. } => *v,
-                ROp::Get { .. } => 0,
-            })
-            .collect();
-        let mut gets = vec![0i64; mine.len()];
-        match mode {
-            Mode::Fence => win
-                .fence_epoch(Assert::NONE, |e| issue(e, &mine, &mut gets, &values, None))
-                .unwrap(),
-            Mode::LockAll => win
-                .lock_all_epoch(|e| {
-                    issue(e, &mine, &mut gets, &values, None)?;
-                    e.flush_all()
+            c.barrier().unwrap();
+            let mine = ops_of(seed, ep, me, n);
+            let mut values: Vec<i64> = mine
+                .iter()
+                .map(|o| match o {
+                    ROp::Put { v, .. } | ROp::Acc { v, .. } => *v,
+                    ROp::Get { .. } => 0,
                 })
-                .unwrap(),
-            Mode::Pscw => {
-                let all: Vec<u32> = (0..n).collect();
-                win.post(&all).unwrap();
-                win.start_epoch(&all, |e| issue(e, &mine, &mut gets, &values, None))
-                    .unwrap();
-                win.wait().unwrap();
-            }
-            Mode::LockEach => {
-                // One exclusive epoch per target, each with its own operations and results.
-                for t in 0..n {
-                    let idx: Vec<usize> = (0..mine.len())
-                        .filter(|i| target_of(&mine[*i]) == t)
-                        .collect();
-                    let ops_t: Vec<ROp> = idx.iter().map(|i| mine[*i]).collect();
-                    let vals_t: Vec<i64> = idx.iter().map(|i| values[*i]).collect();
-                    let mut g = vec![0i64; ops_t.len()];
-                    win.lock_epoch(t, LockKind::Exclusive, |e| {
-                        issue(e, &ops_t, &mut g, &vals_t, None)
+                .collect();
+            let mut gets = vec![0i64; mine.len()];
+            match mode {
+                Mode::Fence => win
+                    .fence_epoch(Assert::NONE, |e| issue(e, &mine, &mut gets, &values, None))
+                    .unwrap(),
+                Mode::LockAll => win
+                    .lock_all_epoch(|e| {
+                        issue(e, &mine, &mut gets, &values, None)?;
+                        e.flush_all()
                     })
-                    .unwrap();
-                    for (k, i) in idx.iter().enumerate() {
-                        gets[*i] = g[k];
+                    .unwrap(),
+                Mode::Pscw => {
+                    let all: Vec<u32> = (0..n).collect();
+                    win.post(&all).unwrap();
+                    win.start_epoch(&all, |e| issue(e, &mine, &mut gets, &values, None))
+                        .unwrap();
+                    win.wait().unwrap();
+                }
+                Mode::LockEach => {
+                    // One exclusive epoch per target, each with its own operations and results.
+                    for t in 0..n {
+                        let idx: Vec<usize> = (0..mine.len())
+                            .filter(|i| target_of(&mine[*i]) == t)
+                            .collect();
+                        let ops_t: Vec<ROp> = idx.iter().map(|i| mine[*i]).collect();
+                        let vals_t: Vec<i64> = idx.iter().map(|i| values[*i]).collect();
+                        let mut g = vec![0i64; ops_t.len()];
+                        win.lock_epoch(t, LockKind::Exclusive, |e| {
+                            issue(e, &ops_t, &mut g, &vals_t, None)
+                        })
+                        .unwrap();
+                        for (k, i) in idx.iter().enumerate() {
+                            gets[*i] = g[k];
+                        }
                     }
                 }
             }
-        }
-        values.clear();
-        // Everyone's epoch is over before anyone reads its window.
-        c.barrier().unwrap();
-        // The reference: apply every rank's operations (conflict-free, so order-free).
-        for r in 0..n {
-            for o in ops_of(seed, ep, r, n) {
-                match o {
-                    ROp::Put { t, slot, v } => model[t as usize][slot] = v,
-                    ROp::Acc { t, slot, v } => model[t as usize][slot] += v,
-                    ROp::Get { .. } => {}
+            values.clear();
+            // Everyone's epoch is over before anyone reads its window.
+            c.barrier().unwrap();
+            // The reference: apply every rank's operations (conflict-free, so order-free).
+            for r in 0..n {
+                for o in ops_of(seed, ep, r, n) {
+                    match o {
+                        ROp::Put { t, slot, v } => model[t as usize][slot] = v,
+                        ROp::Acc { t, slot, v } => model[t as usize][slot] += v,
+                        ROp::Get { .. } => {}
+                    }
                 }
             }
-        }
-        let mut now = vec![0i64; SLOTS];
-        win.read_local(0, &mut now);
-        assert_eq!(
-            now, model[me as usize],
-            "epoch {ep}, {mode:?}, {s:?}, seed {seed}"
-        );
-        for (o, g) in mine.iter().zip(&gets) {
-            if let ROp::Get { t, slot } = o {
-                assert_eq!(
-                    *g,
-                    local_store(ep, *t, *slot),
-                    "get in epoch {ep}, {mode:?}, {s:?}"
-                );
+            let mut now = vec![0i64; SLOTS];
+            win.read_local(0, &mut now).unwrap();
+            assert_eq!(
+                now, model[me as usize],
+                "epoch {ep}, {mode:?}, {s:?}, seed {seed}"
+            );
+            for (o, g) in mine.iter().zip(&gets) {
+                if let ROp::Get { t, slot } = o {
+                    assert_eq!(
+                        *g,
+                        local_store(ep, *t, *slot),
+                        "get in epoch {ep}, {mode:?}, {s:?}"
+                    );
+                }
             }
+            c.barrier().unwrap();
         }
-        c.barrier().unwrap();
-    }
-    win.free().unwrap();
+    });
 }
 
 #[test]
@@ -739,4 +760,38 @@ fn random_epochs_match_the_reference_model() {
             testing::world_dyn(2, "shm", |c| random_epochs(c, s, mode, seed + 8, false));
         }
     }
+}
+
+/// `WEFT_RMA_AGG_MAX` larger than what the provider carries in one message: operations whose
+/// batch record would not fit are issued on their own, so the epoch, later collectives and
+/// finalize work. (Before, a batch over the payload limit failed the epoch and left every later
+/// send to that peer failing.)
+#[test]
+fn aggregation_never_exceeds_the_provider_payload() {
+    testing::world_with(2, &opts(false), |c| {
+        let me = c.rank();
+        let peer = 1 - me;
+        let mut mem = vec![0u8; 64 << 10];
+        let info = WinInfo {
+            accumulate_ops: None,
+            sched: Some(Sched::Aggregate),
+            agg_max: Some(1 << 20),
+        };
+        c.win_create(&mut mem, info, |win| {
+            let big = vec![me as u8 + 1; 40 << 10]; // more than loopback's 16 KiB payload
+            let small = [me as u8 + 10; 8];
+            win.fence_epoch(Assert::NONE, |e| {
+                e.put(&small, peer, 0)?;
+                e.put(&big, peer, 8)?;
+                e.put(&small, peer, 8 + big.len())
+            })?;
+            let mut got = vec![0u8; 16 + big.len()];
+            win.read_local(0, &mut got)?;
+            assert_eq!(got[..8], [peer as u8 + 10; 8]);
+            assert!(got[8..8 + big.len()].iter().all(|&b| b == peer as u8 + 1));
+            assert_eq!(got[8 + big.len()..], [peer as u8 + 10; 8]);
+            c.barrier()
+        })
+        .unwrap();
+    });
 }

@@ -203,31 +203,31 @@ fn rma_pingpong(
     let r = c.rank();
     let elems = size.div_ceil(8).max(1);
     let mut mem = vec![0u64; 2 * elems];
-    let win = c.win_create(&mut mem, weft::WinInfo::default())?;
-    let src = vec![1u64; elems];
-    let mut dst = vec![0u64; elems];
-    let bytes = size.max(1).min(elems * 8);
-    let mut t0 = Instant::now();
-    if r <= 1 {
-        let peer = 1 - r;
-        for i in 0..warmup + iters {
-            if i == warmup {
-                t0 = Instant::now();
-            }
-            if r == 0 {
-                win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
-                win.post(&[peer])?;
-                win.wait()?;
-            } else {
-                win.post(&[peer])?;
-                win.wait()?;
-                win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
+    c.win_create(&mut mem, weft::WinInfo::default(), |win| {
+        let src = vec![1u64; elems];
+        let mut dst = vec![0u64; elems];
+        let bytes = size.max(1).min(elems * 8);
+        let mut t0 = Instant::now();
+        if r <= 1 {
+            let peer = 1 - r;
+            for i in 0..warmup + iters {
+                if i == warmup {
+                    t0 = Instant::now();
+                }
+                if r == 0 {
+                    win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
+                    win.post(&[peer])?;
+                    win.wait()?;
+                } else {
+                    win.post(&[peer])?;
+                    win.wait()?;
+                    win.start_epoch(&[peer], |e| rma_ops(e, test, peer, bytes, &src, &mut dst))?;
+                }
             }
         }
-    }
-    let dt = t0.elapsed().as_secs_f64();
-    win.free()?;
-    Ok(dt * 1e6 / (2.0 * iters as f64))
+        let dt = t0.elapsed().as_secs_f64();
+        Ok(dt * 1e6 / (2.0 * iters as f64))
+    })
 }
 
 /// RMA throughput in fence epochs: rank 0 issues `w` operations (puts, gets, or 16 of each)
@@ -248,30 +248,30 @@ fn rma_stream(
     };
     let slots = nput + nget;
     let mut mem = vec![0u8; slots * size.max(1)];
-    let win = c.win_create(&mut mem, weft::WinInfo::default())?;
-    let src = vec![7u8; size.max(1)];
-    let mut dst: Vec<Vec<u8>> = (0..nget).map(|_| vec![0u8; size.max(1)]).collect();
-    let mut t0 = Instant::now();
-    for i in 0..warmup + iters {
-        if i == warmup {
-            c.barrier()?;
-            t0 = Instant::now();
-        }
-        win.fence_epoch(weft::Assert::NONE, |e| {
-            if r == 0 {
-                for k in 0..nput {
-                    e.put(&src[..size], 1, k * size)?;
-                }
-                for (k, d) in dst.iter_mut().enumerate() {
-                    e.get(&mut d[..size], 1, (nput + k) * size)?;
-                }
+    c.win_create(&mut mem, weft::WinInfo::default(), |win| {
+        let src = vec![7u8; size.max(1)];
+        let mut dst: Vec<Vec<u8>> = (0..nget).map(|_| vec![0u8; size.max(1)]).collect();
+        let mut t0 = Instant::now();
+        for i in 0..warmup + iters {
+            if i == warmup {
+                c.barrier()?;
+                t0 = Instant::now();
             }
-            Ok(())
-        })?;
-    }
-    let dt = t0.elapsed().as_secs_f64();
-    win.free()?;
-    Ok((slots * size * iters) as f64 / dt / 1e6)
+            win.fence_epoch(weft::Assert::NONE, |e| {
+                if r == 0 {
+                    for k in 0..nput {
+                        e.put(&src[..size], 1, k * size)?;
+                    }
+                    for (k, d) in dst.iter_mut().enumerate() {
+                        e.get(&mut d[..size], 1, (nput + k) * size)?;
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        Ok((slots * size * iters) as f64 / dt / 1e6)
+    })
 }
 
 /// Run one job's measurements; rank 0 prints the results.

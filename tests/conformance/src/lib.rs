@@ -7,8 +7,8 @@
 //! prints a table; `weft::testing::world_dyn` runs it in-process.
 
 use weft::{
-    Assert, Comm, Datatype, DynProvider, ErrorKind, LockKind, Op, SharedBuf, WinInfo, ANY_SOURCE,
-    ANY_TAG,
+    Assert, Comm, Datatype, DynProvider, Element, ErrorKind, LockKind, Op, SharedBuf, WinInfo,
+    Window, ANY_SOURCE, ANY_TAG,
 };
 
 /// The C example provider (`libweft-cdgram.so`) and its deliberately faulty twin
@@ -90,8 +90,13 @@ pub const CHECKS: &[(&str, &str, Check)] = &[
     ("rma", "request-based operations", rma_requests),
     (
         "atomics",
-        "all ops and types, native = active messages",
-        atomics,
+        "every op and type against an oracle",
+        atomics_oracle,
+    ),
+    (
+        "atomics",
+        "contended: every rank on one element",
+        atomics_contended,
     ),
     ("stress", "many outstanding operations", outstanding),
     ("stress", "all-pairs traffic", all_pairs),
@@ -416,32 +421,57 @@ fn datatypes(c: &Comm<DynProvider>) -> Result<(), String> {
     Ok(())
 }
 
+/// Run `f` on a window holding `mem`'s values: allocated by the library (`alloc`) or created
+/// over `mem`. Collective; the window is freed before this returns.
+fn with_win<T: Element, R>(
+    c: &Comm<DynProvider>,
+    mem: &mut [T],
+    info: WinInfo,
+    alloc: bool,
+    f: impl FnOnce(&Window<'_, DynProvider>) -> Result<R, String>,
+) -> Result<R, String> {
+    if alloc {
+        let win = w(c.win_allocate::<T>(mem.len(), info))?;
+        w(win.write_local(0, mem))?;
+        w(c.barrier())?;
+        let r = f(&win);
+        let freed = w(win.free());
+        let v = r?;
+        freed?;
+        Ok(v)
+    } else {
+        let mut out = None;
+        w(c.win_create(mem, info, |win| {
+            out = Some(f(win));
+            Ok(())
+        }))?;
+        out.unwrap_or_else(|| Err("the window closure did not run".into()))
+    }
+}
+
 fn rma_fence(c: &Comm<DynProvider>) -> Result<(), String> {
     let (r, n) = (c.rank(), c.size());
     for alloc in [false, true] {
         let mut mem = vec![0u64; n as usize];
-        let win = if alloc {
-            w(c.win_allocate::<u64>(n as usize, WinInfo::default()))?
-        } else {
-            w(c.win_create(&mut mem, WinInfo::default()))?
-        };
-        let v = [r as u64 + 100];
-        w(win.fence_epoch(Assert::NONE, |e| {
-            for t in 0..n {
-                e.put(&v, t, r as usize)?;
-            }
+        with_win(c, &mut mem, WinInfo::default(), alloc, |win| {
+            let v = [r as u64 + 100];
+            w(win.fence_epoch(Assert::NONE, |e| {
+                for t in 0..n {
+                    e.put(&v, t, r as usize)?;
+                }
+                Ok(())
+            }))?;
+            let mut mine = vec![0u64; n as usize];
+            w(win.read_local(0, &mut mine))?;
+            ensure!(
+                mine == (0..n as u64).map(|x| x + 100).collect::<Vec<_>>(),
+                "after puts: {mine:?}"
+            );
+            let mut got = vec![0u64; n as usize];
+            w(win.fence_epoch(Assert::NONE, |e| e.get(&mut got, (r + 1) % n, 0)))?;
+            ensure!(got == mine, "get read {got:?}");
             Ok(())
-        }))?;
-        let mut mine = vec![0u64; n as usize];
-        win.read_local(0, &mut mine);
-        ensure!(
-            mine == (0..n as u64).map(|x| x + 100).collect::<Vec<_>>(),
-            "after puts: {mine:?}"
-        );
-        let mut got = vec![0u64; n as usize];
-        w(win.fence_epoch(Assert::NONE, |e| e.get(&mut got, (r + 1) % n, 0)))?;
-        ensure!(got == mine, "get read {got:?}");
-        w(win.free())?;
+        })?;
     }
     Ok(())
 }
@@ -450,50 +480,47 @@ fn rma_pscw(c: &Comm<DynProvider>) -> Result<(), String> {
     let (r, n) = (c.rank(), c.size());
     let (left, right) = ((r + n - 1) % n, (r + 1) % n);
     let mut mem = vec![0i32; 2];
-    let win = w(c.win_create(&mut mem, WinInfo::default()))?;
-    for round in 0..3 {
-        w(win.post(&[left]))?;
-        let v = [r as i32 * 10 + round];
-        w(win.start_epoch(&[right], |e| e.put(&v, right, 0)))?;
-        w(win.wait())?;
-        let mut m = [0i32; 1];
-        win.read_local(0, &mut m);
-        ensure!(m[0] == left as i32 * 10 + round, "round {round}: {}", m[0]);
-    }
-    w(win.free())
+    with_win(c, &mut mem, WinInfo::default(), false, |win| {
+        for round in 0..3 {
+            w(win.post(&[left]))?;
+            let v = [r as i32 * 10 + round];
+            w(win.start_epoch(&[right], |e| e.put(&v, right, 0)))?;
+            w(win.wait())?;
+            let mut m = [0i32; 1];
+            w(win.read_local(0, &mut m))?;
+            ensure!(m[0] == left as i32 * 10 + round, "round {round}: {}", m[0]);
+        }
+        Ok(())
+    })
 }
 
 fn rma_locks(c: &Comm<DynProvider>) -> Result<(), String> {
     let n = c.size();
     for alloc in [false, true] {
         let mut mem = vec![0u64; 1];
-        let win = if alloc {
-            w(c.win_allocate::<u64>(1, WinInfo::default()))?
-        } else {
-            w(c.win_create(&mut mem, WinInfo::default()))?
-        };
-        for _ in 0..3 {
-            w(win.lock_epoch(0, LockKind::Exclusive, |e| {
-                let mut v = [0u64];
-                e.local(|l| l.get(&mut v, 0, 0))?;
-                let nv = [v[0] + 1];
-                e.local(|l| l.put(&nv, 0, 0))
+        with_win(c, &mut mem, WinInfo::default(), alloc, |win| {
+            for _ in 0..3 {
+                w(win.lock_epoch(0, LockKind::Exclusive, |e| {
+                    let mut v = [0u64];
+                    e.local(|l| l.get(&mut v, 0, 0))?;
+                    let nv = [v[0] + 1];
+                    e.local(|l| l.put(&nv, 0, 0))
+                }))?;
+            }
+            w(c.barrier())?;
+            let mut all = vec![0u64; n as usize];
+            w(win.lock_all_epoch(|e| {
+                e.get(&mut all[..1], 0, 0)?;
+                e.flush_all()
             }))?;
-        }
-        w(c.barrier())?;
-        let mut all = vec![0u64; n as usize];
-        w(win.lock_all_epoch(|e| {
-            e.get(&mut all[..1], 0, 0)?;
-            e.flush_all()
-        }))?;
-        ensure!(
-            all[0] == 3 * n as u64,
-            "exclusive increments: {} of {}",
-            all[0],
-            3 * n
-        );
-        w(c.barrier())?;
-        w(win.free())?;
+            ensure!(
+                all[0] == 3 * n as u64,
+                "exclusive increments: {} of {}",
+                all[0],
+                3 * n
+            );
+            w(c.barrier())
+        })?;
     }
     Ok(())
 }
@@ -502,92 +529,159 @@ fn rma_requests(c: &Comm<DynProvider>) -> Result<(), String> {
     let (r, n) = (c.rank(), c.size());
     let t = (r + 1) % n;
     let mut mem = vec![0u32; 8];
-    let win = w(c.win_create(&mut mem, WinInfo::default()))?;
-    let src: Vec<u32> = (0..8).map(|i| r * 10 + i).collect();
-    let mut back = vec![0u32; 8];
-    w(win.lock_epoch(t, LockKind::Exclusive, |e| {
-        e.rput(&src, t, 0)?.wait()?;
-        e.flush(t)?;
-        e.rget(&mut back, t, 0)?.wait()
-    }))?;
-    ensure!(back == src, "rget read {back:?}");
-    w(c.barrier())?;
-    w(win.free())
+    with_win(c, &mut mem, WinInfo::default(), false, |win| {
+        let src: Vec<u32> = (0..8).map(|i| r * 10 + i).collect();
+        let mut back = vec![0u32; 8];
+        w(win.lock_epoch(t, LockKind::Exclusive, |e| {
+            e.rput(&src, t, 0)?.wait()?;
+            e.flush(t)?;
+            e.rget(&mut back, t, 0)?.wait()
+        }))?;
+        ensure!(back == src, "rget read {back:?}");
+        w(c.barrier())
+    })
 }
 
-/// Run a deterministic atomics sequence on a window; returns its final contents (rank 0) and
-/// the fetched values (rank 1).
-fn atomics_run(c: &Comm<DynProvider>, alloc: bool) -> Result<(Vec<u8>, Vec<u8>), String> {
-    let mut finals = vec![];
-    let mut fetched = vec![];
-    macro_rules! per_type {
-        ($t:ty, $init:expr, $v:expr) => {{
-            for op in Op::ALL {
-                if !op.valid_for(<$t as weft::Element>::TYPE) || op == Op::Cswap {
-                    continue;
-                }
-                let mut mem = vec![$init as $t; 2];
-                let win = if alloc {
-                    let win = w(c.win_allocate::<$t>(2, WinInfo::default()))?;
-                    win.write_local(0, &[$init as $t, $init as $t]);
-                    w(c.barrier())?;
-                    win
-                } else {
-                    w(c.win_create(&mut mem, WinInfo::default()))?
-                };
-                let v = [$v as $t];
-                let mut old = $init as $t;
-                w(win.fence_epoch(Assert::NONE, |e| {
-                    if c.rank() == 1 {
-                        e.accumulate(&v, 0, 0, op)?;
-                        e.fetch_and_op(&v[0], &mut old, 0, 1, op)?;
-                    }
-                    Ok(())
-                }))?;
-                // Compare-and-swap on element 1 after that.
-                let (newv, cmpv) = ($v as $t, $init as $t);
-                let mut casold = $init as $t;
-                w(win.fence_epoch(Assert::NONE, |e| {
-                    if c.rank() == 1 {
-                        e.compare_and_swap(&newv, &cmpv, &mut casold, 0, 1)?;
-                    }
-                    Ok(())
-                }))?;
-                let mut f = [$init as $t; 2];
-                win.read_local(0, &mut f);
-                finals.extend_from_slice(bytemuck::cast_slice(&f));
-                fetched.extend_from_slice(bytemuck::bytes_of(&old));
-                fetched.extend_from_slice(bytemuck::bytes_of(&casold));
-                w(win.free())?;
+/// Every (operation, type) once from rank 1 to rank 0: accumulate into element 0,
+/// fetch-and-op on element 1, a compare-and-swap that succeeds (element 2) and one that fails
+/// (element 3); the results are checked against `weft::testing::oracle`, an implementation
+/// independent of the library's.
+fn atomics_oracle(c: &Comm<DynProvider>) -> Result<(), String> {
+    fn per_type<T: Element + std::fmt::Debug>(
+        c: &Comm<DynProvider>,
+        alloc: bool,
+        init: T,
+        v: T,
+        other: T,
+    ) -> Result<(), String> {
+        for op in Op::ALL {
+            if !op.valid_for(T::TYPE) || op == Op::Cswap {
+                continue;
             }
-        }};
+            let what = format!(
+                "{} on {} ({})",
+                op.name(),
+                T::TYPE.name(),
+                if alloc { "allocated" } else { "created" }
+            );
+            let mut mem = vec![init; 4];
+            with_win(c, &mut mem, WinInfo::default(), alloc, |win| {
+                let (mut old, mut cas_hit, mut cas_miss) = (v, v, v);
+                w(win.fence_epoch(Assert::NONE, |e| {
+                    if c.rank() == 1 {
+                        e.accumulate(std::slice::from_ref(&v), 0, 0, op)?;
+                        e.fetch_and_op(&v, &mut old, 0, 1, op)?;
+                        e.compare_and_swap(&v, &init, &mut cas_hit, 0, 2)?;
+                        e.compare_and_swap(&v, &other, &mut cas_miss, 0, 3)?;
+                    }
+                    Ok(())
+                }))?;
+                let want = weft::testing::oracle(op, init, v);
+                if c.rank() == 0 {
+                    let mut f = [init; 4];
+                    w(win.read_local(0, &mut f))?;
+                    ensure!(
+                        f == [want, want, v, init],
+                        "{what}: window holds {f:?}, expected {:?}",
+                        [want, want, v, init]
+                    );
+                } else if c.rank() == 1 {
+                    ensure!(
+                        [old, cas_hit, cas_miss] == [init, init, init],
+                        "{what}: fetched {:?}, expected the initial {init:?} three times",
+                        [old, cas_hit, cas_miss]
+                    );
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
-    per_type!(i8, -3, 5);
-    per_type!(u8, 3, 250);
-    per_type!(i16, -300, 7);
-    per_type!(u16, 3, 60_000);
-    per_type!(i32, -70_000, 9);
-    per_type!(u32, 3, 4_000_000_000u32);
-    per_type!(i64, -5, 1i64 << 40);
-    per_type!(u64, 3, u64::MAX - 1);
-    per_type!(f32, 1.5, -2.25);
-    per_type!(f64, -0.5, 3.75);
-    Ok((finals, fetched))
+    for alloc in [false, true] {
+        per_type(c, alloc, -3i8, 5, 7)?;
+        per_type(c, alloc, 3u8, 250, 7)?;
+        per_type(c, alloc, -300i16, 7, 1)?;
+        per_type(c, alloc, 3u16, 60_000, 1)?;
+        per_type(c, alloc, -70_000i32, 9, 1)?;
+        per_type(c, alloc, 3u32, 4_000_000_000, 1)?;
+        per_type(c, alloc, -5i64, 1 << 40, 1)?;
+        per_type(c, alloc, 3u64, u64::MAX - 1, 1)?;
+        per_type(c, alloc, 1.5f32, -2.25, 0.0)?;
+        per_type(c, alloc, -0.5f64, 3.75, 0.0)?;
+    }
+    Ok(())
 }
 
-fn atomics(c: &Comm<DynProvider>) -> Result<(), String> {
-    let a = atomics_run(c, false)?;
-    let b = atomics_run(c, true)?;
-    // Both paths compute the same bits; rank 0 holds the windows, rank 1 the fetched values.
-    let (mine_a, mine_b) = if c.rank() == 0 {
-        (&a.0, &b.0)
-    } else {
-        (&a.1, &b.1)
-    };
-    ensure!(
-        mine_a == mine_b,
-        "windows over user memory and allocated windows disagree"
-    );
+/// Every rank hammers the same three elements of rank 0's window at once: fetch-and-add of 1
+/// (element 0), a compare-and-swap increment loop (element 1) and accumulate-sum of rank + 1
+/// (element 2). Exact results: each fetched value 0..n*K seen exactly once, element 1 = n*K,
+/// element 2 = K*n(n+1)/2. With the window hint an HCA can serve natively (fetch-and-add and
+/// compare-and-swap on i64 only) and with the default one.
+fn atomics_contended(c: &Comm<DynProvider>) -> Result<(), String> {
+    const K: i64 = 40;
+    let (r, n) = (c.rank(), c.size() as i64);
+    let hints = [
+        None,
+        Some(vec![
+            (Op::Sum, weft::BasicType::I64),
+            (Op::Cswap, weft::BasicType::I64),
+        ]),
+    ];
+    for hint in hints {
+        for alloc in [false, true] {
+            let info = WinInfo {
+                accumulate_ops: hint.clone(),
+                sched: None,
+                agg_max: None,
+            };
+            let mut mem = vec![0i64; 3];
+            let mut fetched = vec![0i64; K as usize];
+            with_win(c, &mut mem, info, alloc, |win| {
+                let one = 1i64;
+                let mine = [r as i64 + 1];
+                w(win.lock_all_epoch(|e| {
+                    for f in fetched.iter_mut() {
+                        e.local(|l| l.fetch_and_op(&one, f, 0, 0, Op::Sum))?;
+                        let mut guess = 0i64;
+                        loop {
+                            let mut seen = 0i64;
+                            let next = guess + 1;
+                            e.local(|l| l.compare_and_swap(&next, &guess, &mut seen, 0, 1))?;
+                            if seen == guess {
+                                break;
+                            }
+                            guess = seen;
+                        }
+                        e.accumulate(&mine, 0, 2, Op::Sum)?;
+                    }
+                    Ok(())
+                }))?;
+                w(c.barrier())?;
+                if r == 0 {
+                    let mut f = [0i64; 3];
+                    w(win.read_local(0, &mut f))?;
+                    let want = [n * K, n * K, K * n * (n + 1) / 2];
+                    ensure!(
+                        f == want,
+                        "window holds {f:?}, expected {want:?} ({hint:?})"
+                    );
+                }
+                Ok(())
+            })?;
+            let mut all = vec![0i64; (n * K) as usize];
+            w(c.allgather(&fetched, &mut all))?;
+            all.sort_unstable();
+            let mut distinct = all.clone();
+            distinct.dedup();
+            ensure!(
+                all.iter().copied().eq(0..n * K),
+                "fetch-and-add handed out {} distinct values for {} increments ({hint:?}, \
+                 alloc {alloc})",
+                distinct.len(),
+                n * K
+            );
+        }
+    }
     Ok(())
 }
 

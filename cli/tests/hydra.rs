@@ -35,7 +35,7 @@ fn hydra() -> Option<PathBuf> {
 #[test]
 fn hydra_runs_ring_over_every_process_provider() {
     let Some(mpiexec) = hydra() else { return };
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     for p in ["shm", "tcp-sim"] {
         let o = run_bounded(
             Command::new(&mpiexec)
@@ -194,7 +194,7 @@ fn two_namespaces_are_two_hosts() {
             return;
         }
     };
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let run = |extra: &[&str]| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &hosts.ns[0]])

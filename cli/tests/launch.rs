@@ -17,7 +17,7 @@ fn weft_run(args: &[&str]) -> Command {
 
 #[test]
 fn ring_over_every_process_provider() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     for p in PROCESS_PROVIDERS {
         for pmi_port in [false, true] {
             let mut c = weft_run(&["-n", "4", "--provider", p]);
@@ -42,7 +42,7 @@ fn ring_over_every_process_provider() {
 
 #[test]
 fn ring_alone_is_a_world_of_one() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let o = run_bounded(
         Command::new(&ring)
             .env_remove("PMI_FD")
@@ -59,7 +59,7 @@ fn ring_alone_is_a_world_of_one() {
 
 #[test]
 fn tag_output_prefixes_ranks() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let o = run_bounded(weft_run(&["-n", "3", "--tag-output", "--"]).arg(&ring), 60);
     assert!(o.status.success());
     let out = stdout(&o);
@@ -87,7 +87,7 @@ fn env_reaches_ranks_and_exit_status_is_worst() {
 
 #[test]
 fn killed_rank_ends_the_job_with_no_survivors() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     for p in PROCESS_PROVIDERS {
         let mark = marker("kill");
         let t0 = std::time::Instant::now();
@@ -116,7 +116,7 @@ fn killed_rank_ends_the_job_with_no_survivors() {
 
 #[test]
 fn exit_without_finalize_fails_the_job() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let mark = marker("nofin");
     let o = run_bounded(
         weft_run(&["-n", "3", "--"])
@@ -180,7 +180,7 @@ fn malformed_pmi_line_fails_the_job() {
 
 #[test]
 fn duplicate_rank_is_refused() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let o = run_bounded(
         weft_run(&["-n", "2", "--pmi-port", "--"]).args([
             "bash".as_ref(),
@@ -225,7 +225,7 @@ fn missing_program_is_an_error() {
 /// receive fails, nothing hangs, and /dev/shm keeps no weft file.
 #[test]
 fn peer_killed_mid_large_message() {
-    let fault = example("weft", "fault");
+    let fault = example("weft-cli", "fault");
     for p in PROCESS_PROVIDERS {
         let o = run_bounded(
             weft_run(&["--keep-going", "-n", "2", "--provider", p, "--"])
@@ -277,7 +277,7 @@ fn peer_killed_mid_large_message() {
 /// moves on to the next provider.
 #[test]
 fn limic_unavailable_without_cross_memory_attach() {
-    let ring = example("weft", "ring");
+    let ring = example("weft-cli", "ring");
     let no_cma = example("weft-limic", "no_cma");
     let o = run_bounded(
         weft_run(&["-n", "2", "--provider", "limic,shm", "--"])

@@ -158,6 +158,8 @@ pub(crate) struct Shared<P: Provider> {
     provider_name: String,
     /// World rank of this process.
     rank: u32,
+    /// In `finalize` (see `Comm::complete_ctx`).
+    finalizing: Cell<bool>,
     closed: Cell<bool>,
 }
 
@@ -225,6 +227,7 @@ impl<P: Provider> World<P> {
             next_scope: Cell::new(1),
             provider_name: name,
             rank,
+            finalizing: Cell::new(false),
             closed: Cell::new(false),
         });
         Ok(World {
@@ -250,6 +253,7 @@ impl<P: Provider> World<P> {
 
     /// Orderly shutdown: a barrier, then every outgoing message drained and the provider closed.
     pub fn finalize(self) -> Result<()> {
+        self.comm.sh.finalizing.set(true);
         let b = self.comm.barrier();
         let c = self.comm.sh.close();
         b.and(c)
@@ -440,6 +444,33 @@ impl<P: Provider> Comm<P> {
         self.finish(r)
     }
 
+    /// Complete an operation of context `ctx`. In a collective context (odd: `ctx + 1` of a
+    /// communicator) the wait also ends when any member of the communicator has failed: a
+    /// collective cannot finish without every member, and a rank that waits on a live peer
+    /// which itself gave up would otherwise wait for good.
+    fn complete_ctx(&self, p: Posted, ctx: u32) -> Result<Status> {
+        let Posted::Pending(id) = p else {
+            return self.complete(p);
+        };
+        // `finalize`'s barrier waits plainly: a peer that has finished it may close (and be
+        // reported gone) while this rank still waits for its last messages, which arrive
+        // first.
+        if ctx % 2 == 0 || self.sh.finalizing.get() {
+            return self.complete(p);
+        }
+        let group = self.group.clone();
+        let member = move |r: Rank| match &group {
+            None => true,
+            Some(g) => g.comm_of.get(r as usize).is_some_and(|c| *c != u32::MAX),
+        };
+        let r = self
+            .sh
+            .engine
+            .borrow_mut()
+            .wait_or_member_failed(id, member);
+        self.finish(r)
+    }
+
     // ------------------------------------------------------------------ blocking two-sided
 
     /// Blocking send (MPI_Send): returns once `buf` may be reused.
@@ -537,8 +568,8 @@ impl<P: Provider> Comm<P> {
                 return Err(e);
             }
         };
-        let rs = self.complete(r);
-        let ss = self.complete(s);
+        let rs = self.complete_ctx(r, ctx);
+        let ss = self.complete_ctx(s, ctx);
         let st = rs?;
         ss?;
         Ok(st)
@@ -546,12 +577,12 @@ impl<P: Provider> Comm<P> {
 
     pub(crate) fn send_ctx(&self, buf: SendBuf, dest: u32, tag: i32, ctx: u32) -> Result<()> {
         let p = self.post_send(buf, dest, tag, false, ctx, 0)?;
-        self.complete(p).map(|_| ())
+        self.complete_ctx(p, ctx).map(|_| ())
     }
 
     pub(crate) fn recv_ctx(&self, buf: RecvBuf, src: u32, tag: i32, ctx: u32) -> Result<Status> {
         let p = self.post_recv(buf, Source::Rank(src), TagSel::Tag(tag), ctx, 0)?;
-        self.complete(p)
+        self.complete_ctx(p, ctx)
     }
 
     /// Wait for a matching message and describe it without receiving it (MPI_Probe).

@@ -709,6 +709,8 @@ pub(crate) struct State {
     /// announced length in all); the unexpected queue has a `Unexp::Spec` for each.
     spec_staged: Vec<Staged>,
     pub(crate) spec_staged_bytes: usize,
+    /// Buffers of received staged messages, for the next ones (`staging_buf`).
+    staging_spare: Vec<Vec<u8>>,
     spec_buffer: usize,
     /// Eager flow control (see `EngineConfig::eager_window`): bytes sent to each peer and not
     /// yet credited back, and bytes received from each peer, matched, not yet credited.
@@ -808,6 +810,7 @@ impl<P: Provider> Engine<P> {
             spec_rx: Vec::new(),
             spec_staged: Vec::new(),
             spec_staged_bytes: 0,
+            staging_spare: Vec::new(),
             spec_buffer: cfg.spec_buffer,
             eager_window: cfg.eager_window.max(2 * (eager_limit + EAGER_OVERHEAD)),
             eager_out: vec![0; size as usize],
@@ -1149,6 +1152,7 @@ impl<P: Provider> Engine<P> {
         let have = staged.data.len().min(expect);
         buf.write(0, &staged.data[..have]);
         let complete = staged.data.len() == total;
+        st.staging_give(staged.data);
         if complete || have == expect {
             return Ok(Posted::Done(recv_result(status(src, tag, total), buf.cap)));
         }
@@ -1619,6 +1623,42 @@ impl<P: Provider> Engine<P> {
         out.expect("set when done")
     }
 
+    /// Wait for request `id`, or until a rank that `member` accepts has failed (then `id` is
+    /// given up and the error names that rank).
+    pub(crate) fn wait_or_member_failed(
+        &mut self,
+        id: ReqId,
+        member: impl Fn(Rank) -> bool,
+    ) -> Result<Status> {
+        let mut out = None;
+        let mut dead = None;
+        let waited = self.wait_until("a collective operation", |e| {
+            out = e.try_take(id);
+            if out.is_some() {
+                return true;
+            }
+            if e.st.nfailed > 0 {
+                dead = (0..e.st.size).find(|r| member(*r) && e.st.failed[*r as usize].is_some());
+            }
+            dead.is_some()
+        });
+        if let Err(e) = waited {
+            self.quarantine(id);
+            return Err(e);
+        }
+        if let Some(r) = out {
+            return r;
+        }
+        let _ = self.cancel(id);
+        self.quarantine(id);
+        let r = dead.expect("set when the wait ended without the request");
+        let why = self.st.failed[r as usize].clone().unwrap_or_default();
+        Err(Error::peer_failed(
+            r,
+            format!("a member of the collective: {why}"),
+        ))
+    }
+
     /// Give up request `id` without waiting for it: once this returns, nothing writes into its
     /// buffer or reads from it, so the caller may free the memory.
     ///
@@ -1894,11 +1934,39 @@ impl State {
         };
         for o in q.iter_mut() {
             if let Out::Raw(h, r) = o {
+                // Pooled buffers: a batch that carries a get and its epoch's end does this
+                // every epoch (they return to the pool once sent).
+                let mut data = self.spare.take();
                 // SAFETY: see `Out::Raw`: the memory is valid until the message is sent or
                 // this conversion runs, whichever comes first.
-                let data = unsafe { raw_slice(r) }.to_vec();
+                data.extend_from_slice(unsafe { raw_slice(r) });
                 *o = Out::Owned(*h, data);
             }
+        }
+    }
+
+    /// An empty buffer for `total` bytes of staged speculative data, reusing one a received
+    /// staged message gave back: whether a speculative message finds its receive posted is a
+    /// matter of timing, and a loaded machine would otherwise allocate one per message.
+    fn staging_buf(&mut self, total: usize) -> Vec<u8> {
+        let mut v = match self
+            .staging_spare
+            .iter()
+            .position(|b| b.capacity() >= total)
+        {
+            Some(i) => self.staging_spare.swap_remove(i),
+            None => self.staging_spare.pop().unwrap_or_default(),
+        };
+        v.clear();
+        v.reserve(total);
+        v
+    }
+
+    /// Keep a staging buffer for reuse (a few, together within `WEFT_SPEC_BUFFER`).
+    fn staging_give(&mut self, v: Vec<u8>) {
+        let kept: usize = self.staging_spare.iter().map(Vec::capacity).sum();
+        if self.staging_spare.len() < 4 && kept + v.capacity() <= self.spec_buffer {
+            self.staging_spare.push(v);
         }
     }
 
@@ -2254,11 +2322,12 @@ impl State {
         if self.spec_rreq(src, sreq).is_none() && !self.spec_match(src, ctx, tag, total, sreq) {
             if self.spec_staged_bytes.saturating_add(total) <= self.spec_buffer {
                 self.spec_staged_bytes += total;
+                let data = self.staging_buf(total);
                 self.spec_staged.push(Staged {
                     src,
                     sreq,
                     total,
-                    data: Vec::with_capacity(total),
+                    data,
                 });
                 self.matcher
                     .add_unexpected(ctx, src, tag, Unexp::Spec { total, sreq });
@@ -2587,7 +2656,7 @@ impl State {
                 affected += 1;
             }
         }
-        self.rma.peer_failed(rank, reason);
+        crate::rma::peer_failed(self, rank, reason);
         // A peer that leaves while nothing waits for it has most likely finished normally.
         if affected > 0 && !self.closing {
             tracing::warn!(rank, affected, "peer failed: {reason}");

@@ -36,6 +36,8 @@ pub enum ErrorKind {
     Bootstrap,
     /// An operating-system call failed.
     Io,
+    /// A provider reported a failure of its own (a loaded library's error code and text).
+    Provider,
     /// A request was cancelled.
     Cancelled,
 }
@@ -94,6 +96,8 @@ pub enum ErrorDetail {
     },
     #[error("request cancelled")]
     Cancelled,
+    #[error("provider '{provider}': {what}")]
+    Provider { provider: String, what: String },
 }
 
 /// weft's error type: one pointer wide, so `Result<T>` stays small on hot paths.
@@ -144,6 +148,7 @@ impl ErrorDetail {
             Error::Bootstrap(_) => ErrorKind::Bootstrap,
             Error::Io { .. } => ErrorKind::Io,
             Error::Cancelled => ErrorKind::Cancelled,
+            Error::Provider { .. } => ErrorKind::Provider,
         }
     }
 }

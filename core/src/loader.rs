@@ -483,41 +483,56 @@ struct Foreign {
 }
 
 impl Foreign {
-    fn err(&self, code: i32, what: &str) -> Error {
+    /// The error for `code` from operation `what`, described by the instance's `last_error`.
+    /// `peer`: the rank the operation was about, when it names one (a `WEFT_EPEER` or
+    /// `WEFT_EACCESS` is then about that rank; otherwise it is reported as the provider's own).
+    fn err(&self, code: i32, what: &str, peer: Option<Rank>) -> Error {
         let text = error_text(self.am, self.handle, code);
-        match code {
-            WEFT_EPEER => Error::from(ErrorDetail::PeerFailed {
-                rank: u32::MAX,
-                reason: text,
-            }),
-            WEFT_EINVAL => Error::invalid(format!("{}: {what}: {text}", self.name)),
-            WEFT_ENOSYS => Error::from(ErrorDetail::Unsupported(format!(
-                "{}: {what}: {text}",
-                self.name
-            ))),
-            WEFT_EACCESS => Error::from(ErrorDetail::RemoteAccess {
-                rank: u32::MAX,
-                what: text,
-            }),
-            _ => Error::from(ErrorDetail::Bootstrap(format!(
-                "{}: {what}: {text}",
-                self.name
-            ))),
-        }
+        code_error(&self.name, code, what, text, peer)
     }
 
-    fn check(&self, code: i32, what: &str) -> Result<()> {
+    fn check(&self, code: i32, what: &str, peer: Option<Rank>) -> Result<()> {
         if code == WEFT_OK {
             Ok(())
         } else {
-            Err(self.err(code, what))
+            Err(self.err(code, what, peer))
         }
+    }
+}
+
+/// An error value for a library's status `code` with its description `text`.
+fn code_error(name: &str, code: i32, what: &str, text: String, peer: Option<Rank>) -> Error {
+    match (code, peer) {
+        (WEFT_EPEER, Some(rank)) => Error::peer_failed(rank, text),
+        (WEFT_EACCESS, Some(rank)) => Error::from(ErrorDetail::RemoteAccess { rank, what: text }),
+        (WEFT_EINVAL, _) => Error::invalid(format!("{name}: {what}: {text}")),
+        (WEFT_ENOSYS, _) => {
+            Error::from(ErrorDetail::Unsupported(format!("{name}: {what}: {text}")))
+        }
+        _ => Error::from(ErrorDetail::Provider {
+            provider: name.to_string(),
+            what: format!("{what}: {text} ({})", code_name(code)),
+        }),
+    }
+}
+
+/// The name of a `WEFT_*` status code, for messages.
+fn code_name(code: i32) -> String {
+    match code {
+        WEFT_EFAIL => "WEFT_EFAIL".into(),
+        WEFT_EINVAL => "WEFT_EINVAL".into(),
+        WEFT_EPEER => "WEFT_EPEER".into(),
+        WEFT_ENOSYS => "WEFT_ENOSYS".into(),
+        WEFT_EUNAVAIL => "WEFT_EUNAVAIL".into(),
+        WEFT_EACCESS => "WEFT_EACCESS".into(),
+        c => format!("code {c}"),
     }
 }
 
 struct SinkCtx<'a> {
     sink: &'a mut dyn Sink,
     panicked: bool,
+    name: &'a str,
 }
 
 unsafe extern "C" fn sink_am(
@@ -553,9 +568,10 @@ unsafe extern "C" fn sink_complete(
     // SAFETY: see sink_am.
     let c = &mut *(ctx as *mut SinkCtx<'_>);
     let res = if status != WEFT_OK {
-        Err(Error::from(ErrorDetail::Bootstrap(format!(
-            "operation failed with code {status}"
-        ))))
+        Err(Error::from(ErrorDetail::Provider {
+            provider: c.name.to_string(),
+            what: format!("an operation completed with {}", code_name(status)),
+        }))
     } else if tagged.is_null() {
         Ok(Completed::Done)
     } else {
@@ -625,7 +641,7 @@ impl Provider for Foreign {
                 dest,
                 error_text(self.am, self.handle, r),
             )),
-            c => Err(self.err(c, "am_send")),
+            c => Err(self.err(c, "am_send", Some(dest))),
         }
     }
 
@@ -633,6 +649,7 @@ impl Provider for Foreign {
         let mut ctx = SinkCtx {
             sink,
             panicked: false,
+            name: &self.name,
         };
         let s = WeftSink {
             size: std::mem::size_of::<WeftSink>() as u32,
@@ -650,7 +667,7 @@ impl Provider for Foreign {
                 "a weft handler panicked while a provider library delivered to it",
             ));
         }
-        self.check(r, "progress")?;
+        self.check(r, "progress", None)?;
         Ok(n)
     }
 
@@ -660,7 +677,13 @@ impl Provider for Foreign {
         }
         // SAFETY: closing our own instance once; it is not used afterwards.
         let r = unsafe { (self.am.close.expect("checked at load"))(self.handle) };
-        self.check(r, "close")
+        if r == WEFT_OK {
+            return Ok(());
+        }
+        // `close` released the instance whatever it returned: the reason is the thread's last
+        // error (`last_error(NULL)`), never the closed instance's.
+        let text = error_text(self.am, std::ptr::null_mut(), r);
+        Err(code_error(&self.name, r, "close", text, None))
     }
 
     unsafe fn tagged_send(
@@ -692,7 +715,7 @@ impl Provider for Foreign {
             sync as u32,
             token,
         );
-        self.check(r, "tagged send")
+        self.check(r, "tagged send", Some(dest))
     }
 
     unsafe fn tagged_recv(
@@ -722,7 +745,7 @@ impl Provider for Foreign {
             iov.len(),
             token,
         );
-        self.check(r, "tagged receive")
+        self.check(r, "tagged receive", src)
     }
 
     fn tagged_probe(
@@ -747,7 +770,7 @@ impl Provider for Foreign {
                 &mut st,
             )
         };
-        self.check(r, "tagged probe")?;
+        self.check(r, "tagged probe", src)?;
         Ok((found != 0).then_some(TaggedStatus {
             source: st.source,
             tag: st.tag,
@@ -762,7 +785,7 @@ impl Provider for Foreign {
         let mut c = 0u32;
         // SAFETY: valid out-pointer.
         let r = unsafe { (t.cancel.expect("checked"))(self.handle, token, &mut c) };
-        self.check(r, "tagged cancel")?;
+        self.check(r, "tagged cancel", None)?;
         Ok(c != 0)
     }
 
@@ -780,7 +803,7 @@ impl Provider for Foreign {
             | (access.remote_write as u32) << 1
             | (access.remote_atomic as u32) << 2;
         let r = (t.reg.expect("checked"))(self.handle, base, len, bits, &mut mr);
-        self.check(r, "memory registration")?;
+        self.check(r, "memory registration", None)?;
         Ok(MemRegion {
             key: mr.key,
             addr: mr.addr,
@@ -801,7 +824,7 @@ impl Provider for Foreign {
         };
         // SAFETY: valid pointer for the call.
         let r = unsafe { (t.dereg.expect("checked"))(self.handle, &w) };
-        self.check(r, "deregistration")
+        self.check(r, "deregistration", None)
     }
 
     unsafe fn rma_read(
@@ -831,7 +854,7 @@ impl Provider for Foreign {
             done.cq.unwrap_or(0),
             done.cntr.unwrap_or(0),
         );
-        self.check(r, "RMA read")
+        self.check(r, "RMA read", Some(src))
     }
 
     unsafe fn rma_write(
@@ -861,7 +884,7 @@ impl Provider for Foreign {
             done.cq.unwrap_or(0),
             done.cntr.unwrap_or(0),
         );
-        self.check(r, "RMA write")
+        self.check(r, "RMA write", Some(dest))
     }
 
     unsafe fn atomic(
@@ -893,7 +916,7 @@ impl Provider for Foreign {
             done.cq.unwrap_or(0),
             done.cntr.unwrap_or(0),
         );
-        self.check(r, "atomic")
+        self.check(r, "atomic", Some(dest))
     }
 
     fn cntr_open(&mut self) -> Result<CntrId> {
@@ -903,7 +926,7 @@ impl Provider for Foreign {
         let mut c = 0u64;
         // SAFETY: the library's function with our instance and a valid out pointer.
         let r = unsafe { (t.open.expect("checked"))(self.handle, &mut c) };
-        self.check(r, "counter open")?;
+        self.check(r, "counter open", None)?;
         if c == 0 {
             return Err(Error::invalid(format!(
                 "provider {} returned counter id 0 from open",
@@ -920,7 +943,7 @@ impl Provider for Foreign {
         let (mut ok, mut err) = (0u64, 0u64);
         // SAFETY: as in cntr_open.
         let r = unsafe { (t.read.expect("checked"))(self.handle, cntr, &mut ok, &mut err) };
-        self.check(r, "counter read")?;
+        self.check(r, "counter read", None)?;
         Ok(CntrValue { ok, err })
     }
 
@@ -930,7 +953,7 @@ impl Provider for Foreign {
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("counters".into())))?;
         // SAFETY: as in cntr_open.
         let r = unsafe { (t.close.expect("checked"))(self.handle, cntr) };
-        self.check(r, "counter close")
+        self.check(r, "counter close", None)
     }
 }
 
@@ -939,5 +962,28 @@ impl Drop for Foreign {
         if !self.closed {
             let _ = self.close();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A library's codes become errors that name the right rank, or none: `WEFT_EPEER` from an
+    /// operation on rank 3 is "peer failed: rank 3"; from `progress`, which names no rank, it
+    /// is the provider's own failure (it used to say rank 4294967295), never "bootstrap:".
+    #[test]
+    fn library_codes_name_the_right_rank() {
+        let e = code_error("lib", WEFT_EPEER, "am_send", "gone".into(), Some(3));
+        assert_eq!(e.kind(), crate::ErrorKind::PeerFailed);
+        assert!(e.to_string().contains("rank 3"), "{e}");
+        let e = code_error("lib", WEFT_EPEER, "progress", "gone".into(), None);
+        assert_eq!(e.kind(), crate::ErrorKind::Provider);
+        assert!(!e.to_string().contains("4294967295"), "{e}");
+        assert_eq!(e.to_string(), "provider 'lib': progress: gone (WEFT_EPEER)");
+        let e = code_error("lib", WEFT_EFAIL, "close", "no".into(), None);
+        assert!(!e.to_string().starts_with("bootstrap"), "{e}");
+        let e = code_error("lib", WEFT_EACCESS, "RMA write", "bad key".into(), Some(1));
+        assert_eq!(e.kind(), crate::ErrorKind::RemoteAccess);
     }
 }

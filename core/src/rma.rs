@@ -142,8 +142,10 @@ pub(crate) struct WinState {
     pub applied: u64,
     /// Active-message operations this rank sent, per target world rank, in this fence epoch.
     pub sent: HashMap<Rank, u64>,
-    shared: u32,
-    exclusive: bool,
+    /// Ranks holding the lock shared (a rank at most once per window), and the exclusive
+    /// holder: kept by name so that a holder that dies can be released.
+    shared: smallvec::SmallVec<[Rank; 4]>,
+    exclusive: Option<Rank>,
     waiters: VecDeque<Waiter>,
     /// Native operations issued and completed (the window counter).
     pub native_issued: u64,
@@ -159,34 +161,53 @@ impl WinState {
             completes: HashMap::new(),
             applied: 0,
             sent: HashMap::new(),
-            shared: 0,
-            exclusive: false,
+            shared: smallvec::SmallVec::new(),
+            exclusive: None,
             waiters: VecDeque::new(),
             native_issued: 0,
             native_done: 0,
         }
     }
 
-    fn try_lock(&mut self, kind: u8) -> bool {
+    fn try_lock(&mut self, kind: u8, origin: Rank) -> bool {
         match kind {
-            LOCK_EXCLUSIVE if !self.exclusive && self.shared == 0 => {
-                self.exclusive = true;
+            LOCK_EXCLUSIVE if self.exclusive.is_none() && self.shared.is_empty() => {
+                self.exclusive = Some(origin);
                 true
             }
-            LOCK_SHARED if !self.exclusive => {
-                self.shared += 1;
+            LOCK_SHARED if self.exclusive.is_none() => {
+                self.shared.push(origin);
                 true
             }
             _ => false,
         }
     }
 
-    fn unlock(&mut self) {
-        if self.exclusive {
-            self.exclusive = false;
-        } else if self.shared > 0 {
-            self.shared -= 1;
+    /// Release `origin`'s hold; `false` if it held none.
+    fn unlock(&mut self, origin: Rank) -> bool {
+        if self.exclusive == Some(origin) {
+            self.exclusive = None;
+            return true;
         }
+        match self.shared.iter().position(|r| *r == origin) {
+            Some(i) => {
+                self.shared.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `rank` died: drop its hold and its queued requests. Whether the window's memory is
+    /// consistent after a holder died mid-epoch is the application's to judge (MPI leaves
+    /// it undefined); what must not happen is every other rank waiting for the lock for good.
+    fn forget(&mut self, rank: Rank) -> bool {
+        let held = self.unlock(rank);
+        let before = self.waiters.len();
+        self.waiters.retain(|w| match w {
+            Waiter::Lock { origin, .. } | Waiter::Batch { origin, .. } => *origin != rank,
+        });
+        held || self.waiters.len() != before
     }
 
     /// Bounds-checked start of window bytes `[off, off + n)`. Window memory is shared with
@@ -270,6 +291,22 @@ impl RmaState {
                 }
             }
         }
+    }
+}
+
+/// `rank` failed: whatever waits for it fails (`RmaState::peer_failed`), and the locks it held
+/// or waited for on this rank's windows are released, so that the next waiters get them.
+pub(crate) fn peer_failed(st: &mut State, rank: Rank, why: &str) {
+    st.rma.peer_failed(rank, why);
+    let touched: smallvec::SmallVec<[u32; 4]> = st
+        .rma
+        .wins
+        .iter_mut()
+        .filter_map(|(id, w)| w.forget(rank).then_some(*id))
+        .collect();
+    for win in touched {
+        tracing::warn!(rank, win, "released a window lock of a failed rank");
+        grant_waiters(st, win);
     }
 }
 
@@ -408,7 +445,7 @@ pub(crate) fn on_am(
             let Some(w) = st.rma.wins.get_mut(&win) else {
                 return unknown_window(st, src, win);
             };
-            if w.waiters.is_empty() && w.try_lock(lk) {
+            if w.waiters.is_empty() && w.try_lock(lk, src) {
                 reply(st, src, H_GRANT, token);
             } else {
                 w.waiters.push_back(Waiter::Lock {
@@ -620,11 +657,13 @@ fn grant_waiters(st: &mut State, win: u32) {
         let Some(w) = st.rma.wins.get_mut(&win) else {
             return;
         };
-        let kind = match w.waiters.front() {
-            Some(Waiter::Lock { kind, .. }) | Some(Waiter::Batch { kind, .. }) => *kind,
+        let (kind, origin) = match w.waiters.front() {
+            Some(Waiter::Lock { kind, origin, .. }) | Some(Waiter::Batch { kind, origin, .. }) => {
+                (*kind, *origin)
+            }
             None => return,
         };
-        if !w.try_lock(kind) {
+        if !w.try_lock(kind, origin) {
             return;
         }
         match w.waiters.pop_front() {
@@ -645,7 +684,9 @@ fn grant_waiters(st: &mut State, win: u32) {
 
 fn unlock(st: &mut State, src: Rank, win: u32, token: u64) -> Option<()> {
     let w = target_win!(st, src, win);
-    w.unlock();
+    if !w.unlock(src) {
+        return bad(st, src, "UNLOCK of a lock it does not hold");
+    }
     reply(st, src, H_ACK, token);
     grant_waiters(st, win);
     Some(())
@@ -658,7 +699,7 @@ fn batch(st: &mut State, src: Rank, hdr: &[u8], payload: &[u8]) -> Option<()> {
     let flags = rd.u8()?;
     let lk = rd.u8()?;
     let w = target_win!(st, src, win);
-    if flags & B_LOCK != 0 && !(w.waiters.is_empty() && w.try_lock(lk)) {
+    if flags & B_LOCK != 0 && !(w.waiters.is_empty() && w.try_lock(lk, src)) {
         // Wait for the lock with the whole batch.
         let mut msg = hdr.to_vec();
         let hdr_len = msg.len();

@@ -188,19 +188,84 @@ impl RankSlot {
     }
 
     /// Why the rank this slot describes is gone, if it is: it closed, or its process no
-    /// longer exists.
+    /// longer runs (exited, including a zombie nobody has reaped yet). Prefer [`Watch::gone`],
+    /// which follows the process itself rather than its pid.
     pub fn gone(&self) -> Option<&'static str> {
         let state = self.state.load(Ordering::Acquire);
         let pid = self.pid.load(Ordering::Relaxed) as i32;
         if state == ST_CLOSED {
             Some("rank exited")
         } else if state == ST_OPEN && pid > 0 && pid as u32 != std::process::id() {
-            // SAFETY: kill with signal 0 only checks for existence.
-            let r = unsafe { libc::kill(pid, 0) };
-            (r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
-                .then_some("process died")
+            pid_gone(pid).then_some("process died")
         } else {
             None
+        }
+    }
+}
+
+/// Whether process `pid` no longer runs: it does not exist, or it is a zombie (`kill(pid, 0)`
+/// alone calls a zombie alive).
+fn pid_gone(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence.
+    let r = unsafe { libc::kill(pid, 0) };
+    if r != 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // /proc/<pid>/stat: "pid (comm) S ...", the state after the last ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            st.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+        })
+        .unwrap_or(false)
+}
+
+/// Liveness of the local peers by process handle: a pidfd (`pidfd_open`, Linux 5.3) names one
+/// process for good, so a recycled pid is never taken for the peer, and it becomes readable
+/// when the process exits, zombie or not. Where pidfds are not available, falls back to the
+/// pid (with the zombie check).
+pub struct Watch {
+    fds: Vec<Option<std::os::fd::OwnedFd>>,
+}
+
+impl Watch {
+    /// Watch the processes of `slots` (every one open), except this process's own.
+    pub fn new<'a>(slots: impl Iterator<Item = &'a RankSlot>) -> Watch {
+        let fds = slots
+            .map(|s| {
+                let pid = s.pid.load(Ordering::Relaxed) as i32;
+                if pid <= 0 || pid as u32 == std::process::id() {
+                    return None;
+                }
+                // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+                let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+                // SAFETY: a descriptor the kernel just gave us, owned from here on.
+                (fd >= 0).then(|| unsafe {
+                    <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+                })
+            })
+            .collect();
+        Watch { fds }
+    }
+
+    /// Why local rank `i` (whose liveness record is `slot`) is gone, if it is.
+    pub fn gone(&self, i: usize, slot: &RankSlot) -> Option<&'static str> {
+        if slot.state.load(Ordering::Acquire) == ST_CLOSED {
+            return Some("rank exited");
+        }
+        match self.fds.get(i) {
+            Some(Some(fd)) => {
+                let mut p = libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, no waiting.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                (n > 0 && p.revents & libc::POLLIN != 0).then_some("process died")
+            }
+            _ => slot.gone(),
         }
     }
 }
@@ -234,6 +299,31 @@ mod tests {
         assert_eq!(slot.gone(), None);
         slot.set_closed();
         assert_eq!(slot.gone(), Some("rank exited"));
+    }
+
+    /// A process that exited is gone even while it is a zombie (before, `kill(pid, 0)`
+    /// called it alive until its parent reaped it), and a watch follows the process, not a
+    /// pid that could be given to another.
+    #[test]
+    fn zombies_are_gone() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let slot = RankSlot {
+            pid: AtomicU64::new(child.id() as u64),
+            state: AtomicU64::new(ST_OPEN),
+        };
+        let watch = Watch::new(std::iter::once(&slot));
+        let t0 = std::time::Instant::now();
+        // Not reaped: the child stays a zombie while we look.
+        while watch.gone(0, &slot).is_none() || slot.gone().is_none() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(20),
+                "never seen gone"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(pid_gone(child.id() as i32), "a zombie counts as gone");
+        child.wait().unwrap();
+        assert_eq!(watch.gone(0, &slot), Some("process died"));
     }
 
     #[test]

@@ -32,6 +32,7 @@ fn main() {
     println!("cargo:rerun-if-changed=../../examples/providers/c-dgram/cdgram.c");
     println!("cargo:rerun-if-changed=c/broken.c");
     println!("cargo:rerun-if-changed=c/faulty.c");
+    println!("cargo:rerun-if-changed=c/closefail.c");
     println!("cargo:rerun-if-changed=../../abi/include/weft_provider.h");
     let good = out.join("c");
     let bad = out.join("broken");
@@ -47,6 +48,13 @@ fn main() {
         &good,
         "libweft-faulty.so",
         "c/faulty.c",
+        &[],
+        Some("../../examples/providers/c-dgram"),
+    );
+    shared_with(
+        &bad,
+        "libweft-closefail.so",
+        "c/closefail.c",
         &[],
         Some("../../examples/providers/c-dgram"),
     );

@@ -115,6 +115,9 @@ struct Out {
     kind: u32,
     /// The rank at the other end, when it is known (sends; receives from one source).
     peer: Option<usize>,
+    /// Receives: the buffer, kept here rather than read back from the shared slot (which any
+    /// local peer can write), so nothing but this process decides where its data lands.
+    iov: SmallVec<[Range; 4]>,
 }
 
 /// An operation waiting for a free slot (kept in posting order).
@@ -158,6 +161,8 @@ pub struct Limic {
     last_check: Instant,
     next_key: u64,
     pull: bool,
+    /// The local peers' processes (by pidfd: a recycled pid is never taken for a peer).
+    watch: weft::shmem::Watch,
 }
 
 fn total(r: &[Range]) -> usize {
@@ -275,6 +280,7 @@ impl Limic {
         let mut caps = caps();
         caps.eager_limit = AM_PAYLOAD;
         let seen_done = seg.area(me).done.v.load(Ordering::Acquire);
+        let watch = weft::shmem::Watch::new((0..n).map(|r| &seg.area(r).live));
         Ok(Limic {
             free: (0..seg.lay.nslots).rev().collect(),
             seg,
@@ -294,11 +300,12 @@ impl Limic {
             last_check: Instant::now(),
             next_key: 1,
             pull: cfg.pull,
+            watch,
         })
     }
 
     fn alive_fn(&self) -> impl Fn(usize) -> bool + '_ {
-        move |r| self.seg.area(r).live.gone().is_none()
+        move |r| self.watch.gone(r, &self.seg.area(r).live).is_none()
     }
 
     fn peer_err(&self, r: usize, why: &str) -> Error {
@@ -408,18 +415,22 @@ impl Limic {
         self.write_iov(s, iov);
     }
 
-    /// Pull the message a sender matched to our posted receive in slot `i`.
-    fn pull_matched(&self, i: usize) -> Result<Completed> {
+    /// Pull the message a sender matched to our posted receive `o`.
+    fn pull_matched(&self, o: &Out) -> Result<Completed> {
         let me = self.me;
-        let rs = self.seg.slot(me, i);
-        let (sender, si) = sref_parts(rs.matched.load(Ordering::Relaxed));
+        let rs = self.seg.slot(me, o.slot);
+        let Some((sender, si)) = self.seg.sref_ok(rs.matched.load(Ordering::Relaxed)) else {
+            return Err(Error::malformed(
+                me as Rank,
+                "limic: a matched receive names no slot of the segment",
+            ));
+        };
         let ss = self.seg.slot(sender, si);
         let len = ss.len.load(Ordering::Relaxed) as usize;
         let tag = ss.tag.load(Ordering::Relaxed);
-        let cap = rs.len.load(Ordering::Relaxed) as usize;
-        let local = Self::read_iov(rs);
+        let cap = total(&o.iov);
         let remote = Self::read_iov(ss);
-        let res = self.xfer(sender, Dir::Pull, &local, &remote, len.min(cap));
+        let res = self.xfer(sender, Dir::Pull, &o.iov, &remote, len.min(cap));
         let status = Completed::Received(TaggedStatus {
             source: sender as Rank,
             tag: tag as i32,
@@ -441,55 +452,6 @@ impl Limic {
         self.seg.area(owner).done.v.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Unlink the first slot of a queue that `pred` accepts; returns its reference.
-    fn take_first(
-        &self,
-        head: &std::sync::atomic::AtomicU32,
-        tail: &std::sync::atomic::AtomicU32,
-        pred: impl Fn(&Slot) -> bool,
-    ) -> Option<u32> {
-        let mut prev = NIL;
-        let mut cur = head.load(Ordering::Relaxed);
-        while cur != NIL {
-            let (r, i) = sref_parts(cur);
-            let s = self.seg.slot(r, i);
-            let next = s.next.load(Ordering::Relaxed);
-            if pred(s) {
-                if prev == NIL {
-                    head.store(next, Ordering::Relaxed);
-                } else {
-                    let (pr, pi) = sref_parts(prev);
-                    self.seg.slot(pr, pi).next.store(next, Ordering::Relaxed);
-                }
-                if tail.load(Ordering::Relaxed) == cur {
-                    tail.store(prev, Ordering::Relaxed);
-                }
-                return Some(cur);
-            }
-            prev = cur;
-            cur = next;
-        }
-        None
-    }
-
-    fn append(
-        &self,
-        head: &std::sync::atomic::AtomicU32,
-        tail: &std::sync::atomic::AtomicU32,
-        r: u32,
-    ) {
-        let (rr, ri) = sref_parts(r);
-        self.seg.slot(rr, ri).next.store(NIL, Ordering::Relaxed);
-        let t = tail.load(Ordering::Relaxed);
-        if t == NIL {
-            head.store(r, Ordering::Relaxed);
-        } else {
-            let (tr, ti) = sref_parts(t);
-            self.seg.slot(tr, ti).next.store(r, Ordering::Relaxed);
-        }
-        tail.store(r, Ordering::Relaxed);
-    }
-
     /// Send: match `dest`'s posted receives, else queue a descriptor in its unexpected queue.
     fn do_send(
         &mut self,
@@ -503,10 +465,8 @@ impl Limic {
         let len = total(iov);
         let small = len <= self.seg.lay.inline_max;
         let me = self.me;
-        let area = self.seg.area(dest);
-        let g = lock(&area.lock, me, self.alive_fn());
-        let q = &area.queues;
-        let hit = self.take_first(&q.posted_head, &q.posted_tail, |r| {
+        let g = lock_area(&self.seg, &self.watch, dest, me);
+        let hit = self.seg.take_first(dest, Q::Posted, |r| {
             r.ctx.load(Ordering::Relaxed) == ctx
                 && {
                     let s = r.src.load(Ordering::Relaxed);
@@ -536,6 +496,7 @@ impl Limic {
                         token: Some(token),
                         kind: SEND,
                         peer: Some(dest),
+                        iov: SmallVec::new(),
                     });
                     return Ok(true);
                 }
@@ -580,8 +541,7 @@ impl Limic {
             s.inline_len.store(len as u64, Ordering::Relaxed);
             s.niov.store(0, Ordering::Relaxed);
         }
-        s.state.store(POSTED, Ordering::Relaxed);
-        self.append(&q.unexp_head, &q.unexp_tail, sref(me, slot));
+        self.seg.append(dest, Q::Unexp, sref(me, slot));
         drop(g);
         let buffered = small && !sync;
         if buffered {
@@ -593,6 +553,7 @@ impl Limic {
             token: (!buffered).then_some(token),
             kind: SEND,
             peer: Some(dest),
+            iov: SmallVec::new(),
         });
         Ok(true)
     }
@@ -608,11 +569,9 @@ impl Limic {
     ) -> Result<bool> {
         let cap = total(iov);
         let me = self.me;
-        let area = self.seg.area(me);
-        let g = lock(&area.lock, me, self.alive_fn());
-        let q = &area.queues;
+        let g = lock_area(&self.seg, &self.watch, me, me);
         let want_tag = tag.map_or(ANY_TAG, |t| t as i64);
-        let hit = self.take_first(&q.unexp_head, &q.unexp_tail, |s| {
+        let hit = self.seg.take_first(me, Q::Unexp, |s| {
             s.ctx.load(Ordering::Relaxed) == ctx
                 && src.is_none_or(|w| s.src.load(Ordering::Relaxed) == w as u32)
                 && tag_matches(want_tag, s.tag.load(Ordering::Relaxed))
@@ -665,14 +624,14 @@ impl Limic {
         s.inline_len.store(0, Ordering::Relaxed);
         s.claimer.store(NIL, Ordering::Relaxed);
         self.write_iov(s, iov);
-        s.state.store(POSTED, Ordering::Relaxed);
-        self.append(&q.posted_head, &q.posted_tail, sref(me, slot));
+        self.seg.append(me, Q::Posted, sref(me, slot));
         drop(g);
         self.out.push(Out {
             slot,
             token: Some(token),
             kind: RECV,
             peer: src,
+            iov: iov.into(),
         });
         Ok(true)
     }
@@ -759,7 +718,7 @@ impl Limic {
             let st = s.state.load(Ordering::Acquire);
             if st == MATCHED {
                 let o = self.out.swap_remove(k);
-                let r = self.pull_matched(o.slot);
+                let r = self.pull_matched(&o);
                 if let Some(t) = o.token {
                     self.done.push(t, r);
                 }
@@ -780,16 +739,20 @@ impl Limic {
                     (E_OK, SEND) => Ok(Completed::Done),
                     (E_OK, _) => {
                         let bytes = s.st_bytes.load(Ordering::Relaxed) as usize;
-                        let il = s.inline_len.load(Ordering::Relaxed) as usize;
+                        // Written by the peer: at most what the inline area and our buffer
+                        // hold, whatever it says.
+                        let il = (s.inline_len.load(Ordering::Relaxed) as usize)
+                            .min(self.seg.lay.inline_max)
+                            .min(total(&o.iov));
                         if il > 0 {
-                            let iov = Self::read_iov(s);
                             let srcr = [Range {
                                 base: self.seg.slot_inline(self.me, o.slot) as u64,
                                 len: il,
                             }];
                             // SAFETY: our DONE slot's inline bytes (ordered by the acquire
-                            // above) into the receive buffer the request still borrows.
-                            unsafe { copy_local(&iov, &srcr, il) };
+                            // above, `il` within the inline area) into the receive buffer the
+                            // request still borrows (our own record of it, not the slot's).
+                            unsafe { copy_local(&o.iov, &srcr, il) };
                         }
                         Ok(Completed::Received(TaggedStatus {
                             source: peer as Rank,
@@ -845,7 +808,7 @@ impl Limic {
             if r == self.me || self.failed[r] {
                 continue;
             }
-            let Some(why) = self.seg.area(r).live.gone() else {
+            let Some(why) = self.watch.gone(r, &self.seg.area(r).live) else {
                 continue;
             };
             self.failed[r] = true;
@@ -864,12 +827,11 @@ impl Limic {
         let me = self.me;
         // Our receives from `d` still posted: unlink and free them.
         {
-            let area = self.seg.area(me);
-            let _g = lock(&area.lock, me, self.alive_fn());
-            let q = &area.queues;
-            while let Some(r) = self.take_first(&q.posted_head, &q.posted_tail, |s| {
-                s.src.load(Ordering::Relaxed) == d as u32
-            }) {
+            let _g = lock_area(&self.seg, &self.watch, me, me);
+            while let Some(r) = self
+                .seg
+                .take_first(me, Q::Posted, |s| s.src.load(Ordering::Relaxed) == d as u32)
+            {
                 let (_, i) = sref_parts(r);
                 self.seg.slot(me, i).state.store(FREE, Ordering::Relaxed);
                 if let Some(k) = self.out.iter().position(|o| o.slot == i) {
@@ -1000,8 +962,16 @@ impl Limic {
         let t = target as usize;
         self.check_dest(t)?;
         let len = total(local);
-        let r = self.region(t, remote, len, dir == Dir::Push)?;
-        match self.xfer(t, dir, local, &[r], len) {
+        // Announce the access before looking the region up (see `mr_deregister`).
+        let access = &self.seg.area(self.me).rma_access.v;
+        access.store(t as u64 + 1, Ordering::SeqCst);
+        let res = self.region(t, remote, len, dir == Dir::Push).map(|r| {
+            #[cfg(test)]
+            tests::after_lookup();
+            self.xfer(t, dir, local, &[r], len)
+        });
+        access.store(0, Ordering::Release);
+        match res? {
             Ok(n) if n == len => {
                 self.done.finish(done, Ok(()));
                 Ok(())
@@ -1013,6 +983,19 @@ impl Limic {
             Err(e) => Err(self.copy_error(t, e, "RMA")),
         }
     }
+}
+
+/// Hold area `a`'s matching lock as local rank `me` (borrowing only the segment); if it was
+/// taken over from a rank that died holding it, the queues it may have been editing are
+/// rebuilt first.
+fn lock_area<'s>(seg: &'s Seg, watch: &weft::shmem::Watch, a: usize, me: usize) -> Guard<'s> {
+    let g = lock(&seg.area(a).lock, me, |r| {
+        watch.gone(r, &seg.area(r).live).is_none()
+    });
+    if g.took_over {
+        seg.repair(a);
+    }
+    g
 }
 
 /// Why cross-memory attach may be refused here, for error messages.
@@ -1228,26 +1211,22 @@ impl Provider for Limic {
         tag: Option<i32>,
     ) -> Result<Option<TaggedStatus>> {
         let me = self.me;
-        let area = self.seg.area(me);
-        let _g = lock(&area.lock, me, self.alive_fn());
+        let _g = lock_area(&self.seg, &self.watch, me, me);
         let want_tag = tag.map_or(ANY_TAG, |t| t as i64);
-        let mut cur = area.queues.unexp_head.load(Ordering::Relaxed);
-        while cur != NIL {
-            let (r, i) = sref_parts(cur);
-            let s = self.seg.slot(r, i);
-            if s.ctx.load(Ordering::Relaxed) == ctx
-                && src.is_none_or(|w| s.src.load(Ordering::Relaxed) == w)
+        let hit = self.seg.find(me, Q::Unexp, |r, s| {
+            s.ctx.load(Ordering::Relaxed) == ctx
+                && src.is_none_or(|w| r == w as usize)
                 && tag_matches(want_tag, s.tag.load(Ordering::Relaxed))
-            {
-                return Ok(Some(TaggedStatus {
-                    source: r as Rank,
-                    tag: s.tag.load(Ordering::Relaxed) as i32,
-                    bytes: s.len.load(Ordering::Relaxed) as usize,
-                }));
+        });
+        Ok(hit.map(|sr| {
+            let (r, i) = sref_parts(sr);
+            let s = self.seg.slot(r, i);
+            TaggedStatus {
+                source: r as Rank,
+                tag: s.tag.load(Ordering::Relaxed) as i32,
+                bytes: s.len.load(Ordering::Relaxed) as usize,
             }
-            cur = s.next.load(Ordering::Relaxed);
-        }
-        Ok(None)
+        }))
     }
 
     fn tagged_cancel(&mut self, token: Token) -> Result<bool> {
@@ -1269,17 +1248,15 @@ impl Provider for Limic {
         };
         let slot = self.out[k].slot;
         let me = self.me;
-        let area = self.seg.area(me);
-        let _g = lock(&area.lock, me, self.alive_fn());
-        let q = &area.queues;
+        let _g = lock_area(&self.seg, &self.watch, me, me);
         let target = sref(me, slot);
         let mut removed = false;
         // Only a receive still in the posted queue can be cancelled; a claimed one completes.
         if self.seg.slot(me, slot).state.load(Ordering::Relaxed) == POSTED {
+            let mine = self.seg.slot(me, slot);
             removed = self
-                .take_first(&q.posted_head, &q.posted_tail, |s| {
-                    std::ptr::eq(s, self.seg.slot(me, slot))
-                })
+                .seg
+                .take_first(me, Q::Posted, |s| std::ptr::eq(s, mine))
                 .is_some_and(|r| r == target);
         }
         if removed {
@@ -1318,7 +1295,25 @@ impl Provider for Limic {
         let area = self.seg.area(self.me);
         if let Some(reg) = area.regions.get(mr.handle as usize) {
             if reg.key.load(Ordering::Relaxed) == mr.key {
-                reg.key.store(0, Ordering::Release);
+                reg.key.store(0, Ordering::SeqCst);
+            }
+        }
+        // A peer that looked the region up before the key went may still be copying: wait
+        // until no live peer announces an access to this rank's regions. (Each side stores,
+        // then loads the other's word, sequentially consistent: one of them sees the other.)
+        let mine = self.me as u64 + 1;
+        for r in 0..self.size as usize {
+            if r == self.me {
+                continue;
+            }
+            let word = &self.seg.area(r).rma_access.v;
+            let mut spins = 0u32;
+            while word.load(Ordering::SeqCst) == mine {
+                spins += 1;
+                if spins % 256 == 0 && self.watch.gone(r, &self.seg.area(r).live).is_some() {
+                    break;
+                }
+                std::thread::yield_now();
             }
         }
         Ok(())
@@ -1395,3 +1390,148 @@ weft::register_provider!(
     priority = 40,
     summary = "kernel-assisted single copy within a host (LiMIC on cross-memory attach)"
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// A pause between a one-sided operation's region lookup and its copy, for the test below.
+    static PAUSE: Mutex<Option<(Sender<()>, Receiver<()>)>> = Mutex::new(None);
+
+    pub(super) fn after_lookup() {
+        let pause = PAUSE.lock().unwrap().take();
+        if let Some((arrived, go)) = pause {
+            arrived.send(()).unwrap();
+            go.recv_timeout(Duration::from_secs(30)).unwrap();
+        }
+    }
+
+    /// Two limic ranks as threads of this process (cross-memory attach to our own pid works).
+    fn pair() -> (Limic, Limic) {
+        let job = weft::bootstrap::InProcessJob::new(2, Duration::from_secs(30));
+        let cfg = Config::from_env().unwrap();
+        let (b0, b1) = (job.rank(0), job.rank(1));
+        let c2 = cfg.clone();
+        let h = std::thread::spawn(move || {
+            let mut b1 = b1;
+            Limic::open_with(&mut b1, &c2).unwrap()
+        });
+        let mut b0 = b0;
+        let l0 = Limic::open_with(&mut b0, &cfg).unwrap();
+        (l0, h.join().unwrap())
+    }
+
+    /// Deregistration waits for a peer's copy that looked the region up before the key went:
+    /// the memory may be freed as soon as `mr_deregister` returns. (Before, it returned at
+    /// once and the copy landed after.)
+    #[test]
+    fn deregistration_waits_for_a_copy_in_flight() {
+        let (mut l0, mut l1) = pair();
+        let mut target = vec![0u8; 4096];
+        // SAFETY: `target` outlives the registration (deregistered below, before it drops).
+        let mr = unsafe { l0.mr_register(target.as_mut_ptr(), 4096, Access::ALL) }.unwrap();
+        let (arrived_tx, arrived_rx) = channel();
+        let (go_tx, go_rx) = channel();
+        *PAUSE.lock().unwrap() = Some((arrived_tx, go_rx));
+        let src = [0x5Au8; 64];
+        let writer = std::thread::spawn(move || {
+            let local = [RawIov {
+                ptr: src.as_ptr(),
+                len: src.len(),
+            }];
+            let ra = RemoteAddr {
+                addr: mr.addr,
+                key: mr.key,
+            };
+            // SAFETY: `src` lives until the call returns (the copy is synchronous).
+            let r = unsafe { l1.rma_write(0, &local, ra, Completion::default()) };
+            (l1, r)
+        });
+        arrived_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        // The writer has the region and is about to copy: deregistering must wait for it.
+        let (done_tx, done_rx) = channel();
+        let dereg = std::thread::spawn(move || {
+            l0.mr_deregister(&mr).unwrap();
+            done_tx.send(()).unwrap();
+            l0
+        });
+        assert!(
+            done_rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "deregistration returned while a peer's copy into the region was pending"
+        );
+        go_tx.send(()).unwrap();
+        let (_l1, r) = writer.join().unwrap();
+        r.unwrap();
+        done_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        let _l0 = dereg.join().unwrap();
+        assert!(target[..64].iter().all(|&b| b == 0x5A));
+    }
+
+    struct Done(Vec<(Token, Result<Completed>)>);
+    impl Sink for Done {
+        fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
+        fn complete(&mut self, t: Token, r: Result<Completed>) {
+            self.0.push((t, r));
+        }
+        fn peer_failed(&mut self, _: Rank, _: &str) {}
+    }
+
+    /// Where this process's own copies land is decided by this process alone: a peer that
+    /// rewrites the iovec of our posted receive in the shared slot cannot steer our pull into
+    /// other memory of ours. (Before, the pull read the iovec back from the slot.)
+    #[test]
+    fn a_scribbled_slot_cannot_steer_our_writes() {
+        let (mut l0, mut l1) = pair();
+        assert!(
+            l0.pull,
+            "the test needs the receiver-pull protocol (WEFT_LIMIC_PULL=1)"
+        );
+        let len = 16 << 10; // above the inline limit: a cross-memory copy
+        let mut mine = vec![0u8; len];
+        let mut other = vec![0u8; len];
+        let buf = [RawIovMut {
+            ptr: mine.as_mut_ptr(),
+            len,
+        }];
+        // SAFETY: `mine` outlives the receive (completed below).
+        unsafe { l0.tagged_recv(Some(1), 0, Some(5), &buf, 77) }.unwrap();
+        // A peer scribbles: the posted receive now "points" at `other`.
+        let slot = l0.out[0].slot;
+        l0.seg.slot(0, slot).iov[0][0].store(other.as_mut_ptr() as u64, Ordering::Relaxed);
+        let data = vec![0xC3u8; len];
+        let piece = [RawIov {
+            ptr: data.as_ptr(),
+            len,
+        }];
+        // SAFETY: `data` outlives the send (completed below).
+        unsafe { l1.tagged_send(0, 0, 5, &piece, false, 88) }.unwrap();
+        let mut done = Done(vec![]);
+        let t0 = std::time::Instant::now();
+        while !done.0.iter().any(|(t, _)| *t == 77) {
+            l0.progress(&mut done).unwrap();
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the receive never completed"
+            );
+        }
+        let mut sent = Done(vec![]);
+        while !sent.0.iter().any(|(t, _)| *t == 88) {
+            l1.progress(&mut sent).unwrap();
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the send never completed"
+            );
+        }
+        assert!(
+            mine.iter().all(|&b| b == 0xC3),
+            "the data did not reach our buffer"
+        );
+        assert!(
+            other.iter().all(|&b| b == 0),
+            "our pull was steered into other memory"
+        );
+    }
+}

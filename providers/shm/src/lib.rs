@@ -8,6 +8,7 @@
 //!
 //! Parameters: `WEFT_SHM_CHUNK`, `WEFT_SHM_RING`, `WEFT_SHM_CELLS`, `WEFT_SHM_QUEUE`.
 
+mod lock;
 mod pool;
 mod queue;
 mod segment;
@@ -96,11 +97,15 @@ impl Config {
                 expected: "a size from 1K to 4M".into(),
             }));
         }
-        if ring < 2 * chunk {
+        if !queue::ring_fits(ring, chunk) {
+            let least = 2 * chunk.div_ceil(queue::UNIT) * queue::UNIT;
             return Err(Error::from(ErrorDetail::Param {
                 var: RING.env_name(),
                 value: RING.raw(),
-                expected: format!("at least twice WEFT_SHM_CHUNK ({} bytes)", 2 * chunk),
+                expected: format!(
+                    "at least twice WEFT_SHM_CHUNK in whole {}-byte units ({least} bytes)",
+                    queue::UNIT
+                ),
             }));
         }
         if !(2..=1 << 20).contains(&cells) {
@@ -177,6 +182,8 @@ pub struct Shm {
     pool: Option<pool::Pool>,
     /// Allocation sizes by pool offset (for `mem_free`).
     allocs: Vec<(usize, usize)>,
+    /// The local peers' processes.
+    watch: weft::shmem::Watch,
     done: CompletionTable,
 }
 
@@ -201,10 +208,9 @@ impl Shm {
         // Keep the whole segment bounded: shrink per-pair rings when there are many ranks.
         let budget: usize = 1 << 30;
         let mut ring = cfg.ring;
-        while nlocal * nlocal * ring > budget && ring > 2 * cfg.chunk {
+        while nlocal * nlocal * ring > budget && queue::ring_fits(ring / 2, cfg.chunk) {
             ring /= 2;
         }
-        let ring = ring.max(2 * cfg.chunk);
         let lay = Layout::new(nlocal, cfg.cells, ring / queue::UNIT, cfg.chunk, cfg.kind);
         let name = segment_name(boot.job_id(), nodes.my_host);
         let pool_name = format!("{name}-w");
@@ -262,6 +268,8 @@ impl Shm {
         boot.fence()?;
         let (seg, pool) = mapped?;
         let lay = seg.lay;
+        // Every local rank is open (the fence above): follow their processes from here on.
+        let watch = weft::shmem::Watch::new((0..lay.nlocal).map(|i| seg.rank_slot(i)));
         let mut caps = cfg.caps();
         caps.max_am_payload = lay.chunk;
         caps.eager_limit = lay.chunk;
@@ -286,6 +294,7 @@ impl Shm {
             last_check: Instant::now(),
             pool,
             allocs: Vec::new(),
+            watch,
             done: CompletionTable::default(),
         })
     }
@@ -365,7 +374,7 @@ impl Shm {
             if i == self.me || self.failed[i] {
                 continue;
             }
-            if let Some(why) = self.seg.rank_slot(i).gone() {
+            if let Some(why) = self.watch.gone(i, self.seg.rank_slot(i)) {
                 // Deliver what it sent before it went away.
                 n += match self.seg.lay.kind {
                     Kind::Ring => self.drain(Some(i), sink),
@@ -665,7 +674,8 @@ impl Provider for Shm {
     fn rma_try_lock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<bool> {
         let (pool, li) = self.pool_target(target)?;
         let at = pool.check(li, window.key, window.addr, 0)?;
-        Ok(pool.try_lock(at, exclusive))
+        let (seg, watch) = (&self.seg, &self.watch);
+        Ok(pool.try_lock(at, exclusive, |i| watch.gone(i, seg.rank_slot(i)).is_none()))
     }
 
     fn rma_unlock(&mut self, target: Rank, window: RemoteAddr, exclusive: bool) -> Result<()> {

@@ -4,18 +4,18 @@
 //! word. Pages are only backed when touched, so a large pool costs nothing until used.
 //!
 //! Native RMA on these windows is a memory copy; atomics are CPU atomics (integers directly,
-//! floating point through compare-and-swap loops); passive-target locks are a reader/writer
-//! lock word changed with CAS — no help from the target process is needed.
+//! floating point through compare-and-swap loops); passive-target locks live in the window's
+//! header ([`crate::lock`]: an exclusive word and a flag per local rank, taken over from a
+//! holder that died) — no help from the target process is needed.
 
+use crate::lock::LockView;
 use crate::segment::Mapping;
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, AtomicU8, Ordering};
 use weft::{BasicType, Error, ErrorDetail, Op, Result};
 
 /// Key of every pool region.
 pub const POOL_KEY: u64 = 0x5745_4654_504f_4f4c; // "WEFTPOOL"
 const HDR: usize = 4096;
-const WIN_HDR: usize = 64;
-const EXCL: u64 = 1 << 63;
 
 #[repr(C)]
 struct PoolHeader {
@@ -95,6 +95,12 @@ impl Pool {
         }
     }
 
+    /// Bytes of a window's header: the lock's exclusive word on a line of its own, then one
+    /// shared flag per local rank.
+    fn win_hdr(&self) -> usize {
+        64 + round(self.nlocal, 64)
+    }
+
     fn region(&self, li: usize) -> (usize, usize) {
         let start = HDR + li * self.per;
         (start, start + self.per)
@@ -102,7 +108,8 @@ impl Pool {
 
     /// Allocate `len` bytes; returns the pool offset of the data (its header precedes it).
     pub fn alloc(&mut self, len: usize) -> Result<usize> {
-        let need = WIN_HDR + round(len.max(1), 64);
+        let hdr = self.win_hdr();
+        let need = hdr + round(len.max(1), 64);
         let (start, end) = self.region(self.me);
         let rel = if let Some(i) = self.free.iter().position(|(_, l)| *l >= need) {
             let (o, l) = self.free.swap_remove(i);
@@ -121,20 +128,25 @@ impl Pool {
             self.next += need;
             o
         };
-        let data = start + rel + WIN_HDR;
-        // A fresh lock word.
-        self.lock_word(data).store(0, Ordering::Release);
+        let data = start + rel + hdr;
+        // A fresh lock.
+        let l = self.lock(data);
+        for f in l.flags {
+            f.store(0, Ordering::Relaxed);
+        }
+        l.excl.store(0, Ordering::Release);
         Ok(data)
     }
 
     /// Return an allocation made by [`Pool::alloc`].
     pub fn free(&mut self, data: usize, len: usize) {
         let (start, _) = self.region(self.me);
-        if data < start + WIN_HDR {
+        let hdr = self.win_hdr();
+        if data < start + hdr {
             return;
         }
-        let rel = data - WIN_HDR - start;
-        let need = WIN_HDR + round(len.max(1), 64);
+        let rel = data - hdr - start;
+        let need = hdr + round(len.max(1), 64);
         if rel + need == self.next {
             self.next = rel;
         } else {
@@ -151,7 +163,8 @@ impl Pool {
     pub fn check(&self, li: usize, key: u64, addr: u64, n: usize) -> Result<usize> {
         let (start, end) = self.region(li);
         let a = addr as usize;
-        if key != POOL_KEY || a < start + WIN_HDR || a.checked_add(n).is_none_or(|e| e > end) {
+        if key != POOL_KEY || a < start + self.win_hdr() || a.checked_add(n).is_none_or(|e| e > end)
+        {
             return Err(Error::from(ErrorDetail::RemoteAccess {
                 rank: li as u32,
                 what: format!(
@@ -162,33 +175,29 @@ impl Pool {
         Ok(a)
     }
 
-    fn lock_word(&self, data: usize) -> &AtomicU64 {
-        // SAFETY: `data - WIN_HDR` is the 64-byte-aligned header of an allocation (callers
-        // check `data` with `check`, which guarantees `data >= start + WIN_HDR`).
-        unsafe { &*(self.map.base().add(data - WIN_HDR) as *const AtomicU64) }
+    /// The lock in the header of the window whose data starts at `data`.
+    fn lock(&self, data: usize) -> LockView<'_> {
+        let hdr = self.map.base().wrapping_add(data - self.win_hdr());
+        // SAFETY: `data - win_hdr` is the 64-byte-aligned header of an allocation (callers check
+        // `data` with `check`, which guarantees `data >= start + win_hdr`): an 8-byte word,
+        // then `nlocal` flag bytes at offset 64, all in the mapping and only ever accessed
+        // atomically (by every process mapping the pool).
+        unsafe {
+            LockView {
+                excl: &*(hdr as *const AtomicU64),
+                flags: std::slice::from_raw_parts(hdr.add(64) as *const AtomicU8, self.nlocal),
+            }
+        }
     }
 
-    /// Try to take the reader/writer lock of the window at `data`.
-    pub fn try_lock(&self, data: usize, exclusive: bool) -> bool {
-        let w = self.lock_word(data);
-        if exclusive {
-            w.compare_exchange(0, EXCL, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-        } else {
-            let v = w.load(Ordering::Relaxed);
-            v & EXCL == 0
-                && w.compare_exchange(v, v + 1, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-        }
+    /// Try to take the lock of the window at `data` for this rank; `alive(i)`: whether local
+    /// rank `i` still runs (a dead holder's share is taken over).
+    pub fn try_lock(&self, data: usize, exclusive: bool, alive: impl Fn(usize) -> bool) -> bool {
+        self.lock(data).try_lock(self.me, exclusive, alive)
     }
 
     pub fn unlock(&self, data: usize, exclusive: bool) {
-        let w = self.lock_word(data);
-        if exclusive {
-            w.store(0, Ordering::Release);
-        } else {
-            w.fetch_sub(1, Ordering::Release);
-        }
+        self.lock(data).unlock(self.me, exclusive)
     }
 }
 
@@ -210,7 +219,7 @@ pub unsafe fn apply(
     result: *mut u8,
 ) -> Result<()> {
     use std::sync::atomic::{
-        AtomicI16, AtomicI32, AtomicI64, AtomicI8, AtomicU16, AtomicU32, AtomicU8,
+        AtomicI16, AtomicI32, AtomicI64, AtomicI8, AtomicU16, AtomicU32, AtomicU64, AtomicU8,
     };
     if (target as usize) % ty.size() != 0 {
         return Err(Error::from(ErrorDetail::RemoteAccess {

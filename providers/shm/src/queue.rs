@@ -121,7 +121,19 @@ fn units(len: usize) -> u64 {
 /// the payload would not be contiguous. `None` when there is no room even after re-reading the
 /// receiver's tail.
 pub fn plan(data: &[Unit], st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
-    let n = data.len() as u64;
+    plan_in(data.len() as u64, st, tail, len)
+}
+
+/// Whether a data area of `ring` bytes carries every payload of up to `chunk` bytes: `plan`
+/// never reserves more than half the area (so a payload that would wrap always fits at the
+/// start once the receiver has caught up), in whole units. The configuration check and the
+/// automatic shrinking of rings use this, the planner's own arithmetic.
+pub fn ring_fits(ring: usize, chunk: usize) -> bool {
+    ((ring / UNIT) as u64) / 2 >= units(chunk)
+}
+
+/// `plan` over a data area of `n` units.
+fn plan_in(n: u64, st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
     let need = units(len);
     if need > n / 2 {
         return None;
@@ -432,6 +444,49 @@ pub fn clear_bell(bell: &[Line], src: u32) {
         .v
         .fetch_and(!bit, Ordering::SeqCst);
     fence(Ordering::SeqCst);
+}
+
+#[cfg(all(test, not(loom)))]
+mod plan_tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// Every configuration `ring_fits` accepts moves every payload size up to the chunk
+        /// through the planner, at every offset the ring reaches, with a receiver that keeps
+        /// up (before, `WEFT_SHM_CHUNK=1100 WEFT_SHM_RING=2200` was accepted and every
+        /// message over about 1 KiB was Busy for ever).
+        #[test]
+        fn accepted_configurations_move_every_size(
+            chunk in 1usize..(4 << 20),
+            // Rings near the boundary (twice the chunk, give or take rounding) and far from it.
+            extra in proptest::prop_oneof![0usize..256, 0usize..(8 << 20)],
+            below in 0usize..2,
+            sizes in proptest::collection::vec(0.0f64..=1.0, 1..64),
+        ) {
+            let ring = (2 * chunk + extra).saturating_sub(below * 128);
+            proptest::prop_assume!(ring_fits(ring, chunk));
+            let n = (ring / UNIT) as u64;
+            let mut st = SendState::default();
+            let tail = Line::new(0);
+            // The largest payload first, then random ones.
+            for f in std::iter::once(1.0).chain(sizes) {
+                let len = ((chunk as f64 * f) as usize).clamp(1, chunk);
+                let p = plan_in(n, &mut st, &tail, len);
+                proptest::prop_assert!(p.is_some(), "{len} of {chunk} bytes in {ring}");
+                let p = p.unwrap();
+                st.data_head = p.end;
+                // The receiver consumes it at once.
+                tail.v.store(p.end, Ordering::Release);
+            }
+        }
+    }
+
+    #[test]
+    fn the_reported_configuration_is_refused() {
+        assert!(!ring_fits(2200, 1100));
+        assert!(ring_fits(2304, 1100));
+        assert!(ring_fits(512 << 10, 32 << 10));
+    }
 }
 
 #[cfg(all(test, loom))]

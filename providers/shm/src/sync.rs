@@ -1,9 +1,9 @@
 //! Atomics and cells, switched to `loom`'s model-checked versions under `--cfg loom`.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
 
 #[cfg(loom)]
 pub(crate) use loom::cell::UnsafeCell;

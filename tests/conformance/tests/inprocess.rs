@@ -105,6 +105,19 @@ fn conformance_in_process_and_loader_checks() {
     );
     assert!(!reason("notalibrary").is_empty());
 
+    // A library whose close fails: the reason comes from the thread's last error, not from
+    // the instance close has just released (that read was a use after free).
+    let cf = all
+        .iter()
+        .find(|f| f.name() == "closefail")
+        .expect("closefail loads");
+    let job = weft::bootstrap::InProcessJob::new(1, std::time::Duration::from_secs(20));
+    let mut boot = job.rank(0);
+    let mut p = cf.open(&mut boot).unwrap();
+    let e = p.close().unwrap_err().to_string();
+    assert!(e.contains("the fabric refused to close"), "{e}");
+    assert!(!e.contains("USE AFTER CLOSE"), "{e}");
+
     for (p, n) in [("loopback", 3), ("shm", 3), ("rdgram", 3), ("cdgram", 3)] {
         check(p, n);
     }

@@ -1,12 +1,19 @@
-//! Failure probe for tests: a rank dies while a large message to a peer is in flight.
+//! Failure probes for tests, launched with `weft run --keep-going`. `FAULT_CASE` picks one:
 //!
-//! Run with two ranks under `weft run --keep-going -n 2`. Rank 0 tells rank 1 to go, waits for
-//! its answer, posts a large send (`FAULT_SIZE` bytes, default 256 MiB) and, `FAULT_SPIN_MS`
-//! (default 20) later, is killed with SIGKILL from a thread of its own. Rank 1 receives it and
-//! reports what it saw — the whole, correct message (the copy finished before the sender
-//! vanished) or "peer failed" — then checks that a further receive from rank 0 fails with "peer
-//! failed" too. Rank 1 exits 0 when both answers are acceptable and 1 otherwise; it never hangs
-//! (set `WEFT_TIMEOUT`).
+//! * `send` (default, 2 ranks): rank 0 posts a large send (`FAULT_SIZE` bytes, default 256 MiB)
+//!   and, `FAULT_SPIN_MS` (default 20) later, is killed with SIGKILL from a thread of its own.
+//!   Rank 1 receives it and reports what it saw — the whole, correct message (the copy
+//!   finished before the sender vanished) or "peer failed" — then checks that a further
+//!   receive from rank 0 fails with "peer failed" too.
+//! * `lock` (3 ranks): rank 1 takes an exclusive lock on rank 0's window and is killed while
+//!   it holds it. Rank 2 then locks the same window: it must get the lock (released, or taken
+//!   over from the dead holder), not wait for good. `FAULT_WINDOW=alloc` uses an allocated
+//!   window (on shm: native locks in shared memory), otherwise one over user memory.
+//! * `collective` (3 ranks): rank 1 is killed while ranks 0 and 2 are in a barrier and then an
+//!   allreduce: both must fail with "peer failed", not hang.
+//!
+//! The surviving ranks print their verdicts and exit 0 when they are acceptable, 1 otherwise;
+//! nothing hangs (set `WEFT_TIMEOUT`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -46,12 +53,125 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let size = env("FAULT_SIZE", 256 << 20) as usize;
-    let spin = Duration::from_millis(env("FAULT_SPIN_MS", 20));
-    if world.size() != 2 {
-        eprintln!("fault: needs exactly 2 ranks");
+    let case = std::env::var("FAULT_CASE").unwrap_or_else(|_| "send".into());
+    let want = if case == "send" { 2 } else { 3 };
+    if world.size() != want {
+        eprintln!("fault: case {case} needs exactly {want} ranks");
         return ExitCode::from(2);
     }
+    println!("fault: provider {}", world.provider_name());
+    match case.as_str() {
+        "send" => send_case(world),
+        "lock" => lock_case(world),
+        "collective" => collective_case(world),
+        other => {
+            eprintln!("fault: unknown FAULT_CASE {other}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Die now, with no chance to say goodbye.
+fn die() -> ! {
+    if std::env::var_os("FAULT_DEBUG").is_some() {
+        eprintln!("fault: rank dies");
+    }
+    // SAFETY: raising a signal at ourselves; the test wants this rank to die now.
+    unsafe { libc::raise(libc::SIGKILL) };
+    unreachable!("SIGKILL returned")
+}
+
+fn lock_case(world: weft::World) -> ExitCode {
+    let alloc = std::env::var("FAULT_WINDOW").is_ok_and(|v| v == "alloc");
+    let r = world.rank();
+    let mut mem = vec![0u64; 4];
+    let body = |win: &weft::Window<'_, weft::DynProvider>| -> weft::Result<ExitCode> {
+        match r {
+            1 => {
+                win.lock_epoch(0, weft::LockKind::Exclusive, |e| {
+                    e.put(&[11u64], 0, 0)?;
+                    e.flush(0)?;
+                    // Tell rank 2 the lock is held, then die holding it.
+                    world.send(&[1u8], 2, 7)?;
+                    die()
+                })?;
+                unreachable!()
+            }
+            2 => {
+                world.recv(&mut [0u8], 1, 7)?;
+                let got = win.lock_epoch(0, weft::LockKind::Exclusive, |e| {
+                    e.put(&[22u64], 0, 1)?;
+                    e.flush(0)
+                });
+                println!("fault: lock after holder died: {}", verdict(&got));
+                world.send(&[got.is_ok() as u8], 0, 8)?;
+                Ok(if got.is_ok() {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                })
+            }
+            _ => {
+                // Serve the window (the active-message path needs this rank's progress)
+                // until rank 2 has its answer.
+                let mut ok = [0u8];
+                world.recv(&mut ok, 2, 8)?;
+                Ok(ExitCode::SUCCESS)
+            }
+        }
+    };
+    let code = if alloc {
+        world
+            .win_allocate::<u64>(4, weft::WinInfo::default())
+            .and_then(|w| {
+                let c = body(&w);
+                // Freeing is collective and rank 1 is gone: its error is expected.
+                let _ = w.free();
+                c
+            })
+    } else {
+        let mut code = ExitCode::from(1);
+        let _ = world.win_create(&mut mem, weft::WinInfo::default(), |w| {
+            code = body(w)?;
+            Ok(())
+        });
+        Ok(code)
+    };
+    let _ = world.finalize();
+    code.unwrap_or_else(|e| {
+        println!("fault: rank {r}: {e}");
+        ExitCode::from(1)
+    })
+}
+
+fn collective_case(world: weft::World) -> ExitCode {
+    // Everyone connected both ways first (lazy providers learn who a dead peer was).
+    let mut one = [0u64];
+    if world.allreduce(&[1u64], &mut one, weft::Op::Sum).is_err() {
+        return ExitCode::from(1);
+    }
+    if world.rank() == 1 {
+        die();
+    }
+    let b = world.barrier();
+    let mut sum = [0u64];
+    let a = world
+        .allreduce(&[1u64], &mut sum, weft::Op::Sum)
+        .map(|_| ());
+    println!("fault: rank {} barrier: {}", world.rank(), verdict(&b));
+    println!("fault: rank {} allreduce: {}", world.rank(), verdict(&a));
+    let ok = verdict(&b) == "peer-failed" && verdict(&a) == "peer-failed";
+    let _ = world.finalize();
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn send_case(world: weft::World) -> ExitCode {
+    let size = env("FAULT_SIZE", 256 << 20) as usize;
+    let spin = Duration::from_millis(env("FAULT_SPIN_MS", 20));
     let data = pattern(size);
     if world.rank() == 0 {
         // A round trip first, so that the ranks are connected both ways before the kill: a
@@ -93,7 +213,6 @@ fn main() -> ExitCode {
     });
     let after = world.recv(&mut go, 0, 3).map(|_| ());
     let (b, a) = (verdict(&big), verdict(&after));
-    println!("fault: provider {}", world.provider_name());
     println!("fault: large receive: {b}");
     println!("fault: later receive: {a}");
     let ok = (b == "ok" || b == "peer-failed") && a == "peer-failed";

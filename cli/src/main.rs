@@ -59,8 +59,8 @@ enum Cmd {
         /// Serve PMI on a loopback TCP port (PMI_PORT) instead of inherited sockets.
         #[arg(long)]
         pmi_port: bool,
-        /// End the job after this many seconds.
-        #[arg(long, value_name = "SECS")]
+        /// End the job after this many seconds (exit status 143, as if SIGTERM ended it).
+        #[arg(long, value_name = "SECS", value_parser = parse_secs)]
         timeout: Option<f64>,
         /// A failing rank does not end the others (for fault-tolerance tests); the exit
         /// status is still that of the first failure.
@@ -94,7 +94,7 @@ enum Cmd {
         #[arg(long)]
         in_process: bool,
         /// Seconds the whole run may take before it is ended.
-        #[arg(long, default_value_t = 300.0, value_name = "SECS")]
+        #[arg(long, default_value_t = 300.0, value_name = "SECS", value_parser = parse_secs)]
         timeout: f64,
         /// Environment variable for the ranks (repeatable).
         #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
@@ -187,7 +187,7 @@ struct BenchArgs {
     #[arg(long)]
     ratio: Option<String>,
     /// Seconds one job may take before it is killed.
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(long, default_value_t = 600.0, value_parser = parse_secs)]
     job_timeout: f64,
 }
 
@@ -413,6 +413,14 @@ fn bench_main(a: &BenchArgs) -> ExitCode {
     }
 }
 
+/// A number of seconds for a command-line timeout: finite, positive, at most 10^9.
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(t) if t > 0.0 && t <= 1e9 => Ok(t),
+        _ => Err(format!("'{s}' is not a number of seconds from 0 to 10^9")),
+    }
+}
+
 fn parse_kv(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -527,7 +535,7 @@ fn main() -> ExitCode {
             spec.bind = bind;
             spec.pmi_port = pmi_port;
             spec.keep_going = keep_going;
-            spec.timeout = timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64);
+            spec.timeout = timeout.map(Duration::from_secs_f64);
             match launch::run(&spec) {
                 Ok(o) => ExitCode::from(o.code.clamp(0, 255) as u8),
                 Err(e) => {

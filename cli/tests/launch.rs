@@ -272,6 +272,61 @@ fn peer_killed_mid_large_message() {
     );
 }
 
+/// A rank killed while it holds an exclusive window lock: the next rank that asks for the lock
+/// gets it — released by the target when the holder's death is noticed (active-message locks),
+/// or taken over from the dead holder (shm's native locks on allocated windows). Before, it
+/// waited until `WEFT_TIMEOUT`, or for ever without one.
+#[test]
+fn a_lock_holder_killed_mid_epoch_does_not_block_the_others() {
+    let fault = example("weft-cli", "fault");
+    for p in PROCESS_PROVIDERS {
+        for window in ["create", "alloc"] {
+            let o = run_bounded(
+                weft_run(&["--keep-going", "-n", "3", "--provider", p, "--"])
+                    .arg(&fault)
+                    .env("FAULT_CASE", "lock")
+                    .env("FAULT_WINDOW", window)
+                    .env("WEFT_TIMEOUT", "30"),
+                90,
+            );
+            let out = stdout(&o);
+            assert!(
+                out.contains("fault: lock after holder died: ok"),
+                "{p} {window}: {out}\n{}",
+                stderr(&o)
+            );
+            assert_eq!(o.status.code(), Some(137), "{p} {window}: {out}");
+        }
+    }
+}
+
+/// A rank killed while the others are in a barrier and an allreduce with it: both fail with
+/// "peer failed" on every survivor, none waits for a message that will not come.
+#[test]
+fn a_rank_killed_during_a_collective_fails_it_everywhere() {
+    let fault = example("weft-cli", "fault");
+    for p in PROCESS_PROVIDERS {
+        let o = run_bounded(
+            weft_run(&["--keep-going", "-n", "3", "--provider", p, "--"])
+                .arg(&fault)
+                .env("FAULT_CASE", "collective")
+                .env("WEFT_TIMEOUT", "30"),
+            90,
+        );
+        let out = stdout(&o);
+        for r in [0, 2] {
+            for what in ["barrier", "allreduce"] {
+                assert!(
+                    out.contains(&format!("fault: rank {r} {what}: peer-failed")),
+                    "{p}: {out}\n{}",
+                    stderr(&o)
+                );
+            }
+        }
+        assert_eq!(o.status.code(), Some(137), "{p}: {out}");
+    }
+}
+
 /// Where cross-memory attach is forbidden (here by a seccomp filter, as container runtimes
 /// install), limic reports itself unavailable with the reason on every rank and selection
 /// moves on to the next provider.

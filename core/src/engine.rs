@@ -672,18 +672,10 @@ impl EngineConfig {
     /// `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
-        let t = TIMEOUT.get_f64()?;
-        if !(t >= 0.0 && t.is_finite()) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: TIMEOUT.env_name(),
-                value: TIMEOUT.raw(),
-                expected: "a non-negative number of seconds".into(),
-            }));
-        }
         Ok(EngineConfig {
             eager_limit: (e > 0).then_some(e),
             nt_copy_min: nt_copy_min_from_env()?,
-            timeout: (t > 0.0).then(|| Duration::from_secs_f64(t)),
+            timeout: TIMEOUT.get_seconds(true)?,
             spin: POLL_SPIN.get_u64()?.min(u32::MAX as u64) as u32,
             spec_limit: spec_limit_from_env()?,
             spec_buffer: SPEC_BUFFER.get_size()?,

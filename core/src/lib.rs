@@ -84,18 +84,33 @@ pub fn init_logging() {
 /// The bootstrap the environment describes: PMI-1 when a launcher started us, else a singleton.
 pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
     if Pmi::in_env() {
-        let t = PMI_TIMEOUT.get_f64()?;
-        if !(t > 0.0 && t.is_finite()) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: PMI_TIMEOUT.env_name(),
-                value: PMI_TIMEOUT.raw(),
-                expected: "a positive number of seconds".into(),
-            }));
-        }
-        Ok(Box::new(Pmi::from_env(Duration::from_secs_f64(t))?))
+        let t = pmi_timeout()?;
+        Ok(Box::new(Pmi::from_env(t)?))
     } else {
         Ok(Box::new(Singleton::new()))
     }
+}
+
+/// `WEFT_PMI_TIMEOUT` as a duration.
+fn pmi_timeout() -> Result<Duration> {
+    Ok(PMI_TIMEOUT
+        .get_seconds(false)?
+        .expect("zero is refused, not read as none"))
+}
+
+/// Check every core parameter the way the code that reads it does: a bad value of any of
+/// them is an error here, at start-up, not later when (or if) something first uses it.
+pub fn check_params() -> Result<()> {
+    for p in param::all() {
+        if p.is_set() {
+            p.validate()?;
+        }
+    }
+    EngineConfig::from_env()?;
+    window::Sched::from_env()?;
+    pmi_timeout()?;
+    loopback::LoopbackConfig::from_env()?;
+    Ok(())
 }
 
 /// Start this rank on the **dynamic** path: bootstrap from the environment and open the

@@ -164,6 +164,34 @@ impl ParamDesc {
         v.trim().parse().map_err(|_| self.bad(&v))
     }
 
+    /// A number of seconds as a duration: `None` for 0 when `zero_is_none`; anything that is
+    /// not a finite, non-negative number a `Duration` can hold is an error (it used to panic).
+    pub fn get_seconds(&self, zero_is_none: bool) -> Result<Option<std::time::Duration>> {
+        let v = self.raw();
+        let t = self.get_f64()?;
+        let expected = if zero_is_none {
+            "a non-negative number of seconds (0: no limit), at most 10^9"
+        } else {
+            "a positive number of seconds, at most 10^9"
+        };
+        let bad = || {
+            Error::from(ErrorDetail::Param {
+                var: self.env_name(),
+                value: v.clone(),
+                expected: expected.into(),
+            })
+        };
+        if zero_is_none && t == 0.0 {
+            return Ok(None);
+        }
+        if !(t > 0.0 && t <= 1e9) {
+            return Err(bad());
+        }
+        std::time::Duration::try_from_secs_f64(t)
+            .map(Some)
+            .map_err(|_| bad())
+    }
+
     pub fn get_str(&self) -> String {
         self.raw()
     }

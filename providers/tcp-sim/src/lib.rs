@@ -72,11 +72,30 @@ impl Config {
             }));
         }
         let bw = BW_MBPS.get_f64()?;
-        if !(bw >= 0.0 && bw.is_finite()) {
+        if !(bw == 0.0 || (0.001..=1e7).contains(&bw)) {
             return Err(Error::from(ErrorDetail::Param {
                 var: BW_MBPS.env_name(),
                 value: BW_MBPS.raw(),
-                expected: "a non-negative rate in MB/s".into(),
+                expected: "0 (no limit) or a rate from 0.001 to 10^7 MB/s".into(),
+            }));
+        }
+        let micros = |p: &weft::param::ParamDesc| -> Result<Duration> {
+            let v = p.get_u64()?;
+            if v > 1_000_000 {
+                return Err(Error::from(ErrorDetail::Param {
+                    var: p.env_name(),
+                    value: p.raw(),
+                    expected: "at most 1000000 microseconds".into(),
+                }));
+            }
+            Ok(Duration::from_micros(v))
+        };
+        let queue = QUEUE.get_size()?;
+        if queue > 1 << 30 {
+            return Err(Error::from(ErrorDetail::Param {
+                var: QUEUE.env_name(),
+                value: QUEUE.raw(),
+                expected: "at most 1G".into(),
             }));
         }
         Ok(Config {
@@ -86,9 +105,9 @@ impl Config {
             direct: DIRECT.get_bool()?,
             // At least two whole frames: when simulating, one is being serialised through the
             // token bucket while the next waits (with one, the link idles between frames).
-            queue: QUEUE.get_size()?.max(2 * (FRAME_HDR + MAX_HEADER + chunk)),
-            delay: Duration::from_micros(DELAY_US.get_u64()?),
-            jitter: Duration::from_micros(JITTER_US.get_u64()?),
+            queue: queue.max(2 * (FRAME_HDR + MAX_HEADER + chunk)),
+            delay: micros(&DELAY_US)?,
+            jitter: micros(&JITTER_US)?,
             rate: (bw > 0.0).then_some(bw * 1e6),
         })
     }
@@ -402,8 +421,9 @@ impl TcpSim {
             delay: cfg.delay,
             jitter: cfg.jitter,
             rate: cfg.rate,
+            // Bounded: the simulated wire never holds more than 256 MiB.
             in_flight: ((cfg.delay + cfg.jitter).as_secs_f64() * cfg.rate.unwrap_or(SIM_FAST_LINK))
-                as usize,
+                .min((256 << 20) as f64) as usize,
             nic_free: Instant::now(),
             rng: 0x9E37_79B9_7F4A_7C15 ^ (rank as u64 + 1),
         });

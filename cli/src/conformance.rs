@@ -139,14 +139,21 @@ fn across_processes(a: &Args) -> Result<(Vec<Outcome>, Option<String>), String> 
                 .clone()
                 .unwrap_or_else(|| format!("the job exited with status {}", o.code)),
         );
-        // Every check that never reported failed: the job ended before it did.
+        // Every check that never reported failed: the one running when the job ended did not
+        // finish (with the reason: a timeout, a dead rank), the ones after it did not run.
+        let why = ended.clone().unwrap_or_default();
+        let mut first = true;
         for (g, t) in selected(a.group.as_deref()) {
             if !got.iter().any(|x| x.group == g && x.test == t) {
                 got.push(Outcome {
                     group: g,
                     test: t,
                     ok: false,
-                    detail: "not run".into(),
+                    detail: if std::mem::replace(&mut first, false) {
+                        format!("did not finish: {why}")
+                    } else {
+                        "not run".into()
+                    },
                 });
             }
         }

@@ -1,15 +1,16 @@
 //! `weft info`: providers, capabilities, limits and native atomics; `-e`: every parameter.
 
 use std::fmt::Write;
-use weft::registry::{candidates, providers, Selection};
+use weft::registry::{candidates_with, providers, Selection};
 use weft::{BasicType, Op};
 
 /// Render the provider listing. `Err` carries the message for an invalid `WEFT_PROVIDER`.
 pub fn providers_report(verbose: bool) -> Result<String, String> {
     let (all, failures) = providers();
     let sel = Selection::from_env().map_err(|e| e.to_string())?;
-    // Validate WEFT_PROVIDER the way init() would: unknown names are an error.
-    let chosen = candidates(&sel, &all, None).map_err(|e| e.to_string())?;
+    // Validate WEFT_PROVIDER and every parameter the way init() would.
+    let chosen = candidates_with(&sel, &all, &failures, None).map_err(|e| e.to_string())?;
+    weft::check_params().map_err(|e| e.to_string())?;
     let mut s = String::new();
     writeln!(
         s,
@@ -153,6 +154,24 @@ pub fn params_report() -> (String, bool) {
         if let Some(e) = bad {
             writeln!(s, "    ERROR: {e}").unwrap();
         }
+    }
+    // Values of the right type can still be out of range or inconsistent: ask the code that
+    // reads them (the core's settings, each provider's configuration).
+    let mut errors = vec![];
+    if let Err(e) = weft::check_params() {
+        errors.push(e.to_string());
+    }
+    for f in providers().0 {
+        if let Err(e) = f.caps() {
+            if e.kind() == weft::ErrorKind::Param {
+                errors.push(format!("{}: {e}", f.name()));
+            }
+        }
+    }
+    errors.dedup();
+    for e in errors {
+        ok = false;
+        writeln!(s, "ERROR: {e}").unwrap();
     }
     (s, ok)
 }

@@ -513,8 +513,14 @@ fn main() -> ExitCode {
             keep_going,
             command,
         } => {
+            // The ranks see the launcher's environment plus --env: so does this check (a
+            // provider library named only through --env WEFT_PROVIDER_PATH=... is found).
+            // Nothing else runs yet, so changing this process's environment races with no one.
+            for (k, v) in env.iter().filter(|(k, _)| k == "WEFT_PROVIDER_PATH") {
+                std::env::set_var(k, v);
+            }
             if let Some(p) = &provider {
-                let (all, _) = weft::registry::providers();
+                let (all, failures) = weft::registry::providers();
                 let sel = match weft::registry::Selection::parse(p) {
                     Ok(s) => s,
                     Err(e) => {
@@ -522,7 +528,7 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 };
-                if let Err(e) = weft::registry::candidates(&sel, &all, None) {
+                if let Err(e) = weft::registry::candidates_with(&sel, &all, &failures, None) {
                     eprintln!("weft run: {e}");
                     return ExitCode::from(2);
                 }

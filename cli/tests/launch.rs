@@ -372,3 +372,41 @@ fn leftover_check_skips_only_running_jobs() {
     assert!(!launcher_running("weft-kvs_77_0-h0"));
     assert!(!launcher_running("weft-weft-x-h0"));
 }
+
+/// `--provider` naming a library found only through `--env WEFT_PROVIDER_PATH=...`: the
+/// launcher checks the name the way the ranks will see it (it used to look only at its own
+/// environment and refuse it as unknown).
+#[test]
+fn provider_found_through_env_provider_path() {
+    let ring = example("weft-cli", "ring");
+    let dir = provider_dir();
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--provider", "rdgram", "--env"])
+            .arg(format!("WEFT_PROVIDER_PATH={}", dir.display()))
+            .arg("--")
+            .arg(&ring)
+            .env_remove("WEFT_PROVIDER_PATH"),
+        60,
+    );
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("provider rdgram"), "{}", stdout(&o));
+}
+
+/// Every rank stops at an unknown provider; the job's status is that of a failing rank (the
+/// ring's 2 for a failed init), not the SIGTERM the launcher sent the others (143, before).
+#[test]
+fn job_status_is_the_failing_ranks() {
+    let ring = example("weft-cli", "ring");
+    let o = run_bounded(
+        weft_run(&["-n", "8", "--"])
+            .arg(&ring)
+            .env("WEFT_PROVIDER", "nope"),
+        60,
+    );
+    assert_eq!(o.status.code(), Some(2), "{}\n{}", stdout(&o), stderr(&o));
+    assert!(
+        stderr(&o).contains("unknown provider 'nope'"),
+        "{}",
+        stderr(&o)
+    );
+}

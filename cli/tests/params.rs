@@ -3,7 +3,6 @@
 //! `WEFT_TCP_SIM_BW_MBPS=1e-300` used to panic converting to a `Duration`). One test function:
 //! it changes the process environment.
 
-use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use weft_limic as _;
 use weft_shm as _;
@@ -37,12 +36,41 @@ fn check(var: &str, value: &str) {
 #[test]
 fn no_parameter_value_panics() {
     let hostile = [
-        "", " ", "abc", "-1", "0", "1", "1e300", "2e19", "-2e19", "1e-300", "nan", "NaN",
-        "inf", "-inf", "18446744073709551616", "99999999999999999999K", "16E", "1G", "4G",
-        "4294967296", "0x10", "1.5", "%", "∞", "1K1", " 7 ", "yes", "auto",
+        "",
+        " ",
+        "abc",
+        "-1",
+        "0",
+        "1",
+        "1e300",
+        "2e19",
+        "-2e19",
+        "1e-300",
+        "nan",
+        "NaN",
+        "inf",
+        "-inf",
+        "18446744073709551616",
+        "99999999999999999999K",
+        "16E",
+        "1G",
+        "4G",
+        "4294967296",
+        "0x10",
+        "1.5",
+        "%",
+        "∞",
+        "1K1",
+        " 7 ",
+        "yes",
+        "auto",
     ];
     let params = weft::param::all();
-    assert!(params.len() > 20, "only {} parameters registered", params.len());
+    assert!(
+        params.len() > 20,
+        "only {} parameters registered",
+        params.len()
+    );
     for p in &params {
         for v in hostile {
             check(&p.env_name(), v);

@@ -74,9 +74,12 @@ pub fn init_logging() {
     ONCE.call_once(|| {
         let filter = tracing_subscriber::EnvFilter::try_new(LOG.raw())
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        // Colour only for a terminal: not in files, pipes, or a launcher's forwarded output.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            .with_ansi(ansi)
             .try_init();
     });
 }
@@ -118,14 +121,22 @@ pub fn check_params() -> Result<()> {
 pub fn init() -> Result<World<DynProvider>> {
     init_logging();
     let mut boot = bootstrap_from_env()?;
+    if boot.rank() == 0 {
+        param::warn_unknown_vars();
+    }
     let sel = registry::Selection::from_env()?;
     match registry::select_and_open(boot.as_mut(), &sel) {
         Ok((p, _)) => comm::world_from(p, boot),
-        // Selection is collective: when no provider can run, every rank reaches this same
-        // error. They leave together (a barrier, then PMI finalize) and report it themselves:
+        // Selection is collective: when no provider can run (or the request or a parameter
+        // is wrong), every rank reaches this same error. They leave together (a barrier, then PMI finalize) and report it themselves:
         // an abort raced the launcher's kill against that report (Hydra lost it 1 run in 15),
         // and a rank exiting while others still read the votes broke Hydra's proxies.
-        Err(e) if e.kind() == ErrorKind::ProviderUnavailable => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::ProviderUnavailable | ErrorKind::UnknownProvider | ErrorKind::Param
+            ) =>
+        {
             if boot.fence().is_ok() {
                 let _ = boot.finalize();
             }
@@ -143,6 +154,9 @@ pub fn init() -> Result<World<DynProvider>> {
 pub fn init_static<P: StaticProvider>() -> Result<World<P>> {
     init_logging();
     let mut boot = bootstrap_from_env()?;
+    if boot.rank() == 0 {
+        param::warn_unknown_vars();
+    }
     let ctx = registry::probe_context(boot.as_ref());
     let mine = match P::probe(&ctx) {
         Ok(()) => "ok".to_string(),

@@ -70,6 +70,56 @@ pub fn all() -> Vec<&'static ParamDesc> {
     v
 }
 
+/// `WEFT_*` variables of the environment that no parameter is read from — most likely typing
+/// mistakes (`WEFT_TIMOUT`) that would otherwise be ignored without a word — each with the
+/// nearest known name, when one is close. `WEFT_TEST_*` is left to test harnesses.
+pub fn unknown_vars() -> Vec<(String, Option<String>)> {
+    let known: Vec<String> = all().iter().map(|p| p.env_name()).collect();
+    let mut out: Vec<(String, Option<String>)> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| k.starts_with("WEFT_") && !k.starts_with("WEFT_TEST_"))
+        .filter(|k| !known.contains(k))
+        .map(|k| {
+            let near = known
+                .iter()
+                .map(|c| (edit_distance(&k, c), c))
+                .min()
+                .filter(|(d, c)| *d <= 3.max(c.len() / 6))
+                .map(|(_, c)| c.clone());
+            (k, near)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Warn about [`unknown_vars`] (call once per job: rank 0).
+pub fn warn_unknown_vars() {
+    for (k, near) in unknown_vars() {
+        match near {
+            Some(n) => tracing::warn!("{k} is not a weft parameter (did you mean {n}?); ignored"),
+            None => {
+                tracing::warn!("{k} is not a weft parameter; ignored (weft info -e lists them)")
+            }
+        }
+    }
+}
+
+/// Levenshtein distance (insertions, deletions, substitutions).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// Parse a boolean the way users write them.
 pub fn parse_bool(s: &str) -> Option<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -266,6 +316,30 @@ mod tests {
         };
         assert_eq!(c.env_name(), "WEFT_RMA_SCHED");
         assert_eq!(c.get_enum().unwrap(), "off");
+    }
+
+    #[test]
+    fn misspelled_variables_get_the_nearest_name() {
+        assert_eq!(edit_distance("WEFT_TIMOUT", "WEFT_TIMEOUT"), 1);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        // Set in this test process only for the check; names no other test uses.
+        std::env::set_var("WEFT_PROVIDR", "shm");
+        std::env::set_var("WEFT_TEST_WHATEVER", "1");
+        std::env::set_var("WEFT_ZZZZZZZZZZZZZZZZZZZZ", "1");
+        let u = unknown_vars();
+        std::env::remove_var("WEFT_PROVIDR");
+        std::env::remove_var("WEFT_TEST_WHATEVER");
+        std::env::remove_var("WEFT_ZZZZZZZZZZZZZZZZZZZZ");
+        assert!(
+            u.contains(&("WEFT_PROVIDR".into(), Some("WEFT_PROVIDER".into()))),
+            "{u:?}"
+        );
+        assert!(
+            u.contains(&("WEFT_ZZZZZZZZZZZZZZZZZZZZ".into(), None)),
+            "{u:?}"
+        );
+        assert!(!u.iter().any(|(k, _)| k.starts_with("WEFT_TEST_")));
     }
 
     proptest::proptest! {

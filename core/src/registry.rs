@@ -222,32 +222,76 @@ fn describe_available(all: &[&'static dyn Factory], ctx: Option<&ProbeContext>) 
     s
 }
 
-/// The candidates `sel` names, in trial order. Unknown names are an error that lists what exists.
+/// The library file a refused provider `name` came from, and why it was refused.
+pub fn refused<'a>(name: &str, failures: &'a [LoadFailure]) -> Option<&'a LoadFailure> {
+    let file = format!("libweft-{name}.so");
+    failures.iter().find(|f| {
+        f.path
+            .file_name()
+            .is_some_and(|x| x.to_string_lossy() == file)
+    })
+}
+
+/// "libweft-x.so was found but not loaded: why" for a refused library.
+fn refusal(f: &LoadFailure) -> String {
+    format!("{} was found but not loaded: {}", f.path.display(), f.error)
+}
+
+/// The candidates `sel` names, in trial order. Unknown names are an error that lists what exists
+/// (and, for a name whose library was found but refused, why it was refused).
 pub fn candidates(
     sel: &Selection,
     all: &[&'static dyn Factory],
+    ctx: Option<&ProbeContext>,
+) -> Result<Vec<&'static dyn Factory>> {
+    candidates_with(sel, all, &[], ctx)
+}
+
+/// [`candidates`], knowing which libraries failed to load: a preference list may name one of
+/// them; it is skipped (the next name is tried) unless it is the only one.
+pub fn candidates_with(
+    sel: &Selection,
+    all: &[&'static dyn Factory],
+    failures: &[LoadFailure],
     ctx: Option<&ProbeContext>,
 ) -> Result<Vec<&'static dyn Factory>> {
     let find = |n: &str| all.iter().find(|f| f.name() == n).copied();
     match sel {
         Selection::Any => Ok(all.to_vec()),
         Selection::Prefer(names) | Selection::Exclude(names) => {
+            let mut skipped = vec![];
             for n in names {
-                if find(n).is_none() {
-                    return Err(Error::from(ErrorDetail::UnknownProvider {
-                        requested: n.clone(),
-                        available: describe_available(all, ctx),
-                    }));
+                if find(n).is_some() {
+                    continue;
+                }
+                match refused(n, failures) {
+                    Some(f) => skipped.push(format!("{n}: {}", refusal(f))),
+                    None => {
+                        return Err(Error::from(ErrorDetail::UnknownProvider {
+                            requested: n.clone(),
+                            available: describe_available(all, ctx),
+                        }))
+                    }
                 }
             }
-            Ok(match sel {
+            let list: Vec<&'static dyn Factory> = match sel {
                 Selection::Prefer(_) => names.iter().filter_map(|n| find(n)).collect(),
                 _ => all
                     .iter()
                     .filter(|f| !names.iter().any(|n| n == f.name()))
                     .copied()
                     .collect(),
-            })
+            };
+            if list.is_empty() && !skipped.is_empty() {
+                return Err(Error::from(ErrorDetail::ProviderUnavailable {
+                    requested: names.join(","),
+                    details: skipped.join("; "),
+                }));
+            }
+            for why in &skipped {
+                tracing::warn!("skipping provider {why}");
+            }
+            Ok(list)
         }
     }
 }
@@ -264,8 +308,95 @@ pub fn probe_context(boot: &dyn Bootstrap) -> ProbeContext {
     }
 }
 
-/// Collective selection: probe every candidate locally, agree through the bootstrap, open the
-/// first one every rank can run. Returns the provider and its factory.
+/// What one rank makes of one candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    Ok,
+    /// It cannot run here (the probe's reason).
+    No(String),
+    /// Its parameters are wrong: an error wherever the provider is a candidate. (Variable,
+    /// value, what was expected.)
+    BadParam(String, String, String),
+}
+
+/// A rank's verdicts as one bootstrap value: `name\x1fverdict` records separated by `\x1e`.
+fn encode(v: &[(String, Verdict)]) -> String {
+    v.iter()
+        .map(|(n, x)| match x {
+            Verdict::Ok => format!("{n}\x1fok"),
+            Verdict::No(w) => format!("{n}\x1fno:{w}"),
+            Verdict::BadParam(var, val, exp) => {
+                format!("{n}\x1fparam:{var}\x1d{val}\x1d{exp}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\x1e")
+}
+
+fn decode(s: &str) -> Vec<(String, Verdict)> {
+    s.split('\x1e')
+        .filter(|r| !r.is_empty())
+        .filter_map(|r| {
+            let (n, x) = r.split_once('\x1f')?;
+            let v = if x == "ok" {
+                Verdict::Ok
+            } else if let Some(w) = x.strip_prefix("param:") {
+                let mut f = w.splitn(3, '\x1d').map(str::to_string);
+                let (var, val, exp) = (f.next()?, f.next()?, f.next()?);
+                Verdict::BadParam(var, val, exp)
+            } else {
+                Verdict::No(x.strip_prefix("no:").unwrap_or(x).to_string())
+            };
+            Some((n.to_string(), v))
+        })
+        .collect()
+}
+
+/// This rank's verdict on each candidate, in its trial order. Names are matched across ranks,
+/// never positions: ranks may see different libraries (a path missing on one host).
+fn local_verdicts(
+    sel: &Selection,
+    all: &[&'static dyn Factory],
+    failures: &[LoadFailure],
+    ctx: &ProbeContext,
+) -> Result<Vec<(String, Verdict)>> {
+    let cands = candidates_with(sel, all, failures, Some(ctx))?;
+    let mut out: Vec<(String, Verdict)> = cands
+        .iter()
+        .map(|f| {
+            let v = match f.caps().map_err(|e| e.detail().clone()) {
+                Err(ErrorDetail::Param {
+                    var,
+                    value,
+                    expected,
+                }) => Verdict::BadParam(var, value, expected),
+                _ => match f.probe(ctx) {
+                    Ok(()) => Verdict::Ok,
+                    Err(why) => Verdict::No(why),
+                },
+            };
+            (f.name().to_string(), v)
+        })
+        .collect();
+    // Named but refused here: a candidate this rank cannot run, with the reason.
+    if let Selection::Prefer(names) = sel {
+        for n in names {
+            if !out.iter().any(|(x, _)| x == n) {
+                if let Some(f) = refused(n, failures) {
+                    out.push((n.clone(), Verdict::No(refusal(f))));
+                }
+            }
+        }
+        // Keep the user's order.
+        out.sort_by_key(|(x, _)| names.iter().position(|n| n == x).unwrap_or(usize::MAX));
+    }
+    Ok(out)
+}
+
+/// Collective selection: every rank judges every candidate locally, one exchange through the
+/// bootstrap agrees on them by name, and the first candidate (in rank 0's order) that every rank
+/// can run is opened. A bad parameter of a candidate is an error on every rank. Returns the
+/// provider and its factory.
 pub fn select_and_open(
     boot: &mut dyn Bootstrap,
     sel: &Selection,
@@ -276,24 +407,53 @@ pub fn select_and_open(
     }
     let ctx = probe_context(boot);
     let requested = std::env::var("WEFT_PROVIDER").unwrap_or_default();
-    let cands = candidates(sel, &all, Some(&ctx))?;
-    let mut reasons: Vec<String> = Vec::new();
-    for (i, f) in cands.iter().enumerate() {
-        let local = f.probe(&ctx);
-        let mine = match &local {
-            Ok(()) => "ok".to_string(),
-            Err(why) => format!("no:{why}"),
+    // A local error (an unknown name) still takes part in the exchange, so that no rank is
+    // left waiting in it; every rank then reports the first error any rank had.
+    let (mine, local_err) =
+        match crate::check_params().and_then(|_| local_verdicts(sel, &all, &failures, &ctx)) {
+            Ok(v) => (encode(&v), None),
+            Err(e) => (
+                format!("\x1derror\x1f{}", e.to_string().replace('\x1e', " ")),
+                Some(e),
+            ),
         };
-        let votes = if boot.size() == 1 {
-            vec![mine]
-        } else {
-            allgather(boot, &format!("weft.sel{i}"), &mine)?
-        };
-        if let Some((r, v)) = votes.iter().enumerate().find(|(_, v)| *v != "ok") {
-            let why = v.strip_prefix("no:").unwrap_or(v);
-            reasons.push(format!("{}: {why} (rank {r})", f.name()));
-            continue;
+    let votes = if boot.size() == 1 {
+        vec![mine]
+    } else {
+        allgather(boot, "weft.select", &mine)?
+    };
+    if let Some(e) = local_err {
+        return Err(e);
+    }
+    if let Some((r, v)) = votes
+        .iter()
+        .enumerate()
+        .find(|(_, v)| v.starts_with('\x1d'))
+    {
+        let why = v.split_once('\x1f').map_or("", |x| x.1);
+        return Err(Error::from(ErrorDetail::ProviderUnavailable {
+            requested: or_any(&requested),
+            details: format!("rank {r}: {why}"),
+        }));
+    }
+    let per_rank: Vec<Vec<(String, Verdict)>> = votes.iter().map(|v| decode(v)).collect();
+    // A parameter error anywhere, on any candidate, is the answer on every rank.
+    for vs in &per_rank {
+        if let Some((_, Verdict::BadParam(var, value, expected))) =
+            vs.iter().find(|(_, v)| matches!(v, Verdict::BadParam(..)))
+        {
+            return Err(Error::from(ErrorDetail::Param {
+                var: var.clone(),
+                value: value.clone(),
+                expected: expected.clone(),
+            }));
         }
+    }
+    let (order, mut reasons) = agree(&per_rank);
+    for name in &order {
+        let Some(f) = all.iter().find(|f| f.name() == name) else {
+            continue;
+        };
         tracing::debug!(provider = f.name(), "selected");
         match f.open(boot) {
             Ok(p) => return Ok((p, *f)),
@@ -308,11 +468,7 @@ pub fn select_and_open(
         }
     }
     Err(Error::from(ErrorDetail::ProviderUnavailable {
-        requested: if requested.is_empty() {
-            "(any)".into()
-        } else {
-            requested
-        },
+        requested: or_any(&requested),
         details: format!(
             "{}; registered: {}",
             if reasons.is_empty() {
@@ -326,6 +482,40 @@ pub fn select_and_open(
                 .join(", ")
         ),
     }))
+}
+
+/// Which candidates every rank can run, in rank 0's order, matched by name (never by
+/// position: ranks can see different candidate lists); and why each of the others cannot.
+fn agree(per_rank: &[Vec<(String, Verdict)>]) -> (Vec<String>, Vec<String>) {
+    let (mut ok, mut reasons) = (vec![], vec![]);
+    let Some(first) = per_rank.first() else {
+        return (ok, reasons);
+    };
+    for (name, _) in first {
+        let blocked = per_rank.iter().enumerate().find_map(|(r, vs)| {
+            match vs.iter().find(|(n, _)| n == name) {
+                Some((_, Verdict::Ok)) => None,
+                Some((_, Verdict::No(w))) => Some(format!("{name}: {w} (rank {r})")),
+                Some((_, Verdict::BadParam(var, ..))) => {
+                    Some(format!("{name}: bad {var} (rank {r})"))
+                }
+                None => Some(format!("{name}: not available on rank {r}")),
+            }
+        });
+        match blocked {
+            Some(why) => reasons.push(why),
+            None => ok.push(name.clone()),
+        }
+    }
+    (ok, reasons)
+}
+
+fn or_any(requested: &str) -> String {
+    if requested.is_empty() {
+        "(any)".into()
+    } else {
+        requested.to_string()
+    }
 }
 
 /// The reason inside a `ProviderUnavailable` error.
@@ -358,6 +548,39 @@ mod tests {
         assert!(Selection::parse("a,,b").is_err());
         assert!(Selection::parse("^").is_err());
         assert!(Selection::parse("a b").is_err());
+    }
+
+    /// Ranks that see different candidates (a library missing on one host, another order)
+    /// agree by name: the first of rank 0's candidates that every rank runs. (Voting by
+    /// position picked "b" on rank 0 and "c" on rank 1 here.)
+    #[test]
+    fn selection_agrees_by_name_not_position() {
+        let ok = |n: &str| (n.to_string(), Verdict::Ok);
+        let no = |n: &str| (n.to_string(), Verdict::No("cannot".into()));
+        let per_rank = vec![
+            vec![no("a"), ok("b"), ok("c")],
+            vec![ok("c"), ok("b")], // no "a" here, and another order
+            vec![ok("a"), ok("b"), no("c")],
+        ];
+        let (order, reasons) = agree(&per_rank);
+        assert_eq!(order, vec!["b".to_string()]);
+        assert_eq!(reasons.len(), 2, "{reasons:?}");
+        assert!(reasons[0].starts_with("a: cannot (rank 0)"), "{reasons:?}");
+        assert!(reasons[1].contains("c: cannot (rank 2)"), "{reasons:?}");
+        let per_rank = vec![vec![ok("x")], vec![]];
+        let (order, reasons) = agree(&per_rank);
+        assert!(order.is_empty());
+        assert_eq!(reasons, vec!["x: not available on rank 1".to_string()]);
+        // The encoding survives the trip through the bootstrap.
+        let v = vec![
+            ok("shm"),
+            no("limic"),
+            (
+                "tcp-sim".into(),
+                Verdict::BadParam("WEFT_X".into(), "abc".into(), "a size".into()),
+            ),
+        ];
+        assert_eq!(decode(&encode(&v)), v);
     }
 
     #[test]

@@ -178,3 +178,12 @@ pub fn provider_dir() -> PathBuf {
     })
     .clone()
 }
+
+/// A test cannot run here for want of `what`: say so and skip, or fail when
+/// `WEFT_REQUIRE_TOOLS=1` (CI), where a skipped test would hide a broken set-up.
+pub fn skip(what: &str) {
+    if std::env::var_os("WEFT_REQUIRE_TOOLS").is_some_and(|v| v == "1") {
+        panic!("required by WEFT_REQUIRE_TOOLS=1 but unavailable: {what}");
+    }
+    eprintln!("SKIP: {what}");
+}

@@ -73,13 +73,15 @@ impl NodeMap {
     }
 }
 
+crate::param!(HOST_ID: Str = "", "HOST_ID", "",
+    "this rank's host identity (ranks with equal ones share a host); empty: hostname, boot id and network namespace");
+
 /// This host's identity: hostname, boot id and network namespace, so that two network namespaces
 /// on one machine count as two hosts. `WEFT_HOST_ID` overrides it.
 pub fn host_id() -> String {
-    if let Ok(v) = std::env::var("WEFT_HOST_ID") {
-        if !v.is_empty() {
-            return v;
-        }
+    let v = HOST_ID.raw();
+    if !v.is_empty() {
+        return v;
     }
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())

@@ -160,11 +160,17 @@ pub fn run_with(
         };
         let mine = r.is_ok() as u32;
         let mut all = [0u32];
-        let reduced = c.allreduce(&[mine], &mut all, Op::Min).is_ok();
-        let agreed = reduced && all[0] == 1;
+        let reduced = c.allreduce(&[mine], &mut all, Op::Min);
+        let agreed = reduced.is_ok() && all[0] == 1;
         let mut detail = r.err().unwrap_or_default();
-        if reduced && !agreed {
-            detail = gather_details(c, &detail);
+        match reduced {
+            Ok(()) if !agreed => detail = gather_details(c, &detail),
+            Ok(()) => {}
+            // A failed check always says why, even when the ranks cannot compare notes.
+            Err(e) if detail.is_empty() => {
+                detail = format!("the ranks could not agree on the outcome: {e}")
+            }
+            Err(_) => {}
         }
         out.push(Outcome {
             group: g,

@@ -105,6 +105,33 @@ fn conformance_in_process_and_loader_checks() {
     );
     assert!(!reason("notalibrary").is_empty());
 
+    // Asking for a refused library says it was found and why it was not loaded (it used to
+    // say "unknown provider"); in a preference list the next name is taken instead.
+    use weft::registry::{candidates_with, Selection};
+    let e = candidates_with(
+        &Selection::parse("badmajor").unwrap(),
+        &all,
+        &failures,
+        None,
+    )
+    .err()
+    .expect("a refused library alone cannot be selected");
+    assert_eq!(e.kind(), weft::ErrorKind::ProviderUnavailable, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("libweft-badmajor.so was found but not loaded")
+            && msg.contains("provider speaks ABI 2.0"),
+        "{msg}"
+    );
+    let c = candidates_with(
+        &Selection::parse("badmajor,loopback").unwrap(),
+        &all,
+        &failures,
+        None,
+    )
+    .unwrap();
+    assert_eq!(c.iter().map(|f| f.name()).collect::<Vec<_>>(), ["loopback"]);
+
     // A library whose close fails: the reason comes from the thread's last error, not from
     // the instance close has just released (that read was a use after free).
     let cf = all

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install the Debian packages some tests need (and the benchmark's plot fonts), when they are
+# missing. Tests never install anything themselves: without these they skip with the reason
+# (or fail, under WEFT_REQUIRE_TOOLS=1, as in CI).
+#   mpich      mpiexec.hydra, for the Hydra interop and two-host tests
+#   iproute2   ip, for the two-network-namespace tests
+#   fonts-dejavu-core   the font `weft bench --plot` draws with
+set -euo pipefail
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+else
+  echo "tools/deps.sh: cannot install ${need[*]} (not root or no apt-get); the tests that need them skip" >&2
+fi

@@ -4,11 +4,13 @@
 # (or fail, under WEFT_REQUIRE_TOOLS=1, as in CI).
 #   mpich      mpiexec.hydra, for the Hydra interop and two-host tests
 #   iproute2   ip, for the two-network-namespace tests
+#   valgrind   memcheck runs of the soundness tests in .ci/run
 #   fonts-dejavu-core   the font `weft bench --plot` draws with
 set -euo pipefail
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
+command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

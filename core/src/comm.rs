@@ -1027,3 +1027,34 @@ pub fn waitany<P: Provider>(
 pub(crate) fn world_from<P: Provider>(p: P, boot: Box<dyn Bootstrap>) -> Result<World<P>> {
     World::from_parts(p, boot, EngineConfig::from_env()?)
 }
+
+#[cfg(test)]
+mod shared_buf_tests {
+    use super::SharedBuf;
+
+    /// Several receives write into one `SharedBuf` through the engine's copies of its address,
+    /// and its bytes are read only through `&mut` once none is pending (checked under Miri in
+    /// CI where a nightly toolchain exists).
+    #[test]
+    fn receives_into_one_shared_buffer() {
+        crate::testing::world(2, |c| {
+            let mut buf = SharedBuf::new(64);
+            if c.rank() == 0 {
+                let data: Vec<[u8; 64]> = (0..3).map(|i| [i as u8 + 1; 64]).collect();
+                for d in &data {
+                    c.send(d, 1, 5).unwrap();
+                }
+            } else {
+                c.scope(|s| {
+                    let rs: Vec<_> = (0..3)
+                        .map(|_| c.irecv_shared(s, &buf, 0, 5).unwrap())
+                        .collect();
+                    crate::waitall(rs).unwrap();
+                });
+                let b = buf.as_mut_slice();
+                assert!(b.iter().all(|&x| x == b[0]) && (1..=3).contains(&b[0]));
+            }
+            assert_eq!(buf.len(), 64);
+        });
+    }
+}

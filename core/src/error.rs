@@ -98,6 +98,8 @@ pub enum ErrorDetail {
     Cancelled,
     #[error("provider '{provider}': {what}")]
     Provider { provider: String, what: String },
+    #[error("provider library {file}: {what}")]
+    LoadFailed { file: String, what: String },
 }
 
 /// weft's error type: one pointer wide, so `Result<T>` stays small on hot paths.
@@ -148,7 +150,7 @@ impl ErrorDetail {
             Error::Bootstrap(_) => ErrorKind::Bootstrap,
             Error::Io { .. } => ErrorKind::Io,
             Error::Cancelled => ErrorKind::Cancelled,
-            Error::Provider { .. } => ErrorKind::Provider,
+            Error::Provider { .. } | Error::LoadFailed { .. } => ErrorKind::Provider,
         }
     }
 }

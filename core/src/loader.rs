@@ -75,10 +75,10 @@ fn provider_name(p: &Path) -> Option<String> {
 }
 
 fn fail(path: &Path, what: impl std::fmt::Display) -> Error {
-    Error::from(ErrorDetail::Bootstrap(format!(
-        "provider library {}: {what}",
-        path.display()
-    )))
+    Error::from(ErrorDetail::LoadFailed {
+        file: path.display().to_string(),
+        what: what.to_string(),
+    })
 }
 
 /// # Safety (internal)

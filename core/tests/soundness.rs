@@ -15,7 +15,15 @@ use weft::testing::{self, Options};
 use weft::ErrorKind;
 
 const LEN: usize = 48 << 10;
-const STEP: Duration = Duration::from_secs(30);
+/// Bound on one step of a test (a signal from the other rank): 30 s, or `WEFT_TEST_STEP_SECS`
+/// (CI raises it for its valgrind run, which is 20-50 times slower).
+static STEP: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
+    let s = std::env::var("WEFT_TEST_STEP_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    Duration::from_secs(s)
+});
 
 fn opts() -> Options {
     Options {
@@ -47,7 +55,7 @@ impl Signals {
         let r = if rank == 0 { &self.to0.1 } else { &self.to1.1 };
         r.lock()
             .unwrap()
-            .recv_timeout(STEP)
+            .recv_timeout(*STEP)
             .expect("the other rank did not signal");
     }
 }
@@ -172,7 +180,7 @@ fn late_get_reply_after_a_failed_epoch_goes_nowhere() {
             } else {
                 // Grant the lock, then stall until rank 0 gave up, then answer everything.
                 let rx = &sig.to1.1;
-                let deadline = std::time::Instant::now() + STEP;
+                let deadline = std::time::Instant::now() + *STEP;
                 loop {
                     c.progress().unwrap();
                     if rx.lock().unwrap().try_recv().is_ok() {
@@ -281,7 +289,7 @@ fn unexpected_eager_data_is_bounded_per_peer() {
     const WINDOW: usize = 64 << 10;
     let sig = Signals::new();
     let mut o = Options {
-        timeout: Duration::from_secs(30),
+        timeout: *STEP,
         ..Options::default()
     };
     o.engine.eager_window = WINDOW;
@@ -322,7 +330,7 @@ fn a_large_am_get_is_not_copied_at_the_target() {
     const LEN: usize = 8 << 20;
     let sig = Signals::new();
     let mut o = Options {
-        timeout: Duration::from_secs(30),
+        timeout: *STEP,
         ..Options::default()
     };
     o.loopback.depth = 2;
@@ -337,7 +345,7 @@ fn a_large_am_get_is_not_copied_at_the_target() {
             } else {
                 // Serve the get, watching what the outbox holds, until rank 1 has its data.
                 let (mut most, mut rounds) = (0, 0u64);
-                let deadline = std::time::Instant::now() + STEP;
+                let deadline = std::time::Instant::now() + *STEP;
                 while sig.to0.1.lock().unwrap().try_recv().is_err() {
                     c.progress()?;
                     most = most.max(c.queued_bytes());

@@ -39,16 +39,39 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                 writeln!(s, "  capabilities: {}", c.names().join(" ")).unwrap();
                 writeln!(
                     s,
-                    "  limits: am header {} B, am payload {} B, eager {} B, iov {}{}",
+                    "  limits: am header {} B, am payload {} B, {}, iov {}{}",
                     c.max_am_header,
                     c.max_am_payload,
-                    c.eager_limit,
+                    if c.tagged {
+                        // The core's eager limit applies only to its own protocols.
+                        "tagged messages matched by the provider (its own thresholds)".to_string()
+                    } else {
+                        format!("eager {} B", c.eager_limit)
+                    },
                     c.max_iov,
                     c.rma
                         .map(|r| format!(", rma iov {}", r.max_iov))
                         .unwrap_or_default()
                 )
                 .unwrap();
+                if let Some(r) = c.rma {
+                    writeln!(
+                        s,
+                        "  rma: {}{}",
+                        match (r.read, r.write) {
+                            (true, true) => "native put and get",
+                            (true, false) => "native get",
+                            (false, true) => "native put",
+                            _ => "none native",
+                        },
+                        if r.user_memory {
+                            " on any window"
+                        } else {
+                            " on windows the provider allocates (win_allocate); windows over user memory use active messages"
+                        }
+                    )
+                    .unwrap();
+                }
                 writeln!(
                     s,
                     "  reach: {}",
@@ -68,7 +91,16 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                     )
                     .unwrap();
                 } else {
-                    writeln!(s, "  native atomics (x = native, - = active-message path):").unwrap();
+                    writeln!(
+                        s,
+                        "  native atomics (x = native, - = active-message path), used by a window{} only when every (op, type) its accumulate_ops hint allows is native; otherwise all its atomics use active messages:",
+                        if c.rma.is_some_and(|r| !r.user_memory) {
+                            " the provider allocates"
+                        } else {
+                            ""
+                        }
+                    )
+                    .unwrap();
                     write!(s, "    {:<8}", "").unwrap();
                     for t in BasicType::ALL {
                         write!(s, "{:>4}", t.name()).unwrap();

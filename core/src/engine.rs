@@ -792,7 +792,8 @@ impl<P: Provider> Engine<P> {
             .eager_limit
             .unwrap_or(caps.eager_limit)
             .min(caps.max_am_payload);
-        let rma_read = caps.rma.is_some_and(|r| r.read);
+        // The zero-copy rendezvous registers the sender's buffer: user memory.
+        let rma_read = caps.rma.is_some_and(|r| r.read && r.user_memory);
         let spec_limit = cfg.spec_limit.unwrap_or_else(|| spec_limit_auto(&caps));
         let st = State {
             size,

@@ -248,6 +248,7 @@ fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
             scalable_keys: false,
             alloc: false,
             native_locks: false,
+            user_memory: true,
         });
     }
     if l.atomics.is_some() {

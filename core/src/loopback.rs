@@ -153,6 +153,7 @@ impl Loopback {
                 scalable_keys: true,
                 alloc: false,
                 native_locks: false,
+                user_memory: true,
             });
             caps.counters = cfg.counters;
         }

@@ -185,6 +185,9 @@ pub struct RmaCaps {
     /// Passive-target locks on provider-placed window memory without the target's help
     /// (`rma_try_lock` / `rma_unlock`, e.g. a lock word in shared memory).
     pub native_locks: bool,
+    /// Any user memory can be registered (windows over user buffers, zero-copy rendezvous);
+    /// `false`: only memory the provider places itself (`mem_alloc`) is reachable natively.
+    pub user_memory: bool,
 }
 
 /// What a provider can do, and its limits. Capabilities are honest: a provider that says it

@@ -101,6 +101,7 @@ fn caps() -> Caps {
         scalable_keys: true,
         alloc: false,
         native_locks: false,
+        user_memory: true,
     });
     c.counters = true;
     c

@@ -142,6 +142,7 @@ impl Config {
                 scalable_keys: false,
                 alloc: true,
                 native_locks: true,
+                user_memory: false,
             });
             c.atomics = weft::types::AtomicTable::all();
             // Operations are copies and CPU atomics that finish when issued: counting them is

@@ -166,7 +166,7 @@ fn in_process(a: &Args) -> Vec<Outcome> {
         std::env::set_var(k, v);
     }
     let group = a.group.clone();
-    let r = weft::testing::world_dyn(a.n, &a.provider, |c| {
+    let r = weft_testing::world_dyn(a.n, &a.provider, |c| {
         weft_conformance::run(c, group.as_deref())
     });
     r.into_iter().next().unwrap_or_default()

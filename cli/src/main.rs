@@ -9,6 +9,7 @@ use std::time::Duration;
 
 // Every built-in provider, linked so that it registers itself.
 use weft_limic as _;
+use weft_loopback as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 

@@ -5,9 +5,9 @@
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use std::time::Duration;
 use weft::bootstrap::InProcessJob;
-use weft::loopback::{Loopback, LoopbackConfig};
 use weft::matching::Matcher;
 use weft::{Comm, Datatype, DynProvider, EngineConfig, Provider, World};
+use weft_loopback::{Loopback, LoopbackConfig};
 
 fn world_static() -> World<Loopback> {
     let job = InProcessJob::new(1, Duration::from_secs(10));

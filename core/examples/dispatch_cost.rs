@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 use weft::bootstrap::InProcessJob;
-use weft::loopback::{Loopback, LoopbackConfig};
 use weft::{Comm, DynProvider, EngineConfig, Provider, World};
+use weft_loopback::{Loopback, LoopbackConfig};
 
 fn roundtrips<P: Provider>(c: &Comm<P>, n: usize) {
     let out = [42u64];

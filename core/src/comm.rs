@@ -13,7 +13,7 @@ use crate::bootstrap::Bootstrap;
 use crate::datatype::Datatype;
 use crate::engine::{Engine, EngineConfig, Layout, Posted, RecvBuf, ReqId, SendBuf};
 use crate::provider::{DynProvider, Provider};
-use crate::types::Rank;
+use crate::types::{Rank, Status};
 use crate::{Error, ErrorDetail, Result};
 use bytemuck::Pod;
 use std::cell::{Cell, RefCell};
@@ -110,25 +110,6 @@ pub enum TagSel {
 impl From<i32> for TagSel {
     fn from(t: i32) -> Self {
         TagSel::Tag(t)
-    }
-}
-
-/// What a completed receive (or probe) tells: source rank in the communicator, tag, and the
-/// message length in bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Status {
-    pub source: u32,
-    pub tag: i32,
-    /// Length of the message in bytes.
-    pub bytes: usize,
-    /// The request was cancelled (MPI_Test_cancelled).
-    pub cancelled: bool,
-}
-
-impl Status {
-    /// Number of whole `T` elements in the message (MPI_Get_count).
-    pub fn count<T>(&self) -> usize {
-        self.bytes / std::mem::size_of::<T>().max(1)
     }
 }
 
@@ -1026,35 +1007,4 @@ pub fn waitany<P: Provider>(
 /// Create a world from a bootstrap and an opened provider, with the core parameters.
 pub(crate) fn world_from<P: Provider>(p: P, boot: Box<dyn Bootstrap>) -> Result<World<P>> {
     World::from_parts(p, boot, EngineConfig::from_env()?)
-}
-
-#[cfg(test)]
-mod shared_buf_tests {
-    use super::SharedBuf;
-
-    /// Several receives write into one `SharedBuf` through the engine's copies of its address,
-    /// and its bytes are read only through `&mut` once none is pending (checked under Miri in
-    /// CI where a nightly toolchain exists).
-    #[test]
-    fn receives_into_one_shared_buffer() {
-        crate::testing::world(2, |c| {
-            let mut buf = SharedBuf::new(64);
-            if c.rank() == 0 {
-                let data: Vec<[u8; 64]> = (0..3).map(|i| [i as u8 + 1; 64]).collect();
-                for d in &data {
-                    c.send(d, 1, 5).unwrap();
-                }
-            } else {
-                c.scope(|s| {
-                    let rs: Vec<_> = (0..3)
-                        .map(|_| c.irecv_shared(s, &buf, 0, 5).unwrap())
-                        .collect();
-                    crate::waitall(rs).unwrap();
-                });
-                let b = buf.as_mut_slice();
-                assert!(b.iter().all(|&x| x == b[0]) && (1..=3).contains(&b[0]));
-            }
-            assert_eq!(buf.len(), 64);
-        });
-    }
 }

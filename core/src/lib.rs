@@ -27,35 +27,33 @@ mod coll;
 pub mod comm;
 pub mod datatype;
 mod engine;
-mod error;
 pub mod loader;
-pub mod loopback;
 pub mod matching;
-pub mod param;
-pub mod pool;
-pub mod provider;
-pub mod registry;
+/// Provider registration and selection.
+pub mod registry {
+    pub use crate::select::*;
+}
 mod rma;
-pub mod sdk;
-pub mod shmem;
-pub mod testing;
-pub mod types;
+mod select;
 mod window;
 
+pub use weft_provider::{
+    export_provider, param, pool, provider, register_provider, sdk, shmem, types, BufPool, Error,
+    ErrorDetail, ErrorKind, Result,
+};
+
 pub use comm::{
-    waitall, waitany, Comm, Request, Scope, SharedBuf, Source, Status, TagSel, World, ANY_SOURCE,
-    ANY_TAG, TAG_UB,
+    waitall, waitany, Comm, Request, Scope, SharedBuf, Source, TagSel, World, ANY_SOURCE, ANY_TAG,
+    TAG_UB,
 };
 pub use datatype::Datatype;
 pub use engine::EngineConfig;
-pub use error::{Error, ErrorDetail, ErrorKind, Result};
-pub use pool::BufPool;
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
-pub use types::{BasicType, Element, Op, Rank};
+pub use types::{BasicType, Element, Op, Rank, Status};
 pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinCompletion, WinInfo, Window};
 
 #[doc(hidden)]
-pub use linkme as __linkme;
+pub use weft_provider::__linkme;
 
 use bootstrap::{pmi::Pmi, Bootstrap, Singleton};
 use std::time::Duration;
@@ -112,7 +110,6 @@ pub fn check_params() -> Result<()> {
     EngineConfig::from_env()?;
     window::Sched::from_env()?;
     pmi_timeout()?;
-    loopback::LoopbackConfig::from_env()?;
     Ok(())
 }
 

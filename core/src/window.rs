@@ -6,7 +6,7 @@
 //! completes them:
 //!
 //! ```
-//! # weft::testing::world(2, |comm| {
+//! # weft_testing::world(2, |comm| {
 //! let mut mem = vec![0u64; 4];
 //! let me = comm.rank();
 //! comm.win_create(&mut mem, weft::WinInfo::default(), |win| {
@@ -26,7 +26,7 @@
 //! goes away and peers still write into it:
 //!
 //! ```compile_fail
-//! # weft::testing::world(1, |comm| {
+//! # weft_testing::world(1, |comm| {
 //! let mut mem = vec![0u8; 8];
 //! let win = comm.win_create(&mut mem, weft::WinInfo::default(), |w| Ok(w)).unwrap();
 //! std::mem::forget(win);
@@ -2051,7 +2051,7 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
     /// right after.
     ///
     /// ```
-    /// # weft::testing::world(2, |comm| {
+    /// # weft_testing::world(2, |comm| {
     /// # let mut mem = vec![0u64; 1];
     /// # comm.win_create(&mut mem, weft::WinInfo::default(), |win| {
     /// win.lock_epoch(0, weft::LockKind::Exclusive, |e| {

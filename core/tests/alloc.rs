@@ -11,10 +11,10 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use weft::testing;
 use weft::{Assert, Comm, DynProvider, Sched, WinInfo};
 use weft_shm as _;
 use weft_tcp_sim as _;
+use weft_testing as testing;
 
 struct Counting;
 

@@ -10,12 +10,12 @@ use std::io::IoSlice;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 use weft::bootstrap::Bootstrap;
-use weft::loopback::{Loopback, LoopbackConfig};
 use weft::provider::{
     Caps, Completed, ProbeContext, Provider, SendOutcome, Sink, StaticProvider, Token,
 };
-use weft::testing::{self, Options};
 use weft::{ErrorKind, Rank, Result};
+use weft_loopback::{Loopback, LoopbackConfig};
+use weft_testing::{self as testing, Options};
 
 static MODE: AtomicU8 = AtomicU8::new(0);
 const CLEAN: u8 = 0;

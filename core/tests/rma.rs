@@ -2,11 +2,11 @@
 //! messages on plain loopback; native put/get with scalable keys on loopback's RMA mode), every
 //! scheduling policy, static and dynamic dispatch.
 
-use weft::testing::{self, Options};
 use weft::{
     Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion, WinInfo, Window,
 };
 use weft_shm as _;
+use weft_testing::{self as testing, Options};
 
 fn opts(native: bool) -> Options {
     let mut o = Options::default();

@@ -11,8 +11,8 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 use std::time::Duration;
-use weft::testing::{self, Options};
 use weft::ErrorKind;
+use weft_testing::{self as testing, Options};
 
 const LEN: usize = 48 << 10;
 /// Bound on one step of a test (a signal from the other rank): 30 s, or `WEFT_TEST_STEP_SECS`

@@ -1,8 +1,8 @@
 //! Two-sided MPI semantics on the loopback provider, through the static path
 //! (`Comm<Loopback>`) and the dynamic path (`Comm<Box<dyn Provider>>`, chosen by name).
 
-use weft::testing::{self, Options};
 use weft::{Comm, Datatype, ErrorKind, Op, Provider, SharedBuf, ANY_SOURCE, ANY_TAG};
+use weft_testing::{self as testing, Options};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -555,7 +555,7 @@ fn collectives_bad_arguments() {
 fn peer_failure_fails_pending_requests() {
     use std::time::Duration;
     use weft::bootstrap::InProcessJob;
-    use weft::loopback::{Loopback, LoopbackConfig};
+    use weft_loopback::{Loopback, LoopbackConfig};
     let job = InProcessJob::new(2, Duration::from_secs(30));
     let cfg = LoopbackConfig {
         eager: 1024,

@@ -31,21 +31,21 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::bootstrap::Bootstrap;
-use weft::provider::{
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{
     Access, Caps, CntrId, CntrValue, Completed, Completion, CompletionTable, MemRegion,
     ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
     StaticProvider, TaggedStatus, Token,
 };
-use weft::{Error, ErrorDetail, Rank, Result};
+use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-weft::param!(INLINE: Size = "limic", "INLINE", "6K",
+weft_provider::param!(INLINE: Size = "limic", "INLINE", "6K",
     "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (see docs/benchmarks.md)");
-weft::param!(SLOTS: Uint = "limic", "SLOTS", "1024",
+weft_provider::param!(SLOTS: Uint = "limic", "SLOTS", "1024",
     "descriptor slots per rank: outstanding sends and posted receives (more wait in a local queue)");
-weft::param!(PULL: Bool = "limic", "PULL", "1",
+weft_provider::param!(PULL: Bool = "limic", "PULL", "1",
     "a sender that finds the receive posted leaves a large message for the receiver to pull (1), or pushes it itself (0); see docs/benchmarks.md");
-weft::param!(PTRACER: Bool = "limic", "PTRACER", "1",
+weft_provider::param!(PTRACER: Bool = "limic", "PTRACER", "1",
     "allow the other processes of this user to attach (PR_SET_PTRACER_ANY), which Yama ptrace_scope=1 requires for cross-memory attach");
 
 /// Active-message cells per receiver and their payload.
@@ -163,7 +163,7 @@ pub struct Limic {
     next_key: u64,
     pull: bool,
     /// The local peers' processes (by pidfd: a recycled pid is never taken for a peer).
-    watch: weft::shmem::Watch,
+    watch: weft_provider::shmem::Watch,
 }
 
 fn total(r: &[Range]) -> usize {
@@ -187,7 +187,10 @@ impl Limic {
         let me = rank as usize;
         let n = size as usize;
         let lay = Layout::new(n, cfg.slots, cfg.inline_max, AM_CELLS, AM_PAYLOAD);
-        let name = format!("{}-limic", weft::shmem::object_name(boot.job_id(), 0));
+        let name = format!(
+            "{}-limic",
+            weft_provider::shmem::object_name(boot.job_id(), 0)
+        );
         let created = (me == 0).then(|| Seg::create(&name, lay));
         boot.put(
             &format!("limic.ok.{rank}"),
@@ -270,7 +273,7 @@ impl Limic {
                 break;
             }
         }
-        let all = weft::bootstrap::allgather(boot, "limic.cma", &verdict)?;
+        let all = weft_provider::bootstrap::allgather(boot, "limic.cma", &verdict)?;
         drop(cookie);
         if let Some(why) = all.iter().find(|v| *v != "ok") {
             return Err(Error::from(ErrorDetail::ProviderUnavailable {
@@ -281,7 +284,7 @@ impl Limic {
         let mut caps = caps();
         caps.eager_limit = AM_PAYLOAD;
         let seen_done = seg.area(me).done.v.load(Ordering::Acquire);
-        let watch = weft::shmem::Watch::new((0..n).map(|r| &seg.area(r).live));
+        let watch = weft_provider::shmem::Watch::new((0..n).map(|r| &seg.area(r).live));
         Ok(Limic {
             free: (0..seg.lay.nslots).rev().collect(),
             seg,
@@ -989,7 +992,12 @@ impl Limic {
 /// Hold area `a`'s matching lock as local rank `me` (borrowing only the segment); if it was
 /// taken over from a rank that died holding it, the queues it may have been editing are
 /// rebuilt first.
-fn lock_area<'s>(seg: &'s Seg, watch: &weft::shmem::Watch, a: usize, me: usize) -> Guard<'s> {
+fn lock_area<'s>(
+    seg: &'s Seg,
+    watch: &weft_provider::shmem::Watch,
+    a: usize,
+    me: usize,
+) -> Guard<'s> {
     let g = lock(&seg.area(a).lock, me, |r| {
         watch.gone(r, &seg.area(r).live).is_none()
     });
@@ -1386,7 +1394,7 @@ impl StaticProvider for Limic {
     }
 }
 
-weft::register_provider!(
+weft_provider::register_provider!(
     Limic,
     priority = 40,
     summary = "kernel-assisted single copy within a host (LiMIC on cross-memory attach)"
@@ -1412,7 +1420,7 @@ mod tests {
 
     /// Two limic ranks as threads of this process (cross-memory attach to our own pid works).
     fn pair() -> (Limic, Limic) {
-        let job = weft::bootstrap::InProcessJob::new(2, Duration::from_secs(30));
+        let job = weft_provider::bootstrap::InProcessJob::new(2, Duration::from_secs(30));
         let cfg = Config::from_env().unwrap();
         let (b0, b1) = (job.rank(0), job.rank(1));
         let c2 = cfg.clone();

@@ -7,8 +7,8 @@
 //! slot state (written before a release store, read after an acquire load).
 
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
-use weft::shmem::{Mapping, RankSlot};
-use weft::{Error, ErrorDetail, Result};
+use weft_provider::shmem::{Mapping, RankSlot};
+use weft_provider::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = 0x5745_4654_4c49_4d31; // "WEFTLIM1"
 /// Layout version (2: slots carry their queue position, for repair).
@@ -622,7 +622,7 @@ mod tests {
     fn segment_create_open_and_lock() {
         let name = format!(
             "{}-limic-test",
-            weft::shmem::object_name(&format!("t{}", std::process::id()), 0)
+            weft_provider::shmem::object_name(&format!("t{}", std::process::id()), 0)
         );
         let lay = Layout::new(2, 8, 64, 4, 128);
         let mut a = Seg::create(&name, lay).unwrap();
@@ -653,7 +653,7 @@ mod tests {
         fn seg(tag: &str) -> Seg {
             let name = format!(
                 "{}-limic-q{tag}",
-                weft::shmem::object_name(&format!("t{}", std::process::id()), 0)
+                weft_provider::shmem::object_name(&format!("t{}", std::process::id()), 0)
             );
             let mut s = Seg::create(&name, Layout::new(3, 6, 16, 2, 64)).unwrap();
             s.map.unlink();

@@ -28,22 +28,22 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::bootstrap::Bootstrap;
-use weft::provider::{
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{
     Caps, CntrId, CntrValue, Completion, CompletionTable, MemRegion, ProbeContext, Provider,
     RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink, StaticProvider,
 };
-use weft::{Error, ErrorDetail, Rank, Result};
+use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-weft::param!(CHUNK: Size = "shm", "CHUNK", "32K",
+weft_provider::param!(CHUNK: Size = "shm", "CHUNK", "32K",
     "largest active-message payload: the eager limit and the rendezvous chunk (see docs/benchmarks.md)");
-weft::param!(RING: Size = "shm", "RING", "512K",
+weft_provider::param!(RING: Size = "shm", "RING", "512K",
     "bytes of large-message ring (data area) per ordered pair of local ranks");
-weft::param!(CELLS: Uint = "shm", "CELLS", "64",
+weft_provider::param!(CELLS: Uint = "shm", "CELLS", "64",
     "message cells per pair ring (ring) or per receiver queue (mpsc)");
-weft::param!(WIN_POOL: Size = "shm", "WIN_POOL", "256M",
+weft_provider::param!(WIN_POOL: Size = "shm", "WIN_POOL", "256M",
     "shared memory per host for windows allocated by shm (split among local ranks; backed only when touched; 0: no native windows)");
-weft::param!(QUEUE: Enum(&["ring", "mpsc"]) = "shm", "QUEUE", "ring",
+weft_provider::param!(QUEUE: Enum(&["ring", "mpsc"]) = "shm", "QUEUE", "ring",
     "small-message queues: per-pair SPSC rings with a doorbell, or one MPSC queue per receiver");
 
 /// Header bytes an active message may carry.
@@ -135,7 +135,7 @@ impl Config {
         if self.win_pool > 0 {
             // Native on windows shm allocates (in the pool); windows over user memory take
             // the core's active-message path (registration of user memory is refused).
-            c.rma = Some(weft::provider::RmaCaps {
+            c.rma = Some(weft_provider::provider::RmaCaps {
                 read: true,
                 write: true,
                 max_iov: 16,
@@ -144,7 +144,7 @@ impl Config {
                 native_locks: true,
                 user_memory: false,
             });
-            c.atomics = weft::types::AtomicTable::all();
+            c.atomics = weft_provider::types::AtomicTable::all();
             // Operations are copies and CPU atomics that finish when issued: counting them is
             // cheaper than a completion entry each.
             c.counters = true;
@@ -184,7 +184,7 @@ pub struct Shm {
     /// Allocation sizes by pool offset (for `mem_free`).
     allocs: Vec<(usize, usize)>,
     /// The local peers' processes.
-    watch: weft::shmem::Watch,
+    watch: weft_provider::shmem::Watch,
     done: CompletionTable,
 }
 
@@ -270,7 +270,7 @@ impl Shm {
         let (seg, pool) = mapped?;
         let lay = seg.lay;
         // Every local rank is open (the fence above): follow their processes from here on.
-        let watch = weft::shmem::Watch::new((0..lay.nlocal).map(|i| seg.rank_slot(i)));
+        let watch = weft_provider::shmem::Watch::new((0..lay.nlocal).map(|i| seg.rank_slot(i)));
         let mut caps = cfg.caps();
         caps.max_am_payload = lay.chunk;
         caps.eager_limit = lay.chunk;
@@ -642,8 +642,8 @@ impl Provider for Shm {
     unsafe fn atomic(
         &mut self,
         dest: Rank,
-        op: weft::Op,
-        ty: weft::BasicType,
+        op: weft_provider::Op,
+        ty: weft_provider::BasicType,
         count: usize,
         origin: *const u8,
         compare: *const u8,
@@ -709,7 +709,7 @@ impl StaticProvider for Shm {
     }
 }
 
-weft::register_provider!(
+weft_provider::register_provider!(
     Shm,
     priority = 50,
     summary = "two-copy shared memory between the ranks of one host"

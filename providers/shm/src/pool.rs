@@ -11,7 +11,7 @@
 use crate::lock::LockView;
 use crate::segment::Mapping;
 use crate::sync::{AtomicU64, AtomicU8, Ordering};
-use weft::{BasicType, Error, ErrorDetail, Op, Result};
+use weft_provider::{BasicType, Error, ErrorDetail, Op, Result};
 
 /// Key of every pool region.
 pub const POOL_KEY: u64 = 0x5745_4654_504f_4f4c; // "WEFTPOOL"
@@ -397,7 +397,7 @@ mod tests {
                 match op {
                     Op::Replace => expect.copy_from_slice(&orig),
                     Op::NoOp => {}
-                    _ => weft::types::apply_op(op, ty, &mut expect, &orig).unwrap(),
+                    _ => weft_provider::types::apply_op(op, ty, &mut expect, &orig).unwrap(),
                 }
                 // SAFETY: reading back n elements.
                 let got = unsafe { std::slice::from_raw_parts(tgt, n * sz) };

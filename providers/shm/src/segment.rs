@@ -4,7 +4,7 @@
 
 use crate::queue::{Cell, Line, Unit, CELL_SIZE, UNIT};
 use std::sync::atomic::{AtomicU64, Ordering};
-use weft::{Error, ErrorDetail, Result};
+use weft_provider::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
 
@@ -15,7 +15,7 @@ pub enum Kind {
     Mpsc = 2,
 }
 
-pub use weft::shmem::{object_name as segment_name, Mapping, RankSlot};
+pub use weft_provider::shmem::{object_name as segment_name, Mapping, RankSlot};
 
 #[repr(C, align(64))]
 pub struct Header {

@@ -25,25 +25,25 @@ use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
-use weft::bootstrap::Bootstrap;
-use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
-use weft::{Error, ErrorDetail, Rank, Result};
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-weft::param!(BIND: Str = "tcp-sim", "BIND", "auto",
+weft_provider::param!(BIND: Str = "tcp-sim", "BIND", "auto",
     "address or interface to listen on (auto: loopback when every rank is on this host, else the first non-loopback IPv4 address)");
-weft::param!(CHUNK: Size = "tcp-sim", "CHUNK", "512K",
+weft_provider::param!(CHUNK: Size = "tcp-sim", "CHUNK", "512K",
     "largest frame payload: the rendezvous chunk size");
-weft::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
+weft_provider::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
     "messages up to this size are sent eagerly");
-weft::param!(DIRECT: Bool = "tcp-sim", "DIRECT", "1",
+weft_provider::param!(DIRECT: Bool = "tcp-sim", "DIRECT", "1",
     "read large payloads from the socket straight into the receive buffer when the core names it (0: always through the connection's buffer)");
-weft::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
+weft_provider::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
     "unsent bytes a connection may buffer before senders see Busy (at least two frames; simulating, plus the bytes on the simulated wire)");
-weft::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
+weft_provider::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
     "simulated one-way delay added to every frame, in microseconds");
-weft::param!(BW_MBPS: Float = "tcp-sim", "BW_MBPS", "0",
+weft_provider::param!(BW_MBPS: Float = "tcp-sim", "BW_MBPS", "0",
     "simulated bandwidth per rank in MB/s (10^6 B/s; 0: unlimited)");
-weft::param!(JITTER_US: Uint = "tcp-sim", "JITTER_US", "0",
+weft_provider::param!(JITTER_US: Uint = "tcp-sim", "JITTER_US", "0",
     "simulated random extra delay per frame, uniform in [0, JITTER_US] microseconds");
 
 const LISTENER: Token = Token(usize::MAX);
@@ -79,7 +79,7 @@ impl Config {
                 expected: "0 (no limit) or a rate from 0.001 to 10^7 MB/s".into(),
             }));
         }
-        let micros = |p: &weft::param::ParamDesc| -> Result<Duration> {
+        let micros = |p: &weft_provider::param::ParamDesc| -> Result<Duration> {
             let v = p.get_u64()?;
             if v > 1_000_000 {
                 return Err(Error::from(ErrorDetail::Param {
@@ -368,7 +368,7 @@ pub struct TcpSim {
     failures: Vec<(Rank, String)>,
     /// Buffers of frames already written, kept for the next queued frame (a fresh frame-sized
     /// allocation per partial write would cost a page fault per page).
-    spare: weft::BufPool,
+    spare: weft_provider::BufPool,
     limits: Limits,
     /// Established connections polled with direct reads (when there are few of them).
     direct: Vec<usize>,
@@ -406,7 +406,7 @@ impl TcpSim {
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)
             .map_err(|e| Error::io("registering the listener", e))?;
-        let addrs = weft::bootstrap::allgather(boot, "tcp-sim.addr", &local.to_string())?
+        let addrs = weft_provider::bootstrap::allgather(boot, "tcp-sim.addr", &local.to_string())?
             .into_iter()
             .enumerate()
             .map(|(r, a)| {
@@ -458,7 +458,7 @@ impl TcpSim {
             sim,
             selfq: VecDeque::new(),
             failures: Vec::new(),
-            spare: weft::BufPool::new(spare_frames, usize::MAX),
+            spare: weft_provider::BufPool::new(spare_frames, usize::MAX),
             limits,
             direct: Vec::new(),
             polls: 0,
@@ -1154,7 +1154,12 @@ struct NullSink;
 
 impl Sink for NullSink {
     fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
-    fn complete(&mut self, _: weft::provider::Token, _: Result<weft::provider::Completed>) {}
+    fn complete(
+        &mut self,
+        _: weft_provider::provider::Token,
+        _: Result<weft_provider::provider::Completed>,
+    ) {
+    }
     fn peer_failed(&mut self, _: Rank, _: &str) {}
 }
 
@@ -1174,7 +1179,7 @@ impl StaticProvider for TcpSim {
     }
 }
 
-weft::register_provider!(
+weft_provider::register_provider!(
     TcpSim,
     priority = 10,
     summary = "TCP between ranks on any hosts, with a simulated-network mode"
@@ -1183,8 +1188,8 @@ weft::register_provider!(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use weft::bootstrap::InProcessJob;
-    use weft::provider::{Completed, Token};
+    use weft_provider::bootstrap::InProcessJob;
+    use weft_provider::provider::{Completed, Token};
 
     #[derive(Default)]
     struct Failures(Vec<(Rank, String)>);

@@ -4,7 +4,7 @@
 //! check is agreed by all ranks (a check fails if it failed anywhere).
 //!
 //! `weft test --provider NAME [--provider-path DIR] [-n RANKS]` runs it across processes and
-//! prints a table; `weft::testing::world_dyn` runs it in-process.
+//! prints a table; `weft_testing::world_dyn` runs it in-process.
 
 use weft::{
     Assert, Comm, Datatype, DynProvider, Element, ErrorKind, LockKind, Op, SharedBuf, WinInfo,
@@ -550,7 +550,7 @@ fn rma_requests(c: &Comm<DynProvider>) -> Result<(), String> {
 
 /// Every (operation, type) once from rank 1 to rank 0: accumulate into element 0,
 /// fetch-and-op on element 1, a compare-and-swap that succeeds (element 2) and one that fails
-/// (element 3); the results are checked against `weft::testing::oracle`, an implementation
+/// (element 3); the results are checked against `weft_testing::oracle`, an implementation
 /// independent of the library's.
 fn atomics_oracle(c: &Comm<DynProvider>) -> Result<(), String> {
     fn per_type<T: Element + std::fmt::Debug>(
@@ -582,7 +582,7 @@ fn atomics_oracle(c: &Comm<DynProvider>) -> Result<(), String> {
                     }
                     Ok(())
                 }))?;
-                let want = weft::testing::oracle(op, init, v);
+                let want = weft_testing::oracle(op, init, v);
                 if c.rank() == 0 {
                     let mut f = [init; 4];
                     w(win.read_local(0, &mut f))?;

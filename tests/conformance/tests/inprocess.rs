@@ -3,6 +3,7 @@
 //! refusal of broken libraries. One test function: WEFT_PROVIDER_PATH is read once per process.
 
 use std::path::{Path, PathBuf};
+use weft_loopback as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 
@@ -30,7 +31,7 @@ fn install_rdgram(dir: &Path) {
 }
 
 fn check(provider: &str, n: u32) {
-    let results = weft::testing::world_dyn(n, provider, |c| weft_conformance::run(c, None));
+    let results = weft_testing::world_dyn(n, provider, |c| weft_conformance::run(c, None));
     let t = weft_conformance::table(provider, &results[0]);
     println!("{t}");
     assert!(results[0].iter().all(|o| o.ok), "{t}");

@@ -8,9 +8,9 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
-use weft::bootstrap::Bootstrap;
-use weft::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
-use weft::{Error, Rank, Result};
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft_provider::{Error, Rank, Result};
 
 const MAX_HEADER: usize = 64;
 const MAX_PAYLOAD: usize = 8192;
@@ -211,7 +211,7 @@ impl Provider for Dgram {
     }
 }
 
-weft::export_provider!(
+weft_provider::export_provider!(
     Dgram,
     name = "rdgram",
     priority = 5,

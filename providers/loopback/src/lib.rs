@@ -1,7 +1,7 @@
 //! `loopback`: ranks as threads of one process, active messages only.
 //!
 //! The reference provider of the contract's mandatory part, and the engine of in-process test
-//! worlds ([`crate::testing`]). Each rank has a bounded mailbox; `am_send` copies header and
+//! worlds (`weft-testing`). Each rank has a bounded mailbox; `am_send` copies header and
 //! payload into it (or reports `Busy` when it is full) and `progress` delivers the mailbox in
 //! order. A rank whose provider is dropped is reported failed to the others once its messages
 //! have been delivered.
@@ -9,26 +9,26 @@
 //! With `WEFT_LOOPBACK_RMA=1` it also registers memory and performs RMA reads (a bounds- and
 //! key-checked copy between threads), which exercises the core's zero-copy rendezvous.
 
-use crate::bootstrap::Bootstrap;
-use crate::provider::{
-    Access, Caps, CntrId, CntrValue, Completion, CompletionTable, MemRegion, ProbeContext,
-    Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider,
-};
-use crate::types::Rank;
-use crate::{Error, ErrorDetail, Result};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{
+    Access, Caps, CntrId, CntrValue, Completion, CompletionTable, MemRegion, ProbeContext,
+    Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider,
+};
+use weft_provider::types::Rank;
+use weft_provider::{Error, ErrorDetail, Result};
 
-crate::param!(EAGER: Size = "loopback", "EAGER", "16K",
+weft_provider::param!(EAGER: Size = "loopback", "EAGER", "16K",
     "largest active-message payload (the eager limit) of the loopback provider");
-crate::param!(DEPTH: Uint = "loopback", "DEPTH", "4096",
+weft_provider::param!(DEPTH: Uint = "loopback", "DEPTH", "4096",
     "messages a loopback mailbox holds before senders see Busy");
-crate::param!(RMA: Bool = "loopback", "RMA", "0",
+weft_provider::param!(RMA: Bool = "loopback", "RMA", "0",
     "let the loopback provider register memory and do RMA reads (tests the zero-copy rendezvous)");
-crate::param!(COUNTERS: Bool = "loopback", "COUNTERS", "1",
+weft_provider::param!(COUNTERS: Bool = "loopback", "COUNTERS", "1",
     "with WEFT_LOOPBACK_RMA, offer completion counters (0: CQ entries only, the core counts)");
 
 /// Settings of a loopback world.
@@ -459,7 +459,7 @@ impl StaticProvider for Loopback {
     }
 }
 
-crate::register_provider!(
+weft_provider::register_provider!(
     Loopback,
     priority = 0,
     summary = "ranks as threads of one process; active messages only (reference and test provider)"

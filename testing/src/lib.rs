@@ -1,7 +1,7 @@
 //! In-process worlds for tests: `n` ranks as `n` threads of this process.
 //!
 //! ```
-//! let sums = weft::testing::world(4, |comm| {
+//! let sums = weft_testing::world(4, |comm| {
 //!     let mut out = [0u64];
 //!     comm.allreduce(&[comm.rank() as u64], &mut out, weft::Op::Sum).unwrap();
 //!     out[0]
@@ -13,15 +13,12 @@
 //! by default) and fail loudly instead of hanging a test run. A panicking rank is reported with
 //! its rank number, and its peers see it as failed instead of waiting for it.
 
-use crate::bootstrap::{Bootstrap, InProcessJob};
-use crate::comm::{Comm, World};
-use crate::engine::EngineConfig;
-use crate::loopback::{Loopback, LoopbackConfig};
-use crate::provider::{DynProvider, Provider};
-use crate::registry::{select_and_open, Selection};
-use crate::Result;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Duration;
+use weft::bootstrap::{Bootstrap, InProcessJob};
+use weft::registry::{select_and_open, Selection};
+use weft::{Comm, DynProvider, EngineConfig, Provider, Result, World};
+use weft_loopback::{Loopback, LoopbackConfig};
 
 /// Settings of an in-process world.
 #[derive(Debug, Clone)]
@@ -158,7 +155,7 @@ fn run<P: Provider, R: Send>(
                     .cloned()
                     .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "(non-string panic)".into());
-                eprintln!("weft::testing: rank {r} panicked: {msg}");
+                eprintln!("weft_testing: rank {r} panicked: {msg}");
                 first_panic.get_or_insert(p);
             }
         }
@@ -173,8 +170,8 @@ fn run<P: Provider, R: Send>(
 /// of the library's own reduction code (wide integers and `f64`, then narrowed), so that tests
 /// of accumulates and atomics are checked against something other than what they exercise.
 /// `Replace` gives `origin`, `NoOp` `target`; compare-and-swap is not an accumulate.
-pub fn oracle<T: crate::Element>(op: crate::Op, target: T, origin: T) -> T {
-    use crate::{BasicType as B, Op};
+pub fn oracle<T: weft::Element>(op: weft::Op, target: T, origin: T) -> T {
+    use weft::{BasicType as B, Op};
     let ty = T::TYPE;
     let (a, b) = (bytemuck::bytes_of(&target), bytemuck::bytes_of(&origin));
     if ty.is_float() {
@@ -237,7 +234,7 @@ pub fn oracle<T: crate::Element>(op: crate::Op, target: T, origin: T) -> T {
 #[cfg(test)]
 mod oracle_tests {
     use super::oracle;
-    use crate::Op;
+    use weft::Op;
 
     #[test]
     fn oracle_wraps_and_compares_like_the_types() {

@@ -2,11 +2,9 @@
 //!
 //! A [`Bootstrap`] gives a rank its place in the job, a key-value space where providers publish
 //! their addresses, collective fences, and the [`NodeMap`] (which ranks share a host).
-//! Implementations: PMI-1 ([`pmi`], for processes started by `weft run`, Hydra or Slurm),
-//! [`Singleton`] (a program started without a launcher is a world of one) and [`InProcess`]
-//! (ranks as threads of one process, for tests).
-
-pub mod pmi;
+//! Implementations: PMI-1 (`weft::bootstrap::pmi`, for processes started by `weft run`, Hydra
+//! or Slurm), [`Singleton`] (a program started without a launcher is a world of one) and
+//! [`InProcess`] (ranks as threads of one process, for tests).
 
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};

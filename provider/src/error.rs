@@ -1,6 +1,6 @@
 //! Typed errors. Everything a user or a peer can cause is an [`Error`] value, never a panic.
 
-use crate::Status;
+use crate::types::Status;
 
 /// The coarse class of an [`Error`], for callers that branch on what went wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,6 +5,25 @@ use crate::{Error, Result};
 /// A rank: an index into a communicator (or, inside providers, into the world).
 pub type Rank = u32;
 
+/// What a completed receive (or probe) tells: source rank in the communicator, tag, and the
+/// message length in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status {
+    pub source: u32,
+    pub tag: i32,
+    /// Length of the message in bytes.
+    pub bytes: usize,
+    /// The request was cancelled (MPI_Test_cancelled).
+    pub cancelled: bool,
+}
+
+impl Status {
+    /// Number of whole `T` elements in the message (MPI_Get_count).
+    pub fn count<T>(&self) -> usize {
+        self.bytes / std::mem::size_of::<T>().max(1)
+    }
+}
+
 /// The basic element types that datatypes, reductions and atomics are built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]

@@ -324,15 +324,15 @@ mod tests {
         assert_eq!(edit_distance("", "abc"), 3);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         // Set in this test process only for the check; names no other test uses.
-        std::env::set_var("WEFT_PROVIDR", "shm");
+        std::env::set_var("WEFT_HOST_IDD", "a");
         std::env::set_var("WEFT_TEST_WHATEVER", "1");
         std::env::set_var("WEFT_ZZZZZZZZZZZZZZZZZZZZ", "1");
         let u = unknown_vars();
-        std::env::remove_var("WEFT_PROVIDR");
+        std::env::remove_var("WEFT_HOST_IDD");
         std::env::remove_var("WEFT_TEST_WHATEVER");
         std::env::remove_var("WEFT_ZZZZZZZZZZZZZZZZZZZZ");
         assert!(
-            u.contains(&("WEFT_PROVIDR".into(), Some("WEFT_PROVIDER".into()))),
+            u.contains(&("WEFT_HOST_IDD".into(), Some("WEFT_HOST_ID".into()))),
             "{u:?}"
         );
         assert!(

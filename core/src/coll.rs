@@ -2,7 +2,7 @@
 //! collective context (`ctx + 1`), so they never match user messages.
 
 use crate::comm::{Comm, Source, TagSel};
-use crate::engine::{Layout, RecvBuf, SendBuf};
+use crate::p2p::{Layout, RecvBuf, SendBuf};
 use crate::provider::Provider;
 use crate::types::{apply_op, Element, Op};
 use crate::{Error, ErrorDetail, Result};

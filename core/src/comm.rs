@@ -9,9 +9,11 @@
 //! provider writing into freed memory. Dropping a [`Request`] waits for it (a receive that has
 //! not matched is cancelled instead).
 
+use crate::am::ReqId;
 use crate::bootstrap::Bootstrap;
 use crate::datatype::Datatype;
-use crate::engine::{Engine, EngineConfig, Layout, Posted, RecvBuf, ReqId, SendBuf};
+use crate::engine::{Engine, EngineConfig};
+use crate::p2p::{Layout, Posted, RecvBuf, SendBuf};
 use crate::provider::{DynProvider, Provider};
 use crate::types::{Rank, Status};
 use crate::{Error, ErrorDetail, Result};
@@ -155,7 +157,7 @@ impl<P: Provider> Shared<P> {
             return Ok(());
         }
         let mut e = self.engine.borrow_mut();
-        e.st.closing = true;
+        e.st.am.closing = true;
         let q = e.quiesce();
         let c = e.p.close();
         let f = self.boot.borrow_mut().finalize();
@@ -340,7 +342,7 @@ impl<P: Provider> Comm<P> {
 
     /// Capabilities of the provider underneath.
     pub fn provider_caps(&self) -> crate::provider::Caps {
-        self.sh.engine.borrow().st.caps.clone()
+        self.sh.engine.borrow().st.am.caps.clone()
     }
 
     /// World rank of communicator rank `r`.
@@ -798,7 +800,7 @@ impl<P: Provider> Comm<P> {
             .collect();
         members.sort();
         let world_of: Vec<Rank> = members.iter().map(|m| m.2).collect();
-        let world_size = self.sh.engine.borrow().st.size;
+        let world_size = self.sh.engine.borrow().st.am.size;
         let group = Group::new(world_of, world_size);
         let my_world = self.world_rank(self.rank)?;
         let rank = group.comm_of[my_world as usize];
@@ -819,19 +821,19 @@ impl<P: Provider> Comm<P> {
 
     /// Bytes of payload the engine holds copies of while they wait to be sent (diagnostics).
     pub fn queued_bytes(&self) -> usize {
-        self.sh.engine.borrow().st.queued_copies()
+        self.sh.engine.borrow().st.am.out.queued_copies()
     }
 
     /// Bytes of eager messages waiting in the unexpected queue (diagnostics; each peer's
     /// share is bounded by `WEFT_EAGER_WINDOW`).
     pub fn unexpected_bytes(&self) -> usize {
-        self.sh.engine.borrow().st.unexpected_bytes
+        self.sh.engine.borrow().st.p2p.unexpected_bytes
     }
 
     /// Announced bytes of speculative messages held for receives not posted yet
     /// (diagnostics; never more than `WEFT_SPEC_BUFFER`).
     pub fn staged_bytes(&self) -> usize {
-        self.sh.engine.borrow().st.spec_staged_bytes
+        self.sh.engine.borrow().st.p2p.spec_staged_bytes
     }
 }
 

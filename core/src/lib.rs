@@ -22,6 +22,7 @@
 //! Layers: [`comm`] (public API) → [`engine`](crate::engine) (protocols on active messages,
 //! matching) → [`provider::Provider`] (the contract a fabric implements). See ARCHITECTURE.md.
 
+mod am;
 pub mod bootstrap;
 mod coll;
 pub mod comm;
@@ -33,6 +34,7 @@ pub mod matching;
 pub mod registry {
     pub use crate::select::*;
 }
+mod p2p;
 mod rma;
 mod select;
 mod window;

@@ -51,9 +51,10 @@
 //! active message, with the synchronisation (complete, unlock, flush, even the lock itself)
 //! folded into the last one; `full` does both.
 
+use crate::am::{Hdr, Out};
 use crate::comm::Comm;
 use crate::datatype::Datatype;
-use crate::engine::{Engine, Hdr, Out};
+use crate::engine::Engine;
 use crate::provider::{
     Access, CntrId, CntrValue, Completion, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr,
 };
@@ -793,7 +794,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let target = self.world(op.trank);
         let mut eng = self.engine();
         let e = &mut *eng;
-        let chunk = e.st.caps.max_am_payload;
+        let chunk = e.st.am.caps.max_am_payload;
         self.am_dirty.borrow_mut()[op.trank as usize] = true;
         let mut msgs = 0u64;
         let token = match op.kind {
@@ -809,7 +810,7 @@ impl<'w, P: Provider> Window<'w, P> {
                         ptr: unsafe { op.origin.add(at) },
                         len: n,
                     };
-                    e.st.push_out(target, Out::Raw(h, r));
+                    e.st.am.push_out(target, Out::Raw(h, r));
                     msgs += 1;
                     at += n;
                     if at >= op.len {
@@ -829,7 +830,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 );
                 let mut h = Hdr::new(rma::H_GET);
                 h.u32(self.id).u64(op.toff as u64).u64(op.len as u64).u64(t);
-                e.st.push_ctrl(target, h);
+                e.st.am.push_ctrl(target, h);
                 msgs += 1;
                 Some(t)
             }
@@ -848,7 +849,7 @@ impl<'w, P: Provider> Window<'w, P> {
                         ptr: unsafe { op.origin.add(at) },
                         len: n,
                     };
-                    e.st.push_out(target, Out::Raw(h, r));
+                    e.st.am.push_out(target, Out::Raw(h, r));
                     msgs += 1;
                     at += n;
                     if at >= op.len {
@@ -882,7 +883,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     .u8(ty as u8)
                     .u64(t)
                     .u8(cmp as u8);
-                e.st.push_owned(target, h, data);
+                e.st.am.push_owned(target, h, data);
                 msgs += 1;
                 Some(t)
             }
@@ -958,7 +959,7 @@ impl<'w, P: Provider> Window<'w, P> {
         // A lazy lock may only ride on a batch that carries every operation to its target;
         // otherwise take the lock explicitly before issuing anything.
         if let Some((lt, lk)) = self.lazy_lock.get() {
-            let chunk = self.engine().st.caps.max_am_payload;
+            let chunk = self.engine().st.am.caps.max_am_payload;
             let mut bytes = 0usize;
             let all_small = ops.iter().filter(|o| o.trank == lt).all(|o| {
                 bytes += Self::record_len(o);
@@ -978,7 +979,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 b.len() - 1
             })
         }
-        let chunk = self.engine().st.caps.max_am_payload;
+        let chunk = self.engine().st.am.caps.max_am_payload;
         for op in ops.drain(..) {
             let i = slot(&mut batches, op.trank);
             let (t, buf, count) = &mut batches[i];
@@ -992,7 +993,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 self.send_batch(*t, buf, count, 0, 0, 0)?;
             }
             if buf.capacity() == 0 {
-                *buf = self.engine().st.spare_buf();
+                *buf = self.engine().st.am.spare_buf();
             }
             self.record_into(op, buf)?;
             *count += 1;
@@ -1128,7 +1129,7 @@ impl<'w, P: Provider> Window<'w, P> {
         h.u32(self.id).u8(flags).u8(lock_kind).u64(token);
         let data = std::mem::take(buf);
         let mut eng = self.engine();
-        eng.st.push_out(target, Out::Owned(h, data));
+        eng.st.am.push_out(target, Out::Owned(h, data));
         if let Some(w) = eng.st.rma.wins.get_mut(&self.id) {
             *w.sent.entry(target).or_insert(0) += *count;
         }
@@ -1249,7 +1250,7 @@ impl<'w, P: Provider> Window<'w, P> {
             h.u8(k);
         }
         h.u64(t);
-        eng.st.push_ctrl(target, h);
+        eng.st.am.push_ctrl(target, h);
         drop(eng);
         self.wait_token(t)
     }
@@ -1381,7 +1382,7 @@ impl<'w, P: Provider> Window<'w, P> {
             let w = self.comm.world_rank(o)?;
             let mut h = Hdr::new(rma::H_POST);
             h.u32(self.id);
-            eng.st.push_ctrl(w, h);
+            eng.st.am.push_ctrl(w, h);
         }
         eng.flush_out()?;
         drop(eng);
@@ -1489,7 +1490,7 @@ impl<'w, P: Provider> Window<'w, P> {
             let w = self.comm.world_rank(t)?;
             let mut h = Hdr::new(rma::H_COMPLETE);
             h.u32(self.id);
-            eng.st.push_ctrl(w, h);
+            eng.st.am.push_ctrl(w, h);
         }
         eng.flush_out()?;
         drop(eng);
@@ -1657,7 +1658,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let b = self.comm.barrier();
         let mut eng = self.engine();
         // Replies still queued may read this window's memory: copy them before it goes.
-        eng.st.own_raw_payloads();
+        eng.st.am.own_raw_payloads();
         eng.st.rma.wins.remove(&self.id);
         if let Some(c) = self.cntr {
             let _ = eng.p.cntr_close(c);
@@ -1686,7 +1687,7 @@ impl<P: Provider> Drop for Window<'_, P> {
                 );
             };
             {
-                eng.st.own_raw_payloads();
+                eng.st.am.own_raw_payloads();
                 eng.st.rma.wins.remove(&self.id);
                 // Peers may still send to it: their messages are dropped quietly.
                 eng.st.rma.released.push(self.id);

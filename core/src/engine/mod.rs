@@ -1,0 +1,472 @@
+//! The engine: one provider `P` and the protocol state of the core, [`State`] — the
+//! active-message layer ([`crate::am`]), the two-sided protocols ([`crate::p2p`]) and the RMA
+//! protocols ([`crate::rma`]).
+//!
+//! `State` is the [`Sink`] the provider reports into. It checks each message against the
+//! handler-id table ([`am::owner`]) and the owning protocol's declared header length, hands it
+//! to that protocol, and then *settles*: peers that failed meanwhile (a malformed message, a
+//! refused send, the provider's report) are fanned out to every protocol, so each releases what
+//! waits for them. Handlers never call the provider: what they send goes into the outbox,
+//! flushed after `progress` returns.
+//!
+//! Above the engine sit the APIs ([`crate::comm`], [`crate::win`]); they reach it through
+//! `Engine`'s methods and, for RMA, through `State::rma` and the outbox.
+
+mod config;
+
+pub use config::EngineConfig;
+
+use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
+use crate::p2p::{self, P2pConfig, P2pState, Posted, RecvBuf, SendBuf};
+use crate::provider::{Completed, Provider, Sink, Token};
+use crate::rma::{self, RmaState};
+use crate::types::Rank;
+use crate::{Error, ErrorDetail, Result, Status};
+use std::time::Instant;
+
+/// Core state: everything but the provider. It is the provider's [`Sink`].
+pub(crate) struct State {
+    pub(crate) am: AmState,
+    pub(crate) p2p: P2pState,
+    pub(crate) rma: RmaState,
+}
+
+/// The exact header length of message `kind`, as declared by the protocol that owns it.
+fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
+    match am::owner(kind)? {
+        Proto::P2p => p2p::header_len(kind, flags),
+        Proto::Rma => rma::header_len(kind),
+    }
+}
+
+impl State {
+    /// Tell every protocol about the peers that failed since the last call.
+    #[inline]
+    fn settle(&mut self) {
+        while let Some(failed) = self.am.take_newly_failed() {
+            for r in failed {
+                self.p2p.peer_failed(&self.am, r);
+                rma::peer_failed(&mut self.rma, &mut self.am, r);
+            }
+        }
+    }
+
+    /// Nothing queued for sending and no rendezvous stream running.
+    pub(crate) fn out_idle(&self) -> bool {
+        self.am.out.is_empty() && self.p2p.streams_idle()
+    }
+
+    /// Why `rank` failed, if it did.
+    pub(crate) fn peer_failure(&self, rank: Rank) -> Option<String> {
+        self.am.peer_failure(rank).map(str::to_string)
+    }
+}
+
+impl Sink for State {
+    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        if self.am.admit(src, header, payload, header_len) {
+            let mut rd = Rd::new(header);
+            let kind = rd.u8().unwrap_or(0);
+            let ok = match am::owner(kind) {
+                Some(Proto::P2p) => self.p2p.on_am(&mut self.am, src, kind, &mut rd, payload),
+                Some(Proto::Rma) => {
+                    let mut cx = rma::Ctx {
+                        rma: &mut self.rma,
+                        am: &mut self.am,
+                    };
+                    rma::on_am(&mut cx, src, kind, &mut rd, payload)
+                }
+                None => None,
+            };
+            if ok.is_none() {
+                self.am
+                    .malformed(src, &format!("a header of kind {kind} that does not parse"));
+            }
+        }
+        self.settle();
+    }
+
+    fn am_target(
+        &mut self,
+        src: Rank,
+        header: &[u8],
+        off: usize,
+        n: usize,
+    ) -> Option<std::ptr::NonNull<u8>> {
+        // Only two-sided data is placed directly, and only from a well-formed header.
+        let kind = *header.first()?;
+        if src >= self.am.size
+            || am::owner(kind) != Some(Proto::P2p)
+            || header_len(kind, header.get(1).copied()) != Some(header.len())
+        {
+            return None;
+        }
+        self.p2p.am_target(&mut self.am, src, header, off, n)
+    }
+
+    fn am_placed(&mut self, src: Rank, header: &[u8], off: usize, k: usize) {
+        self.p2p.am_placed(&mut self.am, src, header, off, k);
+        self.settle();
+    }
+
+    fn complete(&mut self, token: Token, result: Result<Completed>) {
+        match am::token_owner(token) {
+            Proto::Rma => self.rma.complete(token, result.map(|_| ())),
+            Proto::P2p => self.p2p.complete(&mut self.am, token, result),
+        }
+    }
+
+    fn peer_failed(&mut self, rank: Rank, reason: &str) {
+        self.am.fail_peer(rank, reason);
+        self.settle();
+    }
+}
+
+/// The engine: a provider plus the core state.
+pub(crate) struct Engine<P: Provider> {
+    pub(crate) p: P,
+    pub(crate) st: State,
+    pub(crate) cfg: EngineConfig,
+}
+
+impl<P: Provider> Engine<P> {
+    pub(crate) fn new(p: P, cfg: EngineConfig) -> Result<Self> {
+        let caps = p.caps().clone();
+        if caps.max_am_header < MIN_AM_HEADER {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{}' offers {}-byte active-message headers; weft needs {MIN_AM_HEADER}",
+                p.name(),
+                caps.max_am_header
+            ))));
+        }
+        if caps.max_am_payload == 0 || caps.max_iov == 0 {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{}' declares no active-message payload",
+                p.name()
+            ))));
+        }
+        let size = p.size();
+        let eager_limit = cfg
+            .eager_limit
+            .unwrap_or(caps.eager_limit)
+            .min(caps.max_am_payload);
+        let pc = P2pConfig {
+            eager_limit,
+            spec_limit: cfg
+                .spec_limit
+                .unwrap_or_else(|| config::spec_limit_auto(&caps)),
+            spec_behind: cfg.spec_behind,
+            spec_buffer: cfg.spec_buffer,
+            eager_window: cfg.eager_window,
+            nt_copy_min: cfg.nt_copy_min,
+            // The zero-copy rendezvous registers the sender's buffer: user memory.
+            rma_read: caps.rma.is_some_and(|r| r.read && r.user_memory),
+        };
+        let st = State {
+            p2p: P2pState::new(size, caps.max_am_payload, pc),
+            am: AmState::new(size, caps),
+            rma: RmaState::default(),
+        };
+        Ok(Engine { p, st, cfg })
+    }
+
+    // ------------------------------------------------------------------------------ posting
+
+    pub(crate) fn isend(
+        &mut self,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        let st = &mut self.st;
+        let r = st
+            .p2p
+            .isend(&mut self.p, &mut st.am, dest, ctx, tag, buf, sync, scope);
+        st.settle();
+        r
+    }
+
+    pub(crate) fn irecv(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+        buf: RecvBuf,
+        scope: u64,
+    ) -> Result<Posted> {
+        let st = &mut self.st;
+        let r = st
+            .p2p
+            .irecv(&mut self.p, &mut st.am, src, ctx, tag, buf, scope);
+        st.settle();
+        r
+    }
+
+    /// Is a matching message waiting? (MPI_Iprobe)
+    pub(crate) fn iprobe(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+    ) -> Result<Option<Status>> {
+        if let Some(s) = src {
+            if s >= self.st.am.size {
+                self.st.am.check_peer(s)?;
+            }
+        }
+        self.progress()?;
+        let found = self
+            .st
+            .p2p
+            .iprobe_local(&mut self.p, &self.st.am, src, ctx, tag)?;
+        // Nothing waiting from a source that failed: nothing ever will.
+        if let (None, Some(s)) = (&found, src) {
+            self.st.am.check_peer(s)?;
+        }
+        Ok(found)
+    }
+
+    // ------------------------------------------------------------------------------ progress
+
+    /// One round: provider arrivals, then queued sends, streams and RMA reads.
+    pub(crate) fn progress(&mut self) -> Result<usize> {
+        let mut n = self.p.progress(&mut self.st)?;
+        if let Some(why) = &self.st.am.provider_fault {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{}' is broken: it {why}",
+                self.p.name()
+            ))));
+        }
+        if !self.st.out_idle() {
+            n += self.flush_out()?;
+        }
+        if self.st.p2p.has_work() {
+            n += self.st.p2p.after_progress(&mut self.p, &mut self.st.am);
+            self.st.settle();
+        }
+        Ok(n)
+    }
+
+    /// Send queued messages in per-destination order, then advance rendezvous streams (see
+    /// `AmState::flush`).
+    pub(crate) fn flush_out(&mut self) -> Result<usize> {
+        let r = self.st.p2p.flush(&mut self.p, &mut self.st.am);
+        self.st.settle();
+        r
+    }
+
+    // ---------------------------------------------------------------------------- completion
+
+    /// The result of a finished request, freeing it; `None` if still running.
+    pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
+        self.st.p2p.try_take(id)
+    }
+
+    pub(crate) fn test(&mut self, id: ReqId) -> Result<Option<Result<Status>>> {
+        if let Some(r) = self.try_take(id) {
+            return Ok(Some(r));
+        }
+        self.progress()?;
+        Ok(self.try_take(id))
+    }
+
+    pub(crate) fn is_done(&self, id: ReqId) -> bool {
+        self.st.p2p.is_done(id)
+    }
+
+    /// Spin on progress until `done(self)` holds, yielding the CPU after `cfg.spin` idle rounds,
+    /// and failing after `cfg.timeout`.
+    pub(crate) fn wait_until(
+        &mut self,
+        what: &str,
+        mut done: impl FnMut(&mut Self) -> bool,
+    ) -> Result<()> {
+        let mut idle = 0u32;
+        let mut rounds = 0u32;
+        let start = self.cfg.timeout.map(|t| (Instant::now(), t));
+        loop {
+            if done(self) {
+                return Ok(());
+            }
+            let n = self.progress()?;
+            if n == 0 {
+                idle = idle.saturating_add(1);
+                if idle > self.cfg.spin {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            } else {
+                idle = 0;
+            }
+            rounds = rounds.wrapping_add(1);
+            if rounds % 256 == 0 {
+                if let Some((t0, limit)) = start {
+                    if t0.elapsed() > limit {
+                        return Err(Error::from(ErrorDetail::Timeout {
+                            what: what.to_string(),
+                            secs: limit.as_secs_f64(),
+                        }));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait for request `id`. If the wait itself fails (timeout, provider error) the request
+    /// is quarantined: it gives up its buffer before the error is returned.
+    pub(crate) fn wait(&mut self, id: ReqId) -> Result<Status> {
+        let mut out = None;
+        if let Err(e) = self.wait_until("a request", |e| {
+            out = e.try_take(id);
+            out.is_some()
+        }) {
+            self.quarantine(id);
+            return Err(e);
+        }
+        out.expect("set when done")
+    }
+
+    /// Wait for request `id`, or until a rank that `member` accepts has failed (then `id` is
+    /// given up and the error names that rank).
+    pub(crate) fn wait_or_member_failed(
+        &mut self,
+        id: ReqId,
+        member: impl Fn(Rank) -> bool,
+    ) -> Result<Status> {
+        let mut out = None;
+        let mut dead = None;
+        let waited = self.wait_until("a collective operation", |e| {
+            out = e.try_take(id);
+            if out.is_some() {
+                return true;
+            }
+            if e.st.am.nfailed > 0 {
+                dead = (0..e.st.am.size).find(|r| member(*r) && e.st.am.is_failed(*r));
+            }
+            dead.is_some()
+        });
+        if let Err(e) = waited {
+            self.quarantine(id);
+            return Err(e);
+        }
+        if let Some(r) = out {
+            return r;
+        }
+        let _ = self.cancel(id);
+        self.quarantine(id);
+        let r = dead.expect("set when the wait ended without the request");
+        let why = self.st.peer_failure(r).unwrap_or_default();
+        Err(Error::peer_failed(
+            r,
+            format!("a member of the collective: {why}"),
+        ))
+    }
+
+    /// Give up request `id` without waiting for it: once this returns, nothing writes into its
+    /// buffer or reads from it, so the caller may free the memory.
+    ///
+    /// Where the engine performs every access itself (the active-message protocols), the
+    /// request is dropped and whatever still arrives for it is discarded. Where the provider
+    /// holds a pointer into the buffer that it cannot hand back (a native send or a matched
+    /// native receive, an RMA read in flight), no safe way remains but to end the process, as
+    /// MPI's default error handler does: waiting longer is a hang, and returning would let the
+    /// provider write into memory the caller is about to free.
+    pub(crate) fn quarantine(&mut self, id: ReqId) {
+        if let Err(what) = self.st.p2p.quarantine(&mut self.p, &mut self.st.am, id) {
+            fatal(self.p.rank(), what);
+        }
+    }
+
+    /// Cancel a receive that has not matched (MPI_Cancel). A send, or a receive that already
+    /// matched, is left to complete normally.
+    pub(crate) fn cancel(&mut self, id: ReqId) -> Result<()> {
+        self.st.p2p.cancel(&mut self.p, id)
+    }
+
+    /// Complete every request of `scope` (receives that have not matched are cancelled). If a
+    /// wait fails, the scope's remaining requests are quarantined without waiting (each would
+    /// fail the same way), so the scope's buffers may go away when this returns, in any case.
+    pub(crate) fn drain_scope(&mut self, scope: u64) -> Result<()> {
+        if self.st.p2p.live() == 0 {
+            return Ok(());
+        }
+        let mut first_err = None;
+        let mut broken = false;
+        for (id, is_recv) in self.st.p2p.scope_requests(scope) {
+            if broken {
+                self.quarantine(id);
+                continue;
+            }
+            if is_recv {
+                let _ = self.cancel(id);
+            }
+            let mut out = None;
+            match self.wait_until("a request at the end of its scope", |e| {
+                out = e.try_take(id);
+                out.is_some()
+            }) {
+                Ok(()) => {
+                    if let Some(Err(e)) = out {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Err(e) => {
+                    self.quarantine(id);
+                    broken = true;
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Give up RMA operations whose completion wait failed (see [`Engine::quarantine`]):
+    /// queued messages that still point at origin buffers get a copy of their data, and
+    /// replies that arrive later for `tokens` are dropped. `native_outstanding`: the provider
+    /// may still be performing native operations into this window's buffers, which only
+    /// ending the process can stop.
+    pub(crate) fn quarantine_rma(&mut self, tokens: &[u64], native_outstanding: bool) {
+        self.st.am.own_raw_payloads();
+        let native = tokens.iter().any(|t| {
+            matches!(
+                self.st.rma.waits.get(t),
+                Some(rma::Wait::Native { done: false, .. })
+            )
+        });
+        if native || native_outstanding {
+            fatal(
+                self.p.rank(),
+                "native RMA operations were still in flight into the epoch's buffers",
+            );
+        }
+        for &t in tokens {
+            let _ = self.st.rma.take(t);
+            self.st.am.note_quarantined(t);
+        }
+    }
+
+    /// Wait until nothing is queued for sending (used before shutdown).
+    pub(crate) fn quiesce(&mut self) -> Result<()> {
+        self.wait_until("outgoing messages to drain", |e| e.st.out_idle())
+    }
+
+    /// Number of live requests (diagnostics, tests).
+    pub(crate) fn live_requests(&self) -> usize {
+        self.st.p2p.live()
+    }
+}
+
+/// End the process because `what` cannot be released safely (see [`Engine::quarantine`]).
+pub(crate) fn fatal(rank: Rank, what: &str) -> ! {
+    let msg = format!(
+        "weft: rank {rank}: fatal: a wait failed while {what}; ending the process so that no \
+         memory it no longer owns can be written (raise WEFT_TIMEOUT if the peer is only slow)"
+    );
+    tracing::error!("{msg}");
+    eprintln!("{msg}");
+    std::process::exit(1)
+}

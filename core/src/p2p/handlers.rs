@@ -1,0 +1,239 @@
+//! Handlers of the eager and rendezvous messages (`EAGER`, `RTS`, `CTS`, `DATA`, `FIN`,
+//! `SACK`). Each reads its fixed fields and returns `None` if they do not parse; anything that
+//! contradicts the protocol fails the sending peer through `AmState::malformed`.
+
+use super::{
+    recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp, F_REMOTE, F_SYNC, H_SACK,
+};
+use crate::am::{AmState, Hdr, Rd};
+use crate::provider::RemoteAddr;
+use crate::types::Rank;
+
+impl P2pState {
+    pub(super) fn on_eager(
+        &mut self,
+        am: &mut AmState,
+        src: Rank,
+        rd: &mut Rd<'_>,
+        payload: &[u8],
+    ) -> Option<()> {
+        let flags = rd.u8()?;
+        let ctx = rd.u32()?;
+        let tag = rd.u32()? as i32;
+        let sreq = if flags & F_SYNC != 0 {
+            Some(rd.u64()?)
+        } else {
+            None
+        };
+        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+            if let Some(Req {
+                kind: Kind::Recv(r),
+                ..
+            }) = self.reqs.get_mut(id)
+            {
+                let n = payload.len().min(r.buf.cap);
+                r.buf.write(0, &payload[..n]);
+                let cap = r.buf.cap;
+                self.finish(id, recv_result(status(src, tag, payload.len()), cap));
+            }
+            self.eager_consumed(am, src, payload.len());
+            if let Some(s) = sreq {
+                let mut h = Hdr::new(H_SACK);
+                h.u64(s);
+                am.push_ctrl(src, h);
+            }
+        } else {
+            let mut data = am.spare_buf();
+            data.extend_from_slice(payload);
+            self.unexpected_bytes += data.len();
+            self.matcher
+                .add_unexpected(ctx, src, tag, Unexp::Eager { data, sreq });
+        }
+        Some(())
+    }
+
+    pub(super) fn on_rts(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let flags = rd.u8()?;
+        let ctx = rd.u32()?;
+        let tag = rd.u32()? as i32;
+        let total = usize::try_from(rd.u64()?).ok()?;
+        let sreq = rd.u64()?;
+        let remote = if flags & F_REMOTE != 0 {
+            Some(RemoteAddr {
+                addr: rd.u64()?,
+                key: rd.u64()?,
+            })
+        } else {
+            None
+        };
+        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+            self.start_rndv(am, id, src, tag, total, sreq, remote);
+        } else {
+            self.matcher.add_unexpected(
+                ctx,
+                src,
+                tag,
+                Unexp::Rts {
+                    total,
+                    sreq,
+                    remote,
+                },
+            );
+        }
+        Some(())
+    }
+
+    pub(super) fn on_cts(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        let rreq = rd.u64()?;
+        let len = usize::try_from(rd.u64()?).ok()?;
+        let Some(Req {
+            kind: Kind::Send(s),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(sreq)
+        else {
+            am.stale(src, sreq, "CTS");
+            return Some(());
+        };
+        if s.dest != src
+            || !matches!(
+                s.phase,
+                SendPhase::WaitCts | SendPhase::WaitFin | SendPhase::Spec { .. }
+            )
+            || len > s.buf.len
+        {
+            am.malformed(src, "CTS does not fit its send");
+            return Some(());
+        }
+        let tag = s.tag;
+        if let Some(m) = s.mr.take() {
+            self.deregs.push(*m);
+        }
+        // A speculative send still pumping `SDATA` is in `streams` already; it switches to
+        // `DATA` (the receiver dropped what it got before its receive matched).
+        let streaming =
+            matches!(s.phase, SendPhase::Spec { off, .. } if off > 0 && off < s.buf.len);
+        if len == 0 {
+            self.finish(sreq, Ok(status(src, tag, 0)));
+        } else {
+            s.phase = SendPhase::Stream { rreq, off: 0, len };
+            if !streaming {
+                self.streams.push(sreq);
+            }
+        }
+        Some(())
+    }
+
+    pub(super) fn on_data(
+        &mut self,
+        am: &mut AmState,
+        src: Rank,
+        rd: &mut Rd<'_>,
+        payload: &[u8],
+    ) -> Option<()> {
+        let rreq = rd.u64()?;
+        let off = usize::try_from(rd.u64()?).ok()?;
+        let Some(Req {
+            kind: Kind::Recv(r),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(rreq)
+        else {
+            am.stale(src, rreq, "DATA");
+            return Some(());
+        };
+        let RecvPhase::Stream {
+            expect, src: from, ..
+        } = &r.phase
+        else {
+            am.malformed(src, "DATA for a receive that is not streaming");
+            return Some(());
+        };
+        if *from != src || off.checked_add(payload.len()).is_none_or(|e| e > *expect) {
+            am.malformed(src, "DATA outside the announced range");
+            return Some(());
+        }
+        if *expect >= self.nt_copy_min {
+            r.buf.write_nt(off, payload);
+        } else {
+            r.buf.write(off, payload);
+        }
+        self.data_arrived(rreq, src, payload.len());
+        Some(())
+    }
+
+    /// `k` more bytes of streaming receive `rreq` are in its buffer (copied by `on_data` or
+    /// placed by the provider); finish it when all have arrived.
+    pub(super) fn data_arrived(&mut self, rreq: u64, src: Rank, k: usize) {
+        let Some(Req {
+            kind: Kind::Recv(r),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(rreq)
+        else {
+            self.spec_done(rreq);
+            return;
+        };
+        let RecvPhase::Stream {
+            got,
+            expect,
+            total,
+            tag,
+            ..
+        } = &mut r.phase
+        else {
+            return;
+        };
+        *got += k;
+        if *got >= *expect {
+            let st = status(src, *tag, *total);
+            let cap = r.buf.cap;
+            self.finish(rreq, recv_result(st, cap));
+            self.spec_done(rreq);
+        }
+    }
+
+    pub(super) fn on_fin(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        let Some(Req {
+            kind: Kind::Send(s),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(sreq)
+        else {
+            am.stale(src, sreq, "FIN");
+            return Some(());
+        };
+        if s.dest != src {
+            am.malformed(src, "FIN from the wrong peer");
+            return Some(());
+        }
+        if let Some(m) = s.mr.take() {
+            self.deregs.push(*m);
+        }
+        let (tag, len) = (s.tag, s.buf.len);
+        self.finish(sreq, Ok(status(src, tag, len)));
+        Some(())
+    }
+
+    pub(super) fn on_sack(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        match self.reqs.get_mut(sreq) {
+            Some(Req {
+                kind: Kind::Send(s),
+                done: None,
+                ..
+            }) if s.dest == src => {
+                let (tag, len) = (s.tag, s.buf.len);
+                match &mut s.phase {
+                    // Speculative: matched; done once all of it is written.
+                    SendPhase::Spec { off, acked } if *off < len => *acked = true,
+                    _ => self.finish(sreq, Ok(status(src, tag, len))),
+                }
+            }
+            _ => am.stale(src, sreq, "SACK"),
+        }
+        Some(())
+    }
+}

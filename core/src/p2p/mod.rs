@@ -1,0 +1,687 @@
+//! Two-sided communication: tagged send and receive with MPI matching, on active messages
+//! (MPICH CH4's MPIDIG) or handed to a provider's native tagged messaging when it has one.
+//!
+//! Protocols on active messages:
+//! * **eager** — payload up to the eager limit travels with the header; unexpected eager data
+//!   is copied into the unexpected queue, bounded per peer by credits (`WEFT_EAGER_WINDOW`).
+//!   `ssend` adds a sync flag and the receiver acknowledges the match (`SACK`).
+//! * **rendezvous** — `RTS` (size, sender request id, and the sender buffer's key when the
+//!   provider can do RMA reads). On a match the receiver either pulls the data with one RMA read
+//!   straight into its buffer and answers `FIN`, or answers `CTS` and the sender streams `DATA`
+//!   chunks of at most the provider's payload limit, flow-controlled by the provider (`Busy`).
+//! * **speculative rendezvous** (up to `WEFT_SPEC_LIMIT`, on by default where a round trip is a
+//!   network's) — `SPEC` announces the message like `RTS` and carries its first chunk; `SDATA`
+//!   chunks (keyed by the sender's request) follow without waiting for a `CTS`. A receiver that
+//!   has the receive posted places them and answers `SACK`. One that has not stages the data
+//!   (and answers `SACK`) while the staged total stays within `WEFT_SPEC_BUFFER`; beyond it, it
+//!   keeps only the announcement (as an unexpected `RTS`), drops the data and answers `CTS`
+//!   when a receive matches, so unexpected data stays bounded. The send completes when all its
+//!   data is written and `SACK` came, or when the `CTS` stream finished. `ssend` never
+//!   speculates (a staged message is acknowledged before it matches).
+//!
+//! Files: [`buf`] (buffers and copies), `send.rs` (posting sends, streaming data, eager
+//! credits), `recv.rs` (posting receives, probes, RMA-read rendezvous), `handlers.rs` (the
+//! eager and rendezvous messages), `spec.rs` (speculative rendezvous and direct placement).
+//!
+//! Everything here takes the active-message layer ([`AmState`]) as an argument: handlers queue
+//! what they send in its outbox and report protocol errors to it; nothing here knows RMA.
+
+pub(crate) mod buf;
+mod handlers;
+mod recv;
+mod send;
+mod spec;
+
+pub(crate) use buf::{Layout, RecvBuf, SendBuf};
+
+use crate::am::outbox::Deferred;
+use crate::am::{self, AmState, Hdr, Rd, ReqId, Slab};
+use crate::matching::{Matcher, PostedHandle};
+use crate::provider::{Completed, MemRegion, Provider, RemoteAddr, SendOutcome};
+use crate::types::Rank;
+use crate::{Error, ErrorDetail, Result, Status};
+
+// Handler ids, within `am::P2P_IDS`.
+const H_EAGER: u8 = am::P2P_IDS.start;
+const H_RTS: u8 = H_EAGER + 1;
+const H_CTS: u8 = H_EAGER + 2;
+const H_DATA: u8 = H_EAGER + 3;
+const H_FIN: u8 = H_EAGER + 4;
+const H_SACK: u8 = H_EAGER + 5;
+const H_SPEC: u8 = H_EAGER + 6;
+const H_SDATA: u8 = H_EAGER + 7;
+const H_CREDIT: u8 = H_EAGER + 8;
+const _: () = assert!(H_CREDIT < am::P2P_IDS.end);
+
+const F_SYNC: u8 = 1;
+const F_REMOTE: u8 = 2;
+
+/// Bytes an eager message counts against its peer's window besides its payload: the share of
+/// an unexpected-queue entry and its header.
+const EAGER_OVERHEAD: usize = 64;
+
+/// The exact header length of message `kind` whose second byte is `flags` (for the kinds that
+/// have a flags byte), or `None` for a kind that is not ours. Every handler's fields are
+/// fixed, so a header of any other length is a protocol error, caught before anything is done.
+pub(crate) fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
+    Some(match kind {
+        H_EAGER => 10 + if flags? & F_SYNC != 0 { 8 } else { 0 },
+        H_RTS => 26 + if flags? & F_REMOTE != 0 { 16 } else { 0 },
+        H_CTS => 25,
+        H_DATA | H_SDATA => 17,
+        H_FIN | H_SACK | H_CREDIT => 9,
+        H_SPEC => 26,
+        _ => return None,
+    })
+}
+
+#[derive(Debug)]
+enum SendPhase {
+    Queued,
+    WaitAck,
+    WaitCts,
+    Stream {
+        rreq: u64,
+        off: usize,
+        len: usize,
+    },
+    WaitFin,
+    /// Speculative rendezvous: `off` bytes written (the `SPEC` frame is in the outbox while
+    /// 0); `acked` once the receiver's `SACK` says its receive matched.
+    Spec {
+        off: usize,
+        acked: bool,
+    },
+}
+
+#[derive(Debug)]
+struct SendReq {
+    dest: Rank,
+    ctx: u32,
+    tag: i32,
+    buf: SendBuf,
+    sync: bool,
+    phase: SendPhase,
+    /// Registration of the send buffer for a receiver-side RMA read (rare: boxed).
+    mr: Option<Box<MemRegion>>,
+}
+
+#[derive(Debug)]
+enum RecvPhase {
+    Posted(PostedHandle),
+    Stream {
+        got: usize,
+        expect: usize,
+        total: usize,
+        src: Rank,
+        tag: i32,
+    },
+    Reading {
+        len: usize,
+        total: usize,
+        src: Rank,
+        tag: i32,
+        sreq: u64,
+        remote: RemoteAddr,
+        issued: bool,
+    },
+}
+
+#[derive(Debug)]
+struct RecvReq {
+    src: Option<Rank>,
+    buf: RecvBuf,
+    phase: RecvPhase,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Send(SendReq),
+    Recv(RecvReq),
+    /// A send handed to the provider's native tagged messaging (`tmp` holds packed data).
+    NSend {
+        dest: Rank,
+        _tmp: Option<Vec<u8>>,
+    },
+    /// A receive handed to the provider (`tmp` receives packed data to unpack at the end).
+    NRecv {
+        src: Option<Rank>,
+        buf: RecvBuf,
+        tmp: Option<Vec<u8>>,
+    },
+}
+
+#[derive(Debug)]
+struct Req {
+    scope: u64,
+    done: Option<Result<Status>>,
+    kind: Kind,
+}
+
+/// What an unexpected message carries.
+enum Unexp {
+    Eager {
+        data: Vec<u8>,
+        sreq: Option<u64>,
+    },
+    Rts {
+        total: usize,
+        sreq: u64,
+        remote: Option<RemoteAddr>,
+    },
+    /// A speculative message being staged (its data is in `P2pState::spec_staged`).
+    Spec {
+        total: usize,
+        sreq: u64,
+    },
+}
+
+/// An unexpected speculative message's data, as far as it has arrived.
+struct Staged {
+    src: Rank,
+    sreq: u64,
+    total: usize,
+    data: Vec<u8>,
+}
+
+/// Result of posting an operation.
+#[derive(Debug)]
+pub(crate) enum Posted {
+    /// Finished during the call (e.g. an eager send the provider took).
+    Done(Result<Status>),
+    Pending(ReqId),
+}
+
+/// Settings of the two-sided protocols (from `EngineConfig` and the provider's capabilities).
+pub(crate) struct P2pConfig {
+    pub eager_limit: usize,
+    pub spec_limit: usize,
+    pub spec_behind: bool,
+    pub spec_buffer: usize,
+    pub eager_window: usize,
+    pub nt_copy_min: usize,
+    pub rma_read: bool,
+}
+
+/// State of the two-sided protocols.
+pub(crate) struct P2pState {
+    eager_limit: usize,
+    /// Rendezvous sends up to this size go speculatively (0: never).
+    spec_limit: usize,
+    /// Speculate behind other data to the same peer too (`EngineConfig::spec_behind`).
+    spec_behind: bool,
+    /// Speculative messages this rank matched whose data is still arriving: (source, sender's
+    /// request, receive).
+    spec_rx: Vec<(Rank, u64, ReqId)>,
+    /// Unexpected speculative messages held for a receive (at most `spec_buffer` bytes of
+    /// announced length in all); the unexpected queue has a `Unexp::Spec` for each.
+    spec_staged: Vec<Staged>,
+    pub(crate) spec_staged_bytes: usize,
+    /// Buffers of received staged messages, for the next ones (`staging_buf`).
+    staging_spare: Vec<Vec<u8>>,
+    spec_buffer: usize,
+    /// Eager flow control (see `EngineConfig::eager_window`): bytes sent to each peer and not
+    /// yet credited back, and bytes received from each peer, matched, not yet credited.
+    eager_window: usize,
+    eager_out: Vec<usize>,
+    eager_in: Vec<usize>,
+    /// Bytes of eager payload waiting in the unexpected queue (diagnostics).
+    pub(crate) unexpected_bytes: usize,
+    nt_copy_min: usize,
+    /// Rendezvous data chunk (the provider's payload limit).
+    chunk: usize,
+    /// Rendezvous by a receiver-side RMA read of the registered send buffer.
+    rma_read: bool,
+    reqs: Slab<Req>,
+    matcher: Matcher<ReqId, Unexp>,
+    /// Sends with data to stream (`DATA` after a `CTS`, `SDATA` of speculative ones).
+    streams: Vec<ReqId>,
+    /// Receives whose RMA read is to be issued.
+    reads: Vec<ReqId>,
+    /// Registrations to release once `progress` returns.
+    deregs: Vec<MemRegion>,
+}
+
+fn status(source: Rank, tag: i32, bytes: usize) -> Status {
+    Status {
+        source,
+        tag,
+        bytes,
+        cancelled: false,
+    }
+}
+
+fn recv_result(st: Status, cap: usize) -> Result<Status> {
+    if st.bytes > cap {
+        Err(Error::from(ErrorDetail::Truncated {
+            status: st,
+            capacity: cap,
+        }))
+    } else {
+        Ok(st)
+    }
+}
+
+fn cancelled_status() -> Status {
+    Status {
+        source: 0,
+        tag: 0,
+        bytes: 0,
+        cancelled: true,
+    }
+}
+
+impl P2pState {
+    pub(crate) fn new(size: u32, chunk: usize, cfg: P2pConfig) -> Self {
+        P2pState {
+            eager_limit: cfg.eager_limit,
+            spec_limit: cfg.spec_limit,
+            spec_behind: cfg.spec_behind,
+            spec_rx: Vec::new(),
+            spec_staged: Vec::new(),
+            spec_staged_bytes: 0,
+            staging_spare: Vec::new(),
+            spec_buffer: cfg.spec_buffer,
+            eager_window: cfg.eager_window.max(2 * (cfg.eager_limit + EAGER_OVERHEAD)),
+            eager_out: vec![0; size as usize],
+            eager_in: vec![0; size as usize],
+            unexpected_bytes: 0,
+            nt_copy_min: cfg.nt_copy_min,
+            chunk,
+            rma_read: cfg.rma_read,
+            reqs: Slab::default(),
+            matcher: Matcher::new(),
+            streams: Vec::new(),
+            reads: Vec::new(),
+            deregs: Vec::new(),
+        }
+    }
+
+    /// Number of live requests.
+    pub(crate) fn live(&self) -> usize {
+        self.reqs.live()
+    }
+
+    /// No rendezvous data left to stream.
+    pub(crate) fn streams_idle(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// Work for `after_progress`: streams to pump, reads to issue, registrations to release.
+    #[inline]
+    pub(crate) fn has_work(&self) -> bool {
+        !self.streams.is_empty() || !self.reads.is_empty() || !self.deregs.is_empty()
+    }
+
+    /// Send queued messages (the outbox, in per-destination order) and stream rendezvous data.
+    pub(crate) fn flush<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> Result<usize> {
+        let mut sent = am.flush(p, self);
+        sent += self.pump_streams(p, am)?;
+        Ok(sent)
+    }
+
+    /// After the provider's `progress`: issue RMA reads and release registrations no longer
+    /// needed.
+    pub(crate) fn after_progress<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> usize {
+        let mut n = 0;
+        if !self.reads.is_empty() {
+            n += self.issue_reads(p, am);
+        }
+        while let Some(m) = self.deregs.pop() {
+            if let Err(e) = p.mr_deregister(&m) {
+                tracing::warn!("deregistration failed: {e}");
+            }
+        }
+        n
+    }
+
+    // -------------------------------------------------------------------------- completion
+
+    /// The result of a finished request, freeing it; `None` if still running.
+    pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
+        match self.reqs.get(id) {
+            Some(Req { done: Some(_), .. }) => self.reqs.remove(id).and_then(|r| r.done),
+            Some(_) => None,
+            None => Some(Err(Error::invalid("request already completed"))),
+        }
+    }
+
+    pub(crate) fn is_done(&self, id: ReqId) -> bool {
+        !matches!(self.reqs.get(id), Some(Req { done: None, .. }))
+    }
+
+    /// Mark a request finished with `res`.
+    fn finish(&mut self, id: ReqId, res: Result<Status>) {
+        if let Some(r) = self.reqs.get_mut(id) {
+            if r.done.is_none() {
+                r.done = Some(res);
+            }
+        }
+    }
+
+    /// Live requests of `scope`, and for each whether it is a receive.
+    pub(crate) fn scope_requests(&self, scope: u64) -> Vec<(ReqId, bool)> {
+        self.reqs
+            .ids()
+            .into_iter()
+            .filter_map(|id| {
+                let r = self.reqs.get(id)?;
+                (r.scope == scope)
+                    .then_some((id, matches!(r.kind, Kind::Recv(_) | Kind::NRecv { .. })))
+            })
+            .collect()
+    }
+
+    /// Cancel a receive that has not matched (MPI_Cancel). A send, or a receive that already
+    /// matched, is left to complete normally.
+    pub(crate) fn cancel<P: Provider>(&mut self, p: &mut P, id: ReqId) -> Result<()> {
+        let Some(req) = self.reqs.get_mut(id) else {
+            return Ok(());
+        };
+        if req.done.is_some() {
+            return Ok(());
+        }
+        match &req.kind {
+            Kind::Recv(RecvReq {
+                phase: RecvPhase::Posted(h),
+                ..
+            }) => {
+                let h = *h;
+                if self.matcher.cancel(h).is_some() {
+                    self.finish(id, Ok(cancelled_status()));
+                }
+                Ok(())
+            }
+            Kind::NRecv { .. } => {
+                if p.tagged_cancel(id)? {
+                    self.finish(id, Ok(cancelled_status()));
+                }
+                Ok(())
+            }
+            Kind::Recv(_) => Ok(()),
+            _ => Err(Error::invalid("only receives can be cancelled")),
+        }
+    }
+
+    /// Give up request `id` (see `Engine::quarantine`): drop it so that nothing touches its
+    /// buffer any more. `Err(what)` when the provider holds a pointer into the buffer that it
+    /// cannot hand back, and only ending the process is safe.
+    pub(crate) fn quarantine<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        id: ReqId,
+    ) -> std::result::Result<(), &'static str> {
+        let held = match self.reqs.get(id) {
+            None => return Ok(()),
+            Some(Req { done: Some(_), .. }) => {
+                self.reqs.remove(id);
+                return Ok(());
+            }
+            Some(Req { kind, .. }) => match kind {
+                Kind::NSend { .. } => Some("a send whose buffer the provider may still read"),
+                Kind::NRecv { .. } => match p.tagged_cancel(id) {
+                    Ok(true) => None,
+                    _ => Some("a matched receive the provider may still write into"),
+                },
+                Kind::Recv(RecvReq {
+                    phase: RecvPhase::Reading { issued: true, .. },
+                    ..
+                }) => Some("an RMA read the provider is still performing into a receive buffer"),
+                _ => None,
+            },
+        };
+        if let Some(what) = held {
+            return Err(what);
+        }
+        let Some(req) = self.reqs.remove(id) else {
+            return Ok(());
+        };
+        match req.kind {
+            Kind::Recv(r) => match r.phase {
+                RecvPhase::Posted(h) => {
+                    self.matcher.cancel(h);
+                }
+                RecvPhase::Stream { .. } => self.spec_done(id),
+                RecvPhase::Reading { .. } => {}
+            },
+            Kind::Send(s) => {
+                // The receiver may hold the key for a read: revoke it now.
+                if let Some(m) = s.mr {
+                    if let Err(e) = p.mr_deregister(&m) {
+                        tracing::warn!("deregistration failed: {e}");
+                    }
+                }
+            }
+            Kind::NSend { .. } | Kind::NRecv { .. } => {}
+        }
+        am.note_quarantined(id);
+        Ok(())
+    }
+
+    /// A provider completion for request `token` (native sends and receives, RMA reads).
+    pub(crate) fn complete(&mut self, am: &mut AmState, token: u64, result: Result<Completed>) {
+        let Some(req) = self.reqs.get_mut(token) else {
+            tracing::warn!(token, "completion for an unknown operation");
+            return;
+        };
+        match &mut req.kind {
+            Kind::NSend { dest, .. } => {
+                let d = *dest;
+                self.finish(token, result.map(|_| status(d, 0, 0)));
+            }
+            Kind::NRecv { buf, tmp, .. } => {
+                let res = match result {
+                    Ok(Completed::Received(ts)) => {
+                        let cap = buf.cap;
+                        if let Some(t) = tmp.take() {
+                            let n = ts.bytes.min(cap);
+                            buf.write(0, &t[..n]);
+                        }
+                        recv_result(status(ts.source, ts.tag, ts.bytes), cap)
+                    }
+                    Ok(Completed::Cancelled) => Ok(cancelled_status()),
+                    Ok(Completed::Done) => Err(Error::invalid(
+                        "provider completed a receive without a status",
+                    )),
+                    Err(e) => Err(e),
+                };
+                self.finish(token, res);
+            }
+            Kind::Recv(RecvReq {
+                phase:
+                    RecvPhase::Reading {
+                        total,
+                        src,
+                        tag,
+                        sreq,
+                        ..
+                    },
+                buf,
+                ..
+            }) => {
+                let (total, src, tag, sreq, cap) = (*total, *src, *tag, *sreq, buf.cap);
+                let mut f = Hdr::new(H_FIN);
+                f.u64(sreq);
+                am.push_ctrl(src, f);
+                let res = match result {
+                    Ok(_) => recv_result(status(src, tag, total), cap),
+                    Err(e) => Err(e),
+                };
+                self.finish(token, res);
+            }
+            _ => tracing::warn!(token, "unexpected completion"),
+        }
+    }
+
+    /// An active message of ours (`kind` in `am::P2P_IDS`, header length already checked);
+    /// `None` if its fields do not parse.
+    pub(crate) fn on_am(
+        &mut self,
+        am: &mut AmState,
+        src: Rank,
+        kind: u8,
+        rd: &mut Rd<'_>,
+        payload: &[u8],
+    ) -> Option<()> {
+        match kind {
+            H_EAGER => self.on_eager(am, src, rd, payload),
+            H_RTS => self.on_rts(am, src, rd),
+            H_CTS => self.on_cts(am, src, rd),
+            H_DATA => self.on_data(am, src, rd, payload),
+            H_FIN => self.on_fin(am, src, rd),
+            H_SACK => self.on_sack(am, src, rd),
+            H_SPEC => self.on_spec(am, src, rd, payload),
+            H_SDATA => self.on_sdata(am, src, rd, payload),
+            H_CREDIT => self.on_credit(am, src, rd),
+            _ => None,
+        }
+    }
+
+    /// `rank` failed (noted in `am`): every request that depends on it fails, and what is held
+    /// for it is released.
+    pub(crate) fn peer_failed(&mut self, am: &AmState, rank: Rank) {
+        let reason = am.peer_failure(rank).unwrap_or("failed");
+        self.spec_rx.retain(|e| e.0 != rank);
+        // Speculative data staged from it that will never be complete: release it and its
+        // share of WEFT_SPEC_BUFFER (a complete message stays: it can still be received).
+        let mut freed = 0;
+        self.spec_staged.retain(|e| {
+            let keep = e.src != rank || e.data.len() == e.total;
+            if !keep {
+                freed += e.total;
+            }
+            keep
+        });
+        self.spec_staged_bytes -= freed;
+        self.eager_out[rank as usize] = 0;
+        self.eager_in[rank as usize] = 0;
+        let all_others_gone = am.nfailed + 1 >= am.size;
+        let err = || Error::peer_failed(rank, reason);
+        let mut affected = 0usize;
+        for id in self.reqs.ids() {
+            let Some(req) = self.reqs.get_mut(id) else {
+                continue;
+            };
+            if req.done.is_some() {
+                continue;
+            }
+            let hit = match &req.kind {
+                Kind::Send(s) => s.dest == rank,
+                Kind::NSend { dest, .. } => *dest == rank,
+                Kind::Recv(r) => match &r.phase {
+                    RecvPhase::Posted(_) => {
+                        r.src == Some(rank) || (r.src.is_none() && all_others_gone)
+                    }
+                    RecvPhase::Stream { src, .. } | RecvPhase::Reading { src, .. } => *src == rank,
+                },
+                Kind::NRecv { src, .. } => *src == Some(rank) || (src.is_none() && all_others_gone),
+            };
+            if !hit {
+                continue;
+            }
+            match &mut req.kind {
+                Kind::Recv(RecvReq {
+                    phase: RecvPhase::Posted(h),
+                    ..
+                }) => {
+                    let h = *h;
+                    self.matcher.cancel(h);
+                }
+                Kind::Send(s) => {
+                    if let Some(m) = s.mr.take() {
+                        self.deregs.push(*m);
+                    }
+                }
+                _ => {}
+            }
+            self.finish(id, Err(err()));
+            affected += 1;
+        }
+        // A peer that leaves while nothing waits for it has most likely finished normally.
+        if affected > 0 && !am.closing {
+            tracing::warn!(rank, affected, "peer failed: {reason}");
+        } else {
+            tracing::debug!(rank, "peer gone: {reason}");
+        }
+    }
+
+    // ------------------------------------------------------------------------------ helpers
+
+    fn set_send_phase(&mut self, id: ReqId, phase: SendPhase) {
+        if let Some(Req {
+            kind: Kind::Send(s),
+            ..
+        }) = self.reqs.get_mut(id)
+        {
+            s.phase = phase;
+        }
+    }
+
+    /// A send request in `phase`, owned by `scope`.
+    #[allow(clippy::too_many_arguments)]
+    fn new_send(
+        &mut self,
+        scope: u64,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        phase: SendPhase,
+        mr: Option<Box<MemRegion>>,
+    ) -> ReqId {
+        self.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::Send(SendReq {
+                dest,
+                ctx,
+                tag,
+                buf,
+                sync,
+                phase,
+                mr,
+            }),
+        })
+    }
+
+    /// Nothing is queued or streaming to `dest`: data sent now leaves at once.
+    fn idle(&self, am: &AmState, dest: Rank) -> bool {
+        am.out.is_empty_to(dest)
+            && !self.streams.iter().any(|&id| {
+                matches!(self.reqs.get(id), Some(Req { kind: Kind::Send(s), .. }) if s.dest == dest)
+            })
+    }
+}
+
+impl<P: Provider> Deferred<P> for P2pState {
+    /// A queued eager send, or the first frame of a speculative one.
+    fn send_deferred(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        dest: Rank,
+        id: ReqId,
+    ) -> Result<SendOutcome> {
+        match self.reqs.get(id) {
+            Some(Req {
+                kind: Kind::Send(r),
+                done: None,
+                ..
+            }) => match r.phase {
+                SendPhase::Spec { .. } => self.send_spec_head(p, am, id),
+                _ => self.send_queued_eager(p, am, id),
+            },
+            // Failed or cancelled meanwhile: nothing to send.
+            _ => {
+                let _ = dest;
+                Ok(SendOutcome::Sent)
+            }
+        }
+    }
+
+    fn deferred_failed(&mut self, id: ReqId, e: Error) {
+        self.finish(id, Err(e));
+    }
+}

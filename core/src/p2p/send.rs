@@ -1,0 +1,363 @@
+//! Posting sends (eager, rendezvous, speculative, native), streaming rendezvous data, and the
+//! eager credits that bound what a peer can make this rank hold.
+
+use super::buf::{gather, Layout, SendBuf};
+use super::{
+    status, Kind, P2pState, Posted, Req, SendPhase, EAGER_OVERHEAD, F_REMOTE, F_SYNC, H_CREDIT,
+    H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
+};
+use crate::am::outbox::failure_reason;
+use crate::am::{AmState, Hdr, Out, Rd, ReqId};
+use crate::provider::{Access, Provider, RawIov, SendOutcome};
+use crate::types::Rank;
+use crate::{ErrorKind, Result};
+use smallvec::SmallVec;
+
+impl P2pState {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn isend<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        am.check_peer(dest)?;
+        if am.caps.tagged {
+            return self.native_send(p, am, dest, ctx, tag, buf, sync, scope);
+        }
+        if buf.len <= self.eager_limit && self.eager_credit(dest, buf.len) {
+            // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
+            // plain send then needs no request at all.
+            if !sync && am.out.is_empty_to(dest) {
+                let mut h = Hdr::new(H_EAGER);
+                h.u8(0).u32(ctx).u32(tag as u32);
+                if send_now(p, am, dest, &h, &buf)? == SendOutcome::Sent {
+                    return Ok(Posted::Done(Ok(status(dest, tag, buf.len))));
+                }
+            }
+            let id = self.new_send(scope, dest, ctx, tag, buf, sync, SendPhase::Queued, None);
+            am.push_out(dest, Out::Req(id));
+            if sync {
+                self.flush(p, am)?;
+            }
+            return Ok(Posted::Pending(id));
+        }
+        // Not for `ssend`: a staged message is acknowledged before it matches.
+        if buf.len <= self.spec_limit && !sync && (self.spec_behind || self.idle(am, dest)) {
+            let phase = SendPhase::Spec {
+                off: 0,
+                acked: false,
+            };
+            let id = self.new_send(scope, dest, ctx, tag, buf, sync, phase, None);
+            am.push_out(dest, Out::Req(id));
+            self.flush(p, am)?;
+            return Ok(Posted::Pending(id));
+        }
+        // Rendezvous.
+        let mut mr = None;
+        if self.rma_read && matches!(buf.layout, Layout::Contig) {
+            // SAFETY: the send request borrows `buf` until it completes, and completion waits
+            // for FIN, sent only after the peer's read finished; we deregister before completing.
+            match unsafe { p.mr_register(buf.base as *mut u8, buf.len, Access::READ) } {
+                Ok(m) => mr = Some(Box::new(m)),
+                // Providers whose RMA reaches only memory they placed (shm windows) cannot
+                // register user buffers: stop asking (each refusal costs an error value).
+                Err(e) if e.kind() == ErrorKind::Unsupported => {
+                    tracing::debug!("rendezvous streams from now on: {e}");
+                    self.rma_read = false;
+                }
+                Err(e) => tracing::debug!("registration failed, streaming instead: {e}"),
+            }
+        }
+        let remote = mr.as_ref().map(|m| (m.addr, m.key));
+        let phase = if mr.is_some() {
+            SendPhase::WaitFin
+        } else {
+            SendPhase::WaitCts
+        };
+        let len = buf.len;
+        let id = self.new_send(scope, dest, ctx, tag, buf, sync, phase, mr);
+        let mut h = Hdr::new(H_RTS);
+        h.u8(if remote.is_some() { F_REMOTE } else { 0 })
+            .u32(ctx)
+            .u32(tag as u32)
+            .u64(len as u64)
+            .u64(id);
+        if let Some((addr, key)) = remote {
+            h.u64(addr).u64(key);
+        }
+        am.push_ctrl(dest, h);
+        self.flush(p, am)?;
+        Ok(Posted::Pending(id))
+    }
+
+    /// Try to hand the `SPEC` frame of speculative send `id` to the provider; once it is taken
+    /// the rest of the data streams as `SDATA`.
+    pub(super) fn send_spec_head<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        id: ReqId,
+    ) -> Result<SendOutcome> {
+        let Some(Req {
+            kind: Kind::Send(r),
+            done: None,
+            ..
+        }) = self.reqs.get(id)
+        else {
+            // Failed meanwhile: drop it.
+            return Ok(SendOutcome::Sent);
+        };
+        let (dest, len) = (r.dest, r.buf.len);
+        let n = len.min(self.chunk);
+        let mut h = Hdr::new(H_SPEC);
+        h.u8(0).u32(r.ctx).u32(r.tag as u32).u64(len as u64).u64(id);
+        let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+        r.buf.pieces(0, n, &mut pieces);
+        let o = am.send_pieces(p, dest, h.bytes(), &pieces)?;
+        if o == SendOutcome::Sent {
+            self.set_send_phase(
+                id,
+                SendPhase::Spec {
+                    off: n,
+                    acked: false,
+                },
+            );
+            if n < len {
+                self.streams.push(id);
+            }
+        }
+        Ok(o)
+    }
+
+    /// Try to send queued eager message `id` (its turn in the outbox came).
+    pub(super) fn send_queued_eager<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        id: ReqId,
+    ) -> Result<SendOutcome> {
+        let Some(Req {
+            kind: Kind::Send(r),
+            done: None,
+            ..
+        }) = self.reqs.get(id)
+        else {
+            return Ok(SendOutcome::Sent);
+        };
+        let mut h = Hdr::new(H_EAGER);
+        h.u8(if r.sync { F_SYNC } else { 0 })
+            .u32(r.ctx)
+            .u32(r.tag as u32);
+        if r.sync {
+            h.u64(id);
+        }
+        let (sync, dest, tag, len) = (r.sync, r.dest, r.tag, r.buf.len);
+        let o = send_now(p, am, dest, &h, &r.buf);
+        if o.as_ref().is_ok_and(|o| *o == SendOutcome::Sent) {
+            if sync {
+                self.set_send_phase(id, SendPhase::WaitAck);
+            } else {
+                self.finish(id, Ok(status(dest, tag, len)));
+            }
+        }
+        o
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn native_send<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &AmState,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+        let mut tmp = None;
+        if buf.piece_count(am.caps.max_iov) > am.caps.max_iov {
+            let mut v = vec![0u8; buf.len];
+            gather(&buf, &mut v);
+            pieces.push(RawIov {
+                ptr: v.as_ptr(),
+                len: v.len(),
+            });
+            tmp = Some(v);
+        } else {
+            buf.pieces(0, buf.len, &mut pieces);
+        }
+        let id = self.reqs.insert(Req {
+            scope,
+            done: None,
+            kind: Kind::NSend { dest, _tmp: tmp },
+        });
+        // SAFETY: the pieces point into the user's buffer (borrowed by the request until it
+        // completes) or into `tmp`, owned by the request; both outlive the provider's use.
+        if let Err(e) = unsafe { p.tagged_send(dest, ctx, tag, &pieces, sync, id) } {
+            self.reqs.remove(id);
+            return Err(e);
+        }
+        Ok(Posted::Pending(id))
+    }
+
+    /// Advance the data of rendezvous sends: `DATA` after a `CTS`, `SDATA` of speculative ones.
+    pub(super) fn pump_streams<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+    ) -> Result<usize> {
+        let mut sent = 0;
+        let mut i = 0;
+        while i < self.streams.len() {
+            let id = self.streams[i];
+            // `rreq`: the receive a CTS named; `None` while speculating.
+            let (dest, rreq, mut off, len, buf) = match self.reqs.get(id) {
+                Some(Req {
+                    kind: Kind::Send(s),
+                    done: None,
+                    ..
+                }) => match s.phase {
+                    SendPhase::Stream { rreq, off, len } => {
+                        (s.dest, Some(rreq), off, len, s.buf.clone())
+                    }
+                    SendPhase::Spec { off, .. } if off > 0 && off < s.buf.len => {
+                        (s.dest, None, off, s.buf.len, s.buf.clone())
+                    }
+                    _ => {
+                        self.streams.swap_remove(i);
+                        continue;
+                    }
+                },
+                _ => {
+                    self.streams.swap_remove(i);
+                    continue;
+                }
+            };
+            while off < len {
+                let n = (len - off).min(self.chunk);
+                let mut h = match rreq {
+                    Some(r) => {
+                        let mut h = Hdr::new(H_DATA);
+                        h.u64(r);
+                        h
+                    }
+                    None => {
+                        let mut h = Hdr::new(H_SDATA);
+                        h.u64(id);
+                        h
+                    }
+                };
+                h.u64(off as u64);
+                let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+                buf.pieces(off, n, &mut pieces);
+                match am.send_pieces(p, dest, h.bytes(), &pieces) {
+                    Ok(SendOutcome::Sent) => {
+                        off += n;
+                        sent += 1;
+                    }
+                    Ok(SendOutcome::Busy) => break,
+                    Err(e) => {
+                        // The stream cannot go on: its send fails (and with it the peer, whose
+                        // receive would otherwise wait for the rest).
+                        self.finish(id, Err(e.clone()));
+                        am.fail_peer(dest, &failure_reason(&e));
+                        break;
+                    }
+                }
+            }
+            let mut finished = false;
+            if let Some(Req {
+                kind: Kind::Send(s),
+                ..
+            }) = self.reqs.get_mut(id)
+            {
+                match &mut s.phase {
+                    SendPhase::Stream { off: o, .. } => {
+                        *o = off;
+                        finished = off >= len;
+                    }
+                    SendPhase::Spec { off: o, acked } => {
+                        *o = off;
+                        // Written, but the buffer is still needed if a CTS comes instead.
+                        finished = off >= len && *acked;
+                    }
+                    _ => {}
+                }
+            }
+            if finished {
+                let tag = match self.reqs.get(id) {
+                    Some(Req {
+                        kind: Kind::Send(s),
+                        ..
+                    }) => s.tag,
+                    _ => 0,
+                };
+                self.finish(id, Ok(status(dest, tag, len)));
+            }
+            if off >= len {
+                self.streams.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(sent)
+    }
+
+    /// Take `len` bytes of eager credit towards `dest`, if its window has room.
+    #[inline]
+    fn eager_credit(&mut self, dest: Rank, len: usize) -> bool {
+        let out = &mut self.eager_out[dest as usize];
+        let cost = len + EAGER_OVERHEAD;
+        if *out + cost > self.eager_window {
+            return false;
+        }
+        *out += cost;
+        true
+    }
+
+    /// An eager message of `len` bytes from `src` was matched: return the credit once half a
+    /// window has gathered (one small message per half window).
+    #[inline]
+    pub(super) fn eager_consumed(&mut self, am: &mut AmState, src: Rank, len: usize) {
+        let got = &mut self.eager_in[src as usize];
+        *got += len + EAGER_OVERHEAD;
+        if *got >= self.eager_window / 2 {
+            let mut h = Hdr::new(H_CREDIT);
+            h.u64(*got as u64);
+            *got = 0;
+            am.push_ctrl(src, h);
+        }
+    }
+
+    pub(super) fn on_credit(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let n = usize::try_from(rd.u64()?).ok()?;
+        let out = &mut self.eager_out[src as usize];
+        if n > *out {
+            am.malformed(src, "credit for more eager bytes than were sent");
+            return Some(());
+        }
+        *out -= n;
+        Some(())
+    }
+}
+
+/// Try to hand a message with the packed bytes of `buf` as payload to the provider now.
+fn send_now<P: Provider>(
+    p: &mut P,
+    am: &mut AmState,
+    dest: Rank,
+    h: &Hdr,
+    buf: &SendBuf,
+) -> Result<SendOutcome> {
+    let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+    buf.pieces(0, buf.len, &mut pieces);
+    am.send_pieces(p, dest, h.bytes(), &pieces)
+}

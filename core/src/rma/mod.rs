@@ -1,0 +1,353 @@
+//! One-sided communication, protocol side: the active-message protocols that implement RMA when
+//! the provider has no native path, and the state of every window the engine keeps (its memory,
+//! its lock, the epochs opened on it, what origins wait for by token). The window API — issue,
+//! scheduling, synchronisation — is [`crate::win`], above the engine; the target-side handlers
+//! are `target.rs`. Handler ids are `am::RMA_IDS`; tokens carry `am::TOKEN_RMA`.
+//!
+//! Wire formats (first header byte = handler id):
+//!
+//! | id | message | header fields | payload |
+//! |---|---|---|---|
+//! | `PUT` | data into a window | win, offset | data |
+//! | `GET` | read request | win, offset, len, token | — |
+//! | `GET_REPLY` | read data | token, offset | data |
+//! | `ACC` | accumulate | win, offset, op, type | origin elements |
+//! | `RMW` | get-accumulate, fetch-and-op, compare-and-swap | win, offset, op, type, token, has-compare | origin (+ compare) elements |
+//! | `RMW_REPLY` | old values | token | elements |
+//! | `POST` / `COMPLETE` | PSCW handshake | win | — |
+//! | `LOCK` / `GRANT` | lock request and grant | win, kind, token | — |
+//! | `UNLOCK` / `FLUSH` | release / flush; answered by `ACK` once every earlier operation is applied | win, token | — |
+//! | `BATCH` | aggregated operations, optionally with a lock before and a sync after | win, flags, tokens | records |
+//!
+//! Active messages between a pair are delivered in order, so a `COMPLETE`, `UNLOCK` or `FLUSH`
+//! is processed after every operation the origin sent before it: no per-operation
+//! acknowledgements are needed.
+
+mod target;
+
+pub(crate) use target::{on_am, Ctx};
+
+use crate::am::{self, AmState};
+use crate::types::{apply_op, BasicType, Op, Rank};
+use crate::{Error, ErrorDetail, Result};
+use hashbrown::HashMap;
+use std::collections::VecDeque;
+
+// Handler ids, within `am::RMA_IDS`.
+pub(crate) const H_PUT: u8 = am::RMA_IDS.start;
+pub(crate) const H_GET: u8 = H_PUT + 1;
+pub(crate) const H_GET_REPLY: u8 = H_PUT + 2;
+pub(crate) const H_ACC: u8 = H_PUT + 3;
+pub(crate) const H_RMW: u8 = H_PUT + 4;
+pub(crate) const H_RMW_REPLY: u8 = H_PUT + 5;
+pub(crate) const H_POST: u8 = H_PUT + 6;
+pub(crate) const H_COMPLETE: u8 = H_PUT + 7;
+pub(crate) const H_LOCK: u8 = H_PUT + 8;
+pub(crate) const H_GRANT: u8 = H_PUT + 9;
+pub(crate) const H_UNLOCK: u8 = H_PUT + 10;
+pub(crate) const H_FLUSH: u8 = H_PUT + 11;
+pub(crate) const H_ACK: u8 = H_PUT + 12;
+pub(crate) const H_BATCH: u8 = H_PUT + 13;
+const _: () = assert!(H_BATCH < am::RMA_IDS.end);
+
+/// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
+pub(crate) fn header_len(kind: u8) -> Option<usize> {
+    Some(match kind {
+        H_PUT => 13,
+        H_GET => 29,
+        H_GET_REPLY => 17,
+        H_ACC => 15,
+        H_RMW => 24,
+        H_RMW_REPLY | H_GRANT | H_ACK => 9,
+        H_POST | H_COMPLETE => 5,
+        H_LOCK => 14,
+        H_UNLOCK | H_FLUSH => 13,
+        H_BATCH => 15,
+        _ => return None,
+    })
+}
+
+/// Batch flags.
+pub(crate) const B_LOCK: u8 = 1;
+pub(crate) const B_COMPLETE: u8 = 2;
+pub(crate) const B_UNLOCK: u8 = 4;
+pub(crate) const B_FLUSH: u8 = 8;
+
+/// Record kinds inside a batch.
+pub(crate) const R_PUT: u8 = 1;
+pub(crate) const R_GET: u8 = 2;
+pub(crate) const R_ACC: u8 = 3;
+pub(crate) const R_RMW: u8 = 4;
+
+/// Lock kinds.
+pub(crate) const LOCK_SHARED: u8 = 1;
+pub(crate) const LOCK_EXCLUSIVE: u8 = 2;
+
+/// What an origin waits for, by token.
+#[derive(Debug)]
+pub(crate) enum Wait {
+    /// GET data landing at `ptr` (`len` bytes); done when `got == len`.
+    Data {
+        ptr: *mut u8,
+        len: usize,
+        got: usize,
+    },
+    /// A one-message reply (RMW old values, or ACK / GRANT with `len == 0`).
+    Reply {
+        ptr: *mut u8,
+        len: usize,
+        done: bool,
+    },
+    /// A native operation reported through the provider's completion queue.
+    Native {
+        win: u32,
+        done: bool,
+    },
+    Failed(Error),
+}
+
+impl Wait {
+    fn done(&self) -> bool {
+        match self {
+            Wait::Data { len, got, .. } => got >= len,
+            Wait::Reply { done, .. } | Wait::Native { done, .. } => *done,
+            Wait::Failed(_) => true,
+        }
+    }
+}
+
+/// A request waiting for a lock at the target.
+#[derive(Debug)]
+enum Waiter {
+    Lock {
+        origin: Rank,
+        kind: u8,
+        token: u64,
+    },
+    /// A batch that starts with a lock: applied once the lock is granted.
+    Batch {
+        origin: Rank,
+        kind: u8,
+        msg: Vec<u8>,
+        hdr_len: usize,
+    },
+}
+
+/// Target-side and origin-side state of one window in this process.
+#[derive(Debug)]
+pub(crate) struct WinState {
+    pub base: *mut u8,
+    pub len: usize,
+    /// POSTs received per origin rank, not yet consumed by `start`.
+    pub posts: HashMap<Rank, u32>,
+    /// COMPLETEs received per origin rank, not yet consumed by `wait`.
+    pub completes: HashMap<Rank, u32>,
+    /// Active-message operations applied here (fence accounting).
+    pub applied: u64,
+    /// Active-message operations this rank sent, per target world rank, in this fence epoch.
+    pub sent: HashMap<Rank, u64>,
+    /// Ranks holding the lock shared (a rank at most once per window), and the exclusive
+    /// holder: kept by name so that a holder that dies can be released.
+    shared: smallvec::SmallVec<[Rank; 4]>,
+    exclusive: Option<Rank>,
+    waiters: VecDeque<Waiter>,
+    /// Native operations issued and completed (the window counter).
+    pub native_issued: u64,
+    pub native_done: u64,
+}
+
+impl WinState {
+    pub fn new(base: *mut u8, len: usize) -> Self {
+        WinState {
+            base,
+            len,
+            posts: HashMap::new(),
+            completes: HashMap::new(),
+            applied: 0,
+            sent: HashMap::new(),
+            shared: smallvec::SmallVec::new(),
+            exclusive: None,
+            waiters: VecDeque::new(),
+            native_issued: 0,
+            native_done: 0,
+        }
+    }
+
+    fn try_lock(&mut self, kind: u8, origin: Rank) -> bool {
+        match kind {
+            LOCK_EXCLUSIVE if self.exclusive.is_none() && self.shared.is_empty() => {
+                self.exclusive = Some(origin);
+                true
+            }
+            LOCK_SHARED if self.exclusive.is_none() => {
+                self.shared.push(origin);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Release `origin`'s hold; `false` if it held none.
+    fn unlock(&mut self, origin: Rank) -> bool {
+        if self.exclusive == Some(origin) {
+            self.exclusive = None;
+            return true;
+        }
+        match self.shared.iter().position(|r| *r == origin) {
+            Some(i) => {
+                self.shared.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `rank` died: drop its hold and its queued requests. Whether the window's memory is
+    /// consistent after a holder died mid-epoch is the application's to judge (MPI leaves
+    /// it undefined); what must not happen is every other rank waiting for the lock for good.
+    fn forget(&mut self, rank: Rank) -> bool {
+        let held = self.unlock(rank);
+        let before = self.waiters.len();
+        self.waiters.retain(|w| match w {
+            Waiter::Lock { origin, .. } | Waiter::Batch { origin, .. } => *origin != rank,
+        });
+        held || self.waiters.len() != before
+    }
+
+    /// Bounds-checked start of window bytes `[off, off + n)`. Window memory is shared with
+    /// other ranks (native operations, other processes): it is only ever accessed through raw
+    /// pointers, never through a reference.
+    fn range(&self, off: u64, n: usize) -> Option<*mut u8> {
+        let off = usize::try_from(off).ok()?;
+        if off.checked_add(n)? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds of the window memory, which lives as long as the WinState.
+        Some(unsafe { self.base.add(off) })
+    }
+}
+
+/// All RMA state of one process.
+#[derive(Debug, Default)]
+pub(crate) struct RmaState {
+    pub wins: HashMap<u32, WinState>,
+    /// Windows released without the collective free (their closure panicked).
+    pub released: Vec<u32>,
+    pub waits: HashMap<u64, Wait>,
+    /// The remote rank each wait depends on (to fail it when that rank dies).
+    waits_on: HashMap<u64, Rank>,
+    next_token: u64,
+    /// Scratch for applying active-message accumulates to a copy of window bytes.
+    scratch_acc: Vec<u8>,
+}
+
+impl RmaState {
+    /// A fresh token for something the origin will wait for.
+    pub fn token(&mut self, w: Wait, peer: Rank) -> u64 {
+        self.next_token += 1;
+        let t = am::TOKEN_RMA | self.next_token;
+        self.waits.insert(t, w);
+        self.waits_on.insert(t, peer);
+        t
+    }
+
+    pub fn is_done(&self, t: u64) -> bool {
+        self.waits.get(&t).is_none_or(|w| w.done())
+    }
+
+    /// Forget a finished wait, returning its error if it failed.
+    pub fn take(&mut self, t: u64) -> Result<()> {
+        self.waits_on.remove(&t);
+        match self.waits.remove(&t) {
+            Some(Wait::Failed(e)) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// A provider completion for an RMA token.
+    pub fn complete(&mut self, t: u64, r: Result<()>) {
+        match self.waits.get_mut(&t) {
+            Some(Wait::Native { win, done }) => {
+                *done = true;
+                let w = *win;
+                if let Some(ws) = self.wins.get_mut(&w) {
+                    ws.native_done += 1;
+                }
+                if let Err(e) = r {
+                    self.waits.insert(t, Wait::Failed(e));
+                }
+            }
+            Some(_) => {
+                if let Err(e) = r {
+                    self.waits.insert(t, Wait::Failed(e));
+                }
+            }
+            None => tracing::warn!(t, "completion for an unknown RMA operation"),
+        }
+    }
+
+    /// A peer died: whatever waits for it fails.
+    pub fn peer_failed(&mut self, rank: Rank, why: &str) {
+        for (t, r) in &self.waits_on {
+            if *r == rank {
+                if let Some(w) = self.waits.get_mut(t) {
+                    if !w.done() {
+                        *w = Wait::Failed(Error::peer_failed(rank, why));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `rank` failed: whatever waits for it fails (`RmaState::peer_failed`), and the locks it held
+/// or waited for on this rank's windows are released, so that the next waiters get them.
+pub(crate) fn peer_failed(rma: &mut RmaState, am: &mut AmState, rank: Rank) {
+    let why = am.peer_failure(rank).unwrap_or("failed").to_string();
+    rma.peer_failed(rank, &why);
+    let touched: smallvec::SmallVec<[u32; 4]> = rma
+        .wins
+        .iter_mut()
+        .filter_map(|(id, w)| w.forget(rank).then_some(*id))
+        .collect();
+    for win in touched {
+        tracing::warn!(rank, win, "released a window lock of a failed rank");
+        target::grant_waiters(
+            &mut target::Ctx {
+                rma: &mut *rma,
+                am: &mut *am,
+            },
+            win,
+        );
+    }
+}
+
+/// `target = target op origin`, where `Replace` copies and `NoOp` leaves it alone.
+pub(crate) fn apply_acc(op: Op, ty: BasicType, target: &mut [u8], origin: &[u8]) -> Result<()> {
+    match op {
+        Op::Replace => {
+            if target.len() != origin.len() {
+                return Err(Error::invalid("length mismatch"));
+            }
+            target.copy_from_slice(origin);
+            Ok(())
+        }
+        Op::NoOp => Ok(()),
+        _ => apply_op(op, ty, target, origin),
+    }
+}
+
+/// Check an origin-side request against the window's size at the target: used by the native
+/// path, which cannot rely on the target to refuse it.
+pub(crate) fn check_remote(len_at_target: usize, off: usize, n: usize, target: Rank) -> Result<()> {
+    if off.checked_add(n).is_none_or(|e| e > len_at_target) {
+        return Err(Error::from(ErrorDetail::RemoteAccess {
+            rank: target,
+            what: format!(
+                "bytes {off}..{} are outside the {len_at_target}-byte window",
+                off.saturating_add(n)
+            ),
+        }));
+    }
+    Ok(())
+}

@@ -19,25 +19,37 @@
 //! # Ok::<(), weft::Error>(())
 //! ```
 //!
-//! Layers: [`comm`] (public API) → [`engine`](crate::engine) (protocols on active messages,
-//! matching) → [`provider::Provider`] (the contract a fabric implements). See ARCHITECTURE.md.
+//! Layers, each using only those below it:
+//! * API — [`comm`] (worlds, communicators, two-sided, collectives) and the window API
+//!   ([`Window`], `win/`);
+//! * `engine` — a provider plus the protocol state; dispatches arrivals by handler id;
+//! * protocols — `p2p` (eager, rendezvous, speculative, placement; [`matching`]) and `rma`
+//!   (window state, target-side handlers);
+//! * `am` — the active-message layer: handler-id table, outbox, request ids, peer health;
+//! * the contract — [`provider::Provider`], in the `weft-provider` crate.
+//!
+//! See ARCHITECTURE.md.
 
-mod am;
-pub mod bootstrap;
-mod coll;
+// The API.
 pub mod comm;
-pub mod datatype;
+mod win;
+
+// The engine and the protocols under it.
+mod am;
 mod engine;
-pub mod loader;
 pub mod matching;
+mod p2p;
+mod rma;
+
+// Data, start-up and providers.
+pub mod bootstrap;
+pub mod datatype;
+pub mod loader;
 /// Provider registration and selection.
 pub mod registry {
     pub use crate::select::*;
 }
-mod p2p;
-mod rma;
 mod select;
-mod window;
 
 pub use weft_provider::{
     export_provider, param, pool, provider, register_provider, sdk, shmem, types, BufPool, Error,
@@ -52,7 +64,7 @@ pub use datatype::Datatype;
 pub use engine::EngineConfig;
 pub use provider::{Caps, DynProvider, Provider, StaticProvider};
 pub use types::{BasicType, Element, Op, Rank, Status};
-pub use window::{Assert, Epoch, LockKind, RmaRequest, Sched, WinCompletion, WinInfo, Window};
+pub use win::{Assert, Epoch, LockKind, RmaRequest, Sched, WinCompletion, WinInfo, Window};
 
 #[doc(hidden)]
 pub use weft_provider::__linkme;
@@ -110,7 +122,7 @@ pub fn check_params() -> Result<()> {
         }
     }
     EngineConfig::from_env()?;
-    window::Sched::from_env()?;
+    win::Sched::from_env()?;
     pmi_timeout()?;
     Ok(())
 }

@@ -1,0 +1,657 @@
+//! Issuing operations: native or active-message paths, deferral and reordering, aggregation
+//! into batches, and waiting for local completion (counters, tokens).
+
+use super::*;
+
+impl<'w, P: Provider> Window<'w, P> {
+    // ------------------------------------------------------------------------------ issuing
+
+    /// Record or issue an operation.
+    pub(super) fn submit(&self, op: PendingOp, deferrable: bool) -> Result<()> {
+        self.epoch_ops.set(self.epoch_ops.get() + 1);
+        if self.sched.defers() && deferrable {
+            if self.sched == Sched::Reorder && op.kind == OpKind::Get {
+                // Reordering as the program goes: a get leaves at once, ahead of the puts held
+                // so far, and takes the oldest of them along, so that the two directions
+                // interleave while the target is busy anyway (rather than idling until the
+                // synchronisation). Held operations that no get releases leave at the sync.
+                self.issue(op, None)?;
+                let i = self.released.get();
+                let held = self.pending.borrow().get(i).copied();
+                if let Some(h) = held {
+                    self.released.set(i + 1);
+                    self.issue(h, None)?;
+                }
+                return Ok(());
+            }
+            self.pending.borrow_mut().push(op);
+            Ok(())
+        } else {
+            self.issue(op, None).map(|_| ())
+        }
+    }
+
+    pub(super) fn is_native(&self, k: OpKind) -> bool {
+        match k {
+            OpKind::Put => self.native_put,
+            OpKind::Get => self.native_get,
+            OpKind::Acc(..) | OpKind::Rmw(..) => self.native_atomics,
+        }
+    }
+
+    /// Issue one operation now. Returns the token to wait on for its (local) completion, if
+    /// any.
+    pub(super) fn issue(&self, op: PendingOp, force_token: Option<()>) -> Result<Option<u64>> {
+        self.epoch_ops.set(self.epoch_ops.get() + 1);
+        let target = self.world(op.trank);
+        let peer = self.peers[op.trank as usize];
+        let mut eng = self.engine();
+        if self.is_native(op.kind) {
+            let _ = peer;
+            let base = match &self.keys {
+                Some(k) => k[op.trank as usize],
+                // Scalable registration: the key is the window id, addresses are offsets.
+                None => RemoteAddr {
+                    addr: 0,
+                    key: self.id as u64,
+                },
+            };
+            let ra = RemoteAddr {
+                addr: base.addr + op.toff as u64,
+                key: base.key,
+            };
+            let e = &mut *eng;
+            // Bulk operations count on the window's counter; request-based ones (and every one
+            // when the provider has no counters) get a CQ entry of their own.
+            let (done, t) = match (self.cntr, force_token) {
+                (Some(c), None) => {
+                    self.cntr_issued.set(self.cntr_issued.get() + 1);
+                    let mut ts = self.cntr_targets.borrow_mut();
+                    if !ts.contains(&target) {
+                        ts.push(target);
+                    }
+                    (Completion::cntr(c), None)
+                }
+                _ => {
+                    let t = e.st.rma.token(
+                        Wait::Native {
+                            win: self.id,
+                            done: false,
+                        },
+                        target,
+                    );
+                    if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+                        w.native_issued += 1;
+                    }
+                    (Completion::cq(t), Some(t))
+                }
+            };
+            // SAFETY (all arms): origin/result/compare point at buffers borrowed by the epoch
+            // (or owned by a request) until the token completes, which the epoch's
+            // synchronisation waits for.
+            let r = unsafe {
+                match op.kind {
+                    OpKind::Put => e.p.rma_write(
+                        target,
+                        &[RawIov {
+                            ptr: op.origin,
+                            len: op.len,
+                        }],
+                        ra,
+                        done,
+                    ),
+                    OpKind::Get => e.p.rma_read(
+                        target,
+                        &[RawIovMut {
+                            ptr: op.result,
+                            len: op.len,
+                        }],
+                        ra,
+                        done,
+                    ),
+                    OpKind::Acc(o, ty) => e.p.atomic(
+                        target,
+                        o,
+                        ty,
+                        op.len / ty.size(),
+                        op.origin,
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                        ra,
+                        done,
+                    ),
+                    OpKind::Rmw(o, ty) => e.p.atomic(
+                        target,
+                        o,
+                        ty,
+                        op.len / ty.size(),
+                        op.origin,
+                        op.compare,
+                        op.result,
+                        ra,
+                        done,
+                    ),
+                }
+            };
+            if let Err(err) = r {
+                match t {
+                    Some(t) => {
+                        e.st.rma.take(t).ok();
+                        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+                            w.native_issued -= 1;
+                        }
+                    }
+                    None => self.cntr_issued.set(self.cntr_issued.get() - 1),
+                }
+                return Err(err);
+            }
+            let Some(t) = t else {
+                return Ok(None);
+            };
+            self.tokens.borrow_mut().push(t);
+            return Ok(Some(t));
+        }
+        drop(eng);
+        self.issue_am(op, force_token.is_some())
+    }
+
+    pub(super) fn issue_am(&self, op: PendingOp, _req: bool) -> Result<Option<u64>> {
+        let target = self.world(op.trank);
+        let mut eng = self.engine();
+        let e = &mut *eng;
+        let chunk = e.st.am.caps.max_am_payload;
+        self.am_dirty.borrow_mut()[op.trank as usize] = true;
+        let mut msgs = 0u64;
+        let token = match op.kind {
+            OpKind::Put => {
+                let mut at = 0;
+                loop {
+                    let n = (op.len - at).min(chunk);
+                    let mut h = Hdr::new(rma::H_PUT);
+                    h.u32(self.id).u64((op.toff + at) as u64);
+                    // SAFETY: the origin buffer is borrowed by the epoch, which drains the
+                    // outbox before it ends (see Out::Raw).
+                    let r = RawIov {
+                        ptr: unsafe { op.origin.add(at) },
+                        len: n,
+                    };
+                    e.st.am.push_out(target, Out::Raw(h, r));
+                    msgs += 1;
+                    at += n;
+                    if at >= op.len {
+                        break;
+                    }
+                }
+                None
+            }
+            OpKind::Get => {
+                let t = e.st.rma.token(
+                    Wait::Data {
+                        ptr: op.result,
+                        len: op.len,
+                        got: 0,
+                    },
+                    target,
+                );
+                let mut h = Hdr::new(rma::H_GET);
+                h.u32(self.id).u64(op.toff as u64).u64(op.len as u64).u64(t);
+                e.st.am.push_ctrl(target, h);
+                msgs += 1;
+                Some(t)
+            }
+            OpKind::Acc(o, ty) => {
+                let per = (chunk / ty.size()).max(1) * ty.size();
+                let mut at = 0;
+                loop {
+                    let n = (op.len - at).min(per);
+                    let mut h = Hdr::new(rma::H_ACC);
+                    h.u32(self.id)
+                        .u64((op.toff + at) as u64)
+                        .u8(o as u8)
+                        .u8(ty as u8);
+                    // SAFETY: as for puts.
+                    let r = RawIov {
+                        ptr: unsafe { op.origin.add(at) },
+                        len: n,
+                    };
+                    e.st.am.push_out(target, Out::Raw(h, r));
+                    msgs += 1;
+                    at += n;
+                    if at >= op.len {
+                        break;
+                    }
+                }
+                None
+            }
+            OpKind::Rmw(o, ty) => {
+                let t = e.st.rma.token(
+                    Wait::Reply {
+                        ptr: op.result,
+                        len: op.len,
+                        done: false,
+                    },
+                    target,
+                );
+                let cmp = !op.compare.is_null();
+                let mut data = Vec::with_capacity(op.len * 2);
+                // SAFETY: origin (and compare) hold `len` bytes, borrowed by the epoch.
+                unsafe {
+                    data.extend_from_slice(std::slice::from_raw_parts(op.origin, op.len));
+                    if cmp {
+                        data.extend_from_slice(std::slice::from_raw_parts(op.compare, op.len));
+                    }
+                }
+                let mut h = Hdr::new(rma::H_RMW);
+                h.u32(self.id)
+                    .u64(op.toff as u64)
+                    .u8(o as u8)
+                    .u8(ty as u8)
+                    .u64(t)
+                    .u8(cmp as u8);
+                e.st.am.push_owned(target, h, data);
+                msgs += 1;
+                Some(t)
+            }
+        };
+        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+            *w.sent.entry(target).or_insert(0) += msgs;
+        }
+        if let Some(t) = token {
+            self.tokens.borrow_mut().push(t);
+        }
+        e.flush_out()?;
+        Ok(token)
+    }
+
+    /// Issue the deferred operations in the policy's order; with aggregation, pack small
+    /// active-message operations per target into batches. `fold` names a sync to fold into
+    /// the last batch of each target in `fold_targets`: returns the targets whose sync was
+    /// folded (their sync message must not be sent again).
+    pub(super) fn drain_pending(&self, fold: Option<(u8, &[(u32, u64)])>) -> Result<Targets> {
+        // Keep the list's capacity across epochs: an epoch should not cost an allocation.
+        let mut ops = std::mem::take(&mut *self.pending.borrow_mut());
+        // Operations a get already released (reorder) are issued: drop them from the list.
+        let released = self.released.replace(0).min(ops.len());
+        ops.drain(..released);
+        if ops.is_empty() && fold.is_none() {
+            *self.pending.borrow_mut() = ops;
+            return Ok(Targets::new());
+        }
+        let r = self.drain_ops(&mut ops, fold);
+        ops.clear();
+        let mut p = self.pending.borrow_mut();
+        if p.is_empty() {
+            *p = ops;
+        }
+        r
+    }
+
+    pub(super) fn drain_ops(
+        &self,
+        ops: &mut Vec<PendingOp>,
+        fold: Option<(u8, &[(u32, u64)])>,
+    ) -> Result<Targets> {
+        let is_get = |o: &PendingOp| o.kind == OpKind::Get;
+        if self.sched.reorders() && ops.iter().any(is_get) && !ops.iter().all(is_get) {
+            // Gets first, interleaved with the rest so both directions carry data; accumulates
+            // keep their relative order. (Nothing to do unless both kinds are present.)
+            let mut scratch = self.reorder_scratch.borrow_mut();
+            let (gets, rest) = &mut *scratch;
+            for op in ops.drain(..) {
+                if is_get(&op) {
+                    gets.push(op);
+                } else {
+                    rest.push(op);
+                }
+            }
+            let (mut g, mut r) = (gets.drain(..), rest.drain(..));
+            loop {
+                match (g.next(), r.next()) {
+                    (None, None) => break,
+                    (a, b) => {
+                        ops.extend(a);
+                        ops.extend(b);
+                    }
+                }
+            }
+        }
+        if !self.sched.aggregates() {
+            for op in ops.drain(..) {
+                self.issue(op, None)?;
+            }
+            return Ok(Targets::new());
+        }
+        // A lazy lock may only ride on a batch that carries every operation to its target;
+        // otherwise take the lock explicitly before issuing anything.
+        if let Some((lt, lk)) = self.lazy_lock.get() {
+            let chunk = self.engine().st.am.caps.max_am_payload;
+            let mut bytes = 0usize;
+            let all_small = ops.iter().filter(|o| o.trank == lt).all(|o| {
+                bytes += Self::record_len(o);
+                self.aggregatable(o, chunk)
+            });
+            if !all_small || bytes > chunk || fold.is_none() {
+                self.lazy_lock.set(None);
+                self.roundtrip(rma::H_LOCK, lt, Some(lk))?;
+            }
+        }
+        // Aggregation: per target, consecutive small AM operations go into batch records.
+        // One entry per target this epoch touches (not per rank of the communicator).
+        let mut batches: SmallVec<[(u32, Vec<u8>, u64); 4]> = SmallVec::new();
+        fn slot(b: &mut SmallVec<[(u32, Vec<u8>, u64); 4]>, t: u32) -> usize {
+            b.iter().position(|e| e.0 == t).unwrap_or_else(|| {
+                b.push((t, Vec::new(), 0));
+                b.len() - 1
+            })
+        }
+        let chunk = self.engine().st.am.caps.max_am_payload;
+        for op in ops.drain(..) {
+            let i = slot(&mut batches, op.trank);
+            let (t, buf, count) = &mut batches[i];
+            let small = self.aggregatable(&op, chunk);
+            if !small {
+                self.send_batch(*t, buf, count, 0, 0, 0)?;
+                self.issue(op, None)?;
+                continue;
+            }
+            if !buf.is_empty() && buf.len() + Self::record_len(&op) > chunk {
+                self.send_batch(*t, buf, count, 0, 0, 0)?;
+            }
+            if buf.capacity() == 0 {
+                *buf = self.engine().st.am.spare_buf();
+            }
+            self.record_into(op, buf)?;
+            *count += 1;
+        }
+        let mut folded = Targets::new();
+        if let Some((flag, targets)) = fold {
+            for &(tr, token) in targets {
+                let lock = self.lazy_lock.get().filter(|(lt, _)| *lt == tr);
+                let has = batches.iter().any(|e| e.0 == tr && !e.1.is_empty());
+                if !has && lock.is_none() && flag != rma::B_COMPLETE {
+                    continue;
+                }
+                let (lflag, lkind) = match lock {
+                    Some((_, k)) => (rma::B_LOCK, k),
+                    None => (0, 0),
+                };
+                let i = slot(&mut batches, tr);
+                let (t, buf, count) = &mut batches[i];
+                self.send_batch(*t, buf, count, flag | lflag, lkind, token)?;
+                if lock.is_some() {
+                    self.lazy_lock.set(None);
+                }
+                folded.push(tr);
+            }
+        }
+        for (t, buf, count) in &mut batches {
+            self.send_batch(*t, buf, count, 0, 0, 0)?;
+        }
+        Ok(folded)
+    }
+
+    /// Whether `op` goes into a batch: small by `WEFT_RMA_AGG_MAX`, on the active-message
+    /// path, and its record fits one active message of `chunk` bytes (so a batch never
+    /// exceeds what the provider carries, whatever `WEFT_RMA_AGG_MAX` says).
+    pub(super) fn aggregatable(&self, op: &PendingOp, chunk: usize) -> bool {
+        op.len <= self.agg_max && !self.is_native(op.kind) && Self::record_len(op) <= chunk
+    }
+
+    /// Bytes of `op`'s batch record: kind, offset and length, at most 11 bytes of operation
+    /// fields, then the origin (and compare) data.
+    pub(super) fn record_len(op: &PendingOp) -> usize {
+        let data = match op.kind {
+            OpKind::Get => 0,
+            _ if !op.compare.is_null() => 2 * op.len,
+            _ => op.len,
+        };
+        13 + 11 + data
+    }
+
+    /// Append one operation's batch record to `r`; registers a wait for returned data.
+    pub(super) fn record_into(&self, op: PendingOp, r: &mut Vec<u8>) -> Result<()> {
+        let target = self.world(op.trank);
+        let (kind, token) = match op.kind {
+            OpKind::Put => (rma::R_PUT, None),
+            OpKind::Acc(..) => (rma::R_ACC, None),
+            OpKind::Get => {
+                let t = self.engine().st.rma.token(
+                    Wait::Data {
+                        ptr: op.result,
+                        len: op.len,
+                        got: 0,
+                    },
+                    target,
+                );
+                (rma::R_GET, Some(t))
+            }
+            OpKind::Rmw(..) => {
+                let t = self.engine().st.rma.token(
+                    Wait::Reply {
+                        ptr: op.result,
+                        len: op.len,
+                        done: false,
+                    },
+                    target,
+                );
+                (rma::R_RMW, Some(t))
+            }
+        };
+        if let Some(t) = token {
+            self.tokens.borrow_mut().push(t);
+        }
+        r.push(kind);
+        r.extend_from_slice(&(op.toff as u64).to_le_bytes());
+        let cmp = !op.compare.is_null();
+        let data_len = if cmp { op.len * 2 } else { op.len };
+        let len_field = if matches!(op.kind, OpKind::Rmw(..)) {
+            data_len
+        } else {
+            op.len
+        };
+        r.extend_from_slice(&(len_field as u32).to_le_bytes());
+        match op.kind {
+            OpKind::Put => {}
+            OpKind::Get => r.extend_from_slice(&token.unwrap_or(0).to_le_bytes()),
+            OpKind::Acc(o, ty) => {
+                r.push(o as u8);
+                r.push(ty as u8);
+            }
+            OpKind::Rmw(o, ty) => {
+                r.push(o as u8);
+                r.push(ty as u8);
+                r.extend_from_slice(&token.unwrap_or(0).to_le_bytes());
+                r.push(cmp as u8);
+            }
+        }
+        if matches!(op.kind, OpKind::Put | OpKind::Acc(..) | OpKind::Rmw(..)) {
+            // SAFETY: origin (and compare) buffers hold `len` bytes, borrowed by the epoch.
+            unsafe {
+                r.extend_from_slice(std::slice::from_raw_parts(op.origin, op.len));
+                if cmp {
+                    r.extend_from_slice(std::slice::from_raw_parts(op.compare, op.len));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Send a batch (if it has records or a sync flag).
+    pub(super) fn send_batch(
+        &self,
+        trank: u32,
+        buf: &mut Vec<u8>,
+        count: &mut u64,
+        flags: u8,
+        lock_kind: u8,
+        token: u64,
+    ) -> Result<()> {
+        if buf.is_empty() && flags == 0 {
+            return Ok(());
+        }
+        let target = self.world(trank);
+        let mut h = Hdr::new(rma::H_BATCH);
+        h.u32(self.id).u8(flags).u8(lock_kind).u64(token);
+        let data = std::mem::take(buf);
+        let mut eng = self.engine();
+        eng.st.am.push_out(target, Out::Owned(h, data));
+        if let Some(w) = eng.st.rma.wins.get_mut(&self.id) {
+            *w.sent.entry(target).or_insert(0) += *count;
+        }
+        *count = 0;
+        self.am_dirty.borrow_mut()[trank as usize] = true;
+        eng.flush_out()?;
+        Ok(())
+    }
+
+    /// Wait for every operation issued so far to complete at the origin (replies arrived,
+    /// native operations done, the outbox drained), returning the first error.
+    pub(super) fn complete_local(&self) -> Result<()> {
+        let mut toks = std::mem::take(&mut *self.tokens.borrow_mut());
+        let id = self.id;
+        let mut eng = self.engine();
+        let mut cntr_err = None;
+        let waited = eng.wait_until("RMA operations to complete", |e| {
+            e.st.out_idle()
+                && toks.iter().all(|t| e.st.rma.is_done(*t))
+                && e.st
+                    .rma
+                    .wins
+                    .get(&id)
+                    .is_none_or(|w| w.native_done >= w.native_issued)
+                && self.cntr_caught_up(e, &mut cntr_err)
+        });
+        if let Err(err) = waited {
+            // The epoch's buffers go back to the caller with the error: nothing may land in
+            // them later.
+            let native_outstanding = eng
+                .st
+                .rma
+                .wins
+                .get(&id)
+                .is_some_and(|w| w.native_done < w.native_issued)
+                || (self.cntr.is_some() && self.cntr_seen.get().total() < self.cntr_issued.get());
+            eng.quarantine_rma(&toks, native_outstanding);
+            return Err(err);
+        }
+        let mut first = cntr_err;
+        for t in toks.drain(..) {
+            if let Err(err) = eng.st.rma.take(t) {
+                first.get_or_insert(err);
+            }
+        }
+        // Keep the list's capacity for the next epoch.
+        let mut tokens = self.tokens.borrow_mut();
+        if tokens.is_empty() {
+            *tokens = toks;
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Has the window's counter reached the number of operations issued on it? A failed
+    /// operation, or the death of a rank a counted operation went to, ends the wait with an
+    /// error in `err`.
+    pub(super) fn cntr_caught_up(&self, e: &mut Engine<P>, err: &mut Option<Error>) -> bool {
+        let Some(c) = self.cntr else {
+            return true;
+        };
+        let issued = self.cntr_issued.get();
+        let seen = self.cntr_seen.get();
+        if seen.total() >= issued {
+            return true;
+        }
+        let v = match e.p.cntr_read(c) {
+            Ok(v) => v,
+            Err(x) => {
+                err.get_or_insert(x);
+                return true;
+            }
+        };
+        self.cntr_seen.set(v);
+        if v.err > seen.err {
+            let rank = self.cntr_targets.borrow().first().copied().unwrap_or(0);
+            err.get_or_insert(Error::from(ErrorDetail::RemoteAccess {
+                rank,
+                what: format!(
+                    "{} RMA operation(s) of this window failed (provider counter)",
+                    v.err - seen.err
+                ),
+            }));
+        }
+        if v.total() >= issued {
+            self.cntr_targets.borrow_mut().clear();
+            return true;
+        }
+        if let Some(&dead) = self
+            .cntr_targets
+            .borrow()
+            .iter()
+            .find(|r| e.st.peer_failure(**r).is_some())
+        {
+            let why = e.st.peer_failure(dead).unwrap_or_default();
+            err.get_or_insert(Error::peer_failed(dead, &why));
+            // The operations to the dead rank will never be counted.
+            self.cntr_issued.set(v.total());
+            return true;
+        }
+        false
+    }
+
+    /// Send a one-message sync (UNLOCK/FLUSH/LOCK) to `trank` and wait for its answer.
+    pub(super) fn roundtrip(&self, kind: u8, trank: u32, lock_kind: Option<u8>) -> Result<()> {
+        let target = self.world(trank);
+        let mut eng = self.engine();
+        let t = eng.st.rma.token(
+            Wait::Reply {
+                ptr: std::ptr::null_mut(),
+                len: 0,
+                done: false,
+            },
+            target,
+        );
+        let mut h = Hdr::new(kind);
+        h.u32(self.id);
+        if let Some(k) = lock_kind {
+            h.u8(k);
+        }
+        h.u64(t);
+        eng.st.am.push_ctrl(target, h);
+        drop(eng);
+        self.wait_token(t)
+    }
+
+    /// Wait for the operation or reply of token `t`; if the wait fails, `t` is quarantined.
+    pub(super) fn wait_token(&self, t: u64) -> Result<()> {
+        let mut eng = self.engine();
+        let r = eng
+            .flush_out()
+            .and_then(|_| eng.wait_until("an RMA synchronisation reply", |e| e.st.rma.is_done(t)));
+        if let Err(e) = r {
+            eng.quarantine_rma(&[t], false);
+            return Err(e);
+        }
+        eng.st.rma.take(t)
+    }
+
+    pub(super) fn new_reply_token(&self, trank: u32) -> u64 {
+        let target = self.world(trank);
+        self.engine().st.rma.token(
+            Wait::Reply {
+                ptr: std::ptr::null_mut(),
+                len: 0,
+                done: false,
+            },
+            target,
+        )
+    }
+}
+
+impl<'w, P: Provider> Window<'w, P> {
+    /// Issue deferred operations; a lazy lock is taken explicitly first.
+    pub(super) fn drain_pending_keep_lock(&self) -> Result<()> {
+        if let Some((t, k)) = self.lazy_lock.take() {
+            self.roundtrip(rma::H_LOCK, t, Some(k))?;
+        }
+        self.drain_pending(None).map(|_| ())
+    }
+}

@@ -1,0 +1,391 @@
+//! Synchronisation: fence, post-start-complete-wait, passive-target locks, and unwinding
+//! out of an epoch closure.
+
+use super::*;
+
+impl<'w, P: Provider> Window<'w, P> {
+    pub(super) fn enter(&self, a: Access_) -> Result<()> {
+        if self.freed.get() {
+            return Err(Error::invalid("window already freed"));
+        }
+        if self.access.get() != Access_::None {
+            return Err(Error::invalid(
+                "an access epoch is already open on this window",
+            ));
+        }
+        self.access.set(a);
+        self.epoch_ops.set(0);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------ fence
+
+    /// A fence with no operations before it in this process (MPI_Win_fence).
+    pub fn fence(&self, assert: Assert) -> Result<()> {
+        self.enter(Access_::Fence)?;
+        let r = self.close_fence(assert);
+        self.access.set(Access_::None);
+        r
+    }
+
+    /// Run `f`'s operations as one fence epoch: they complete, everywhere, at the fence that
+    /// ends the call. Collective.
+    pub fn fence_epoch<'e, R>(
+        &'e self,
+        assert: Assert,
+        f: impl FnOnce(&Epoch<'e, 'w, P>) -> Result<R>,
+    ) -> Result<R> {
+        self.enter(Access_::Fence)?;
+        let e = Epoch {
+            win: self,
+            _b: PhantomData,
+        };
+        let guard = Unwind { win: self, keep: 0 };
+        let r = f(&e);
+        std::mem::forget(guard);
+        let c = self.close_fence(assert);
+        self.access.set(Access_::None);
+        let v = r?;
+        c?;
+        Ok(v)
+    }
+
+    pub(super) fn close_fence(&self, assert: Assert) -> Result<()> {
+        if assert.contains(Assert::NOPRECEDE) {
+            if self.epoch_ops.get() > 0 {
+                // Still complete what was issued, but report the misuse.
+                let _ = self.drain_pending(None);
+                let _ = self.complete_local();
+                let _ = self.comm.barrier();
+                return Err(Error::invalid(
+                    "fence with NOPRECEDE after RMA operations in the epoch",
+                ));
+            }
+            return self.comm.barrier();
+        }
+        self.drain_pending(None)?;
+        self.complete_local()?;
+        if self.native_put && self.native_get && self.native_atomics {
+            // Every operation is complete at the origin, hence at the target: a barrier is
+            // enough.
+            return self.comm.barrier();
+        }
+        // Everybody learns how many active-message operations each origin sent it, then waits
+        // until it has applied them (per origin, cumulative counts).
+        let n = self.comm.size() as usize;
+        let sent: SmallVec<[u64; 8]> = {
+            let eng = self.engine();
+            let w = eng.st.rma.wins.get(&self.id).expect("window registered");
+            (0..n as u32)
+                .map(|r| w.sent.get(&self.world(r)).copied().unwrap_or(0))
+                .collect()
+        };
+        let mut incoming: SmallVec<[u64; 8]> = smallvec::smallvec![0u64; n];
+        self.comm.alltoall(&sent, &mut incoming)?;
+        let id = self.id;
+        let mut eng = self.engine();
+        // `applied` counts per window, not per origin; compare against the total.
+        let total: u64 = incoming.iter().sum();
+        eng.wait_until("fence: operations from other ranks", |e| {
+            e.st.rma.wins.get(&id).is_some_and(|w| w.applied >= total)
+        })?;
+        drop(eng);
+        // Nobody starts the next epoch before everybody has applied this one.
+        self.comm.barrier()
+    }
+
+    // ------------------------------------------------------------------------------ PSCW
+
+    /// Expose the window to `origins` (communicator ranks): MPI_Win_post.
+    pub fn post(&self, origins: &[u32]) -> Result<()> {
+        if !self.exposed.borrow().is_empty() {
+            return Err(Error::invalid("an exposure epoch is already open"));
+        }
+        let mut eng = self.engine();
+        for &o in origins {
+            let w = self.comm.world_rank(o)?;
+            let mut h = Hdr::new(rma::H_POST);
+            h.u32(self.id);
+            eng.st.am.push_ctrl(w, h);
+        }
+        eng.flush_out()?;
+        drop(eng);
+        let mut e = self.exposed.borrow_mut();
+        e.clear();
+        e.extend_from_slice(origins);
+        Ok(())
+    }
+
+    /// End the exposure epoch once every origin of the post has completed: MPI_Win_wait.
+    pub fn wait(&self) -> Result<()> {
+        let worlds: SmallVec<[Rank; 4]> = {
+            let mut e = self.exposed.borrow_mut();
+            let w: Result<SmallVec<[Rank; 4]>> =
+                e.iter().map(|o| self.comm.world_rank(*o)).collect();
+            e.clear();
+            w?
+        };
+        let id = self.id;
+        let mut eng = self.engine();
+        eng.wait_until("PSCW: complete from every origin", |e| {
+            e.st.rma.wins.get(&id).is_some_and(|w| {
+                worlds
+                    .iter()
+                    .all(|r| w.completes.get(r).copied().unwrap_or(0) > 0)
+            })
+        })?;
+        if let Some(w) = eng.st.rma.wins.get_mut(&id) {
+            for r in &worlds {
+                if let Some(c) = w.completes.get_mut(r) {
+                    *c -= 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Access `targets`' windows for the operations of `f` (MPI_Win_start ... MPI_Win_complete).
+    pub fn start_epoch<'e, R>(
+        &'e self,
+        targets: &[u32],
+        f: impl FnOnce(&Epoch<'e, 'w, P>) -> Result<R>,
+    ) -> Result<R> {
+        self.enter(Access_::Start)?;
+        let r = self.start(targets).and_then(|_| {
+            let e = Epoch {
+                win: self,
+                _b: PhantomData,
+            };
+            let guard = Unwind { win: self, keep: 0 };
+            let r = f(&e);
+            std::mem::forget(guard);
+            r
+        });
+        let c = self.complete(targets);
+        self.access.set(Access_::None);
+        let v = r?;
+        c?;
+        Ok(v)
+    }
+
+    pub(super) fn start(&self, targets: &[u32]) -> Result<()> {
+        let worlds: SmallVec<[Rank; 4]> = targets
+            .iter()
+            .map(|t| self.comm.world_rank(*t))
+            .collect::<Result<_>>()?;
+        let id = self.id;
+        let mut eng = self.engine();
+        eng.wait_until("PSCW: post from every target", |e| {
+            e.st.rma.wins.get(&id).is_some_and(|w| {
+                worlds
+                    .iter()
+                    .all(|r| w.posts.get(r).copied().unwrap_or(0) > 0)
+            })
+        })?;
+        if let Some(w) = eng.st.rma.wins.get_mut(&id) {
+            for r in &worlds {
+                if let Some(c) = w.posts.get_mut(r) {
+                    *c -= 1;
+                }
+            }
+        }
+        drop(eng);
+        let mut t = self.targets.borrow_mut();
+        t.clear();
+        t.extend_from_slice(targets);
+        Ok(())
+    }
+
+    pub(super) fn complete(&self, targets: &[u32]) -> Result<()> {
+        let fold: SmallVec<[(u32, u64); 4]> = targets.iter().map(|t| (*t, 0)).collect();
+        let folded = if self.sched.aggregates() {
+            self.drain_pending(Some((rma::B_COMPLETE, &fold)))?
+        } else {
+            self.drain_pending(None)?;
+            Targets::new()
+        };
+        // Gets and native operations must be complete before we say so.
+        self.complete_local()?;
+        let mut eng = self.engine();
+        for &t in targets {
+            if folded.contains(&t) {
+                continue;
+            }
+            let w = self.comm.world_rank(t)?;
+            let mut h = Hdr::new(rma::H_COMPLETE);
+            h.u32(self.id);
+            eng.st.am.push_ctrl(w, h);
+        }
+        eng.flush_out()?;
+        drop(eng);
+        self.targets.borrow_mut().clear();
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------ locks
+
+    /// Run `f` in a passive-target epoch on `target` (MPI_Win_lock ... MPI_Win_unlock).
+    pub fn lock_epoch<'e, R>(
+        &'e self,
+        target: u32,
+        kind: LockKind,
+        f: impl FnOnce(&Epoch<'e, 'w, P>) -> Result<R>,
+    ) -> Result<R> {
+        self.comm.world_rank(target)?;
+        self.enter(Access_::Lock)?;
+        let k = match kind {
+            LockKind::Shared => rma::LOCK_SHARED,
+            LockKind::Exclusive => rma::LOCK_EXCLUSIVE,
+        };
+        self.excl.set(kind == LockKind::Exclusive);
+        let r = (|| {
+            if self.native_locks {
+                self.native_lock(target, k == rma::LOCK_EXCLUSIVE)?;
+            } else if self.sched.aggregates() {
+                // Lazy: the lock travels with the operations at unlock (or a flush).
+                self.lazy_lock.set(Some((target, k)));
+            } else {
+                self.roundtrip(rma::H_LOCK, target, Some(k))?;
+            }
+            *self.targets.borrow_mut() = vec![target];
+            let e = Epoch {
+                win: self,
+                _b: PhantomData,
+            };
+            let guard = Unwind { win: self, keep: 0 };
+            let r = f(&e);
+            std::mem::forget(guard);
+            r
+        })();
+        let u = self.unlock_targets(&[target]);
+        self.access.set(Access_::None);
+        let v = r?;
+        u?;
+        Ok(v)
+    }
+
+    /// Run `f` with a shared lock on every rank's window (MPI_Win_lock_all ... unlock_all).
+    pub fn lock_all_epoch<'e, R>(
+        &'e self,
+        f: impl FnOnce(&Epoch<'e, 'w, P>) -> Result<R>,
+    ) -> Result<R> {
+        self.enter(Access_::Lock)?;
+        self.excl.set(false);
+        let all: Vec<u32> = (0..self.comm.size()).collect();
+        let r = (|| {
+            for &t in &all {
+                if self.native_locks {
+                    self.native_lock(t, false)?;
+                } else {
+                    self.roundtrip(rma::H_LOCK, t, Some(rma::LOCK_SHARED))?;
+                }
+            }
+            *self.targets.borrow_mut() = all.clone();
+            let e = Epoch {
+                win: self,
+                _b: PhantomData,
+            };
+            let guard = Unwind { win: self, keep: 0 };
+            let r = f(&e);
+            std::mem::forget(guard);
+            r
+        })();
+        let u = self.unlock_targets(&all);
+        self.access.set(Access_::None);
+        let v = r?;
+        u?;
+        Ok(v)
+    }
+
+    /// Take a lock through the provider, retrying with progress until it is free.
+    pub(super) fn native_lock(&self, trank: u32, exclusive: bool) -> Result<()> {
+        let target = self.world(trank);
+        let ra = self.keys.as_ref().expect("native locks need keys")[trank as usize];
+        let mut eng = self.engine();
+        let mut err = None;
+        eng.wait_until("a window lock", |e| {
+            match e.p.rma_try_lock(target, ra, exclusive) {
+                Ok(got) => got,
+                Err(x) => {
+                    err = Some(x);
+                    true
+                }
+            }
+        })?;
+        err.map_or(Ok(()), Err)
+    }
+
+    pub(super) fn unlock_targets(&self, targets: &[u32]) -> Result<()> {
+        if self.native_locks {
+            self.drain_pending(None)?;
+            let mut first = self.complete_local().err();
+            for &t in targets {
+                let ra = self.keys.as_ref().expect("native locks need keys")[t as usize];
+                let target = self.world(t);
+                // Exclusive when the epoch took it so (lock_all takes shared locks).
+                let excl = self.excl.get();
+                if let Err(e) = self.engine().p.rma_unlock(target, ra, excl) {
+                    first.get_or_insert(e);
+                }
+            }
+            self.targets.borrow_mut().clear();
+            return first.map_or(Ok(()), Err);
+        }
+        let mut tokens: SmallVec<[(u32, u64); 4]> = SmallVec::new();
+        let folded = if self.sched.aggregates() {
+            let fold: SmallVec<[(u32, u64); 4]> = targets
+                .iter()
+                .map(|t| (*t, self.new_reply_token(*t)))
+                .collect();
+            tokens = fold.clone();
+            // The batch carrying the unlock must hold everything: if the lazy lock could not be
+            // folded (too much data for one message), take the lock explicitly first.
+            let f = self.drain_pending(Some((rma::B_UNLOCK, &fold)))?;
+            if let Some((t, k)) = self.lazy_lock.take() {
+                // Nothing was folded for this target: plain lock + unlock.
+                self.roundtrip(rma::H_LOCK, t, Some(k))?;
+            }
+            f
+        } else {
+            self.drain_pending(None)?;
+            Targets::new()
+        };
+        let r = self.complete_local();
+        let mut first = r.err();
+        for &t in targets {
+            let res = match tokens.iter().find(|(tr, _)| *tr == t) {
+                Some((_, tok)) if folded.contains(&t) => self.wait_token(*tok),
+                Some((_, tok)) => {
+                    self.engine().st.rma.take(*tok).ok();
+                    self.roundtrip(rma::H_UNLOCK, t, None)
+                }
+                None => self.roundtrip(rma::H_UNLOCK, t, None),
+            };
+            if let Err(e) = res {
+                first.get_or_insert(e);
+            }
+            self.am_dirty.borrow_mut()[t as usize] = false;
+        }
+        self.targets.borrow_mut().clear();
+        first.map_or(Ok(()), Err)
+    }
+}
+
+/// On unwinding out of an epoch closure: forget operations not issued yet (their buffers are
+/// about to go) and complete the issued ones, so nothing refers to freed memory afterwards.
+pub(super) struct Unwind<'a, 'w, P: Provider> {
+    pub(super) win: &'a Window<'w, P>,
+    pub(super) keep: usize,
+}
+
+impl<P: Provider> Drop for Unwind<'_, '_, P> {
+    fn drop(&mut self) {
+        self.win.pending.borrow_mut().truncate(self.keep);
+        let r = &self.win.released;
+        r.set(r.get().min(self.keep));
+        if let Err(e) = self.win.complete_local() {
+            tracing::warn!("completing RMA operations while unwinding: {e}");
+        }
+        self.win.access.set(Access_::None);
+    }
+}

@@ -114,6 +114,7 @@ impl AmState {
     }
 
     /// `r` is a rank of the world that has not failed.
+    #[inline]
     pub(crate) fn check_peer(&self, r: Rank) -> Result<()> {
         if r >= self.size {
             return Err(Error::from(ErrorDetail::InvalidRank {
@@ -128,10 +129,12 @@ impl AmState {
     }
 
     /// Why `rank` failed, if it did.
+    #[inline]
     pub(crate) fn peer_failure(&self, rank: Rank) -> Option<&str> {
         self.failed.get(rank as usize)?.as_deref()
     }
 
+    #[inline]
     pub(crate) fn is_failed(&self, rank: Rank) -> bool {
         self.peer_failure(rank).is_some()
     }
@@ -154,6 +157,7 @@ impl AmState {
     }
 
     /// Peers failed since the last call, for the protocols to release what waits for them.
+    #[inline]
     pub(crate) fn take_newly_failed(&mut self) -> Option<Vec<Rank>> {
         (!self.newly_failed.is_empty()).then(|| std::mem::take(&mut self.newly_failed))
     }
@@ -182,6 +186,7 @@ impl AmState {
     /// broken the protocol, within the provider's limits, with a header of exactly the length
     /// its handler declares (`header_len`). `false`: the message is dropped (and its sender
     /// failed, if it is malformed).
+    #[inline]
     pub(crate) fn admit(
         &mut self,
         src: Rank,
@@ -233,6 +238,7 @@ impl AmState {
     }
 
     /// Was `id` given up by a failed wait? (Late messages for it are expected then.)
+    #[inline]
     pub(crate) fn was_quarantined(&self, id: u64) -> bool {
         self.quarantined.contains(&id)
     }
@@ -248,23 +254,28 @@ impl AmState {
     }
 
     /// An empty buffer for an owned payload, reusing one of a message already sent.
+    #[inline]
     pub(crate) fn spare_buf(&mut self) -> Vec<u8> {
         self.spare.take()
     }
 
     /// Give a payload buffer back for reuse.
+    #[inline]
     pub(crate) fn recycle(&mut self, data: Vec<u8>) {
         self.spare.give(data);
     }
 
+    #[inline]
     pub(crate) fn push_out(&mut self, dest: Rank, o: Out) {
         self.out.push(dest, o);
     }
 
+    #[inline]
     pub(crate) fn push_ctrl(&mut self, dest: Rank, h: Hdr) {
         self.out.push(dest, Out::Ctrl(h));
     }
 
+    #[inline]
     pub(crate) fn push_owned(&mut self, dest: Rank, h: Hdr, data: Vec<u8>) {
         self.out.push(dest, Out::Owned(h, data));
     }

@@ -61,6 +61,7 @@ impl Outbox {
         }
     }
 
+    #[inline]
     pub(crate) fn push(&mut self, dest: Rank, o: Out) {
         self.q[dest as usize].push_back(o);
         if !self.flag[dest as usize] {
@@ -82,6 +83,7 @@ impl Outbox {
     }
 
     /// Take everything queued for `dest` (which failed).
+    #[inline]
     pub(crate) fn drop_queue(&mut self, dest: Rank) -> VecDeque<Out> {
         std::mem::take(&mut self.q[dest as usize])
     }
@@ -209,6 +211,7 @@ impl AmState {
 
     /// Send `hdr` with `pieces` as payload, packed into scratch space when there are more
     /// pieces than the provider takes.
+    #[inline]
     pub(crate) fn send_pieces<P: Provider>(
         &mut self,
         p: &mut P,
@@ -253,6 +256,7 @@ pub(crate) fn failure_reason(e: &Error) -> String {
 
 /// # Safety
 /// `pc` must describe readable memory that stays valid for the returned lifetime.
+#[inline]
 pub(crate) unsafe fn raw_slice<'a>(pc: &RawIov) -> &'a [u8] {
     if pc.len == 0 {
         &[]

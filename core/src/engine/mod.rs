@@ -172,6 +172,7 @@ impl<P: Provider> Engine<P> {
 
     // ------------------------------------------------------------------------------ posting
 
+    #[inline]
     pub(crate) fn isend(
         &mut self,
         dest: Rank,
@@ -189,6 +190,7 @@ impl<P: Provider> Engine<P> {
         r
     }
 
+    #[inline]
     pub(crate) fn irecv(
         &mut self,
         src: Option<Rank>,
@@ -261,6 +263,7 @@ impl<P: Provider> Engine<P> {
     // ---------------------------------------------------------------------------- completion
 
     /// The result of a finished request, freeing it; `None` if still running.
+    #[inline]
     pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
         self.st.p2p.try_take(id)
     }

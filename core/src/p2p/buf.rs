@@ -33,6 +33,7 @@ pub(crate) struct RecvBuf {
 
 impl SendBuf {
     /// iovec pieces for packed bytes `[off, off+len)`, as raw `(ptr, len)`.
+    #[inline]
     pub(crate) fn pieces(&self, off: usize, len: usize, out: &mut SmallVec<[RawIov; 8]>) {
         match &self.layout {
             Layout::Contig => out.push(RawIov {
@@ -53,6 +54,7 @@ impl SendBuf {
         }
     }
 
+    #[inline]
     pub(crate) fn piece_count(&self, max: usize) -> usize {
         match &self.layout {
             Layout::Contig => 1,
@@ -167,6 +169,7 @@ unsafe fn copy_nt(dst: *mut u8, src: &[u8]) {
 
 impl RecvBuf {
     /// Copy `data` to packed offset `off`. Caller guarantees `off + data.len() <= cap`.
+    #[inline]
     pub(crate) fn write(&self, off: usize, data: &[u8]) {
         debug_assert!(off + data.len() <= self.cap);
         match &self.layout {
@@ -193,6 +196,7 @@ impl RecvBuf {
     /// Like `write`, with non-temporal stores for a contiguous buffer: the bytes go to memory
     /// without first reading the destination lines into the cache (for messages too large to
     /// stay in cache anyway).
+    #[inline]
     pub(crate) fn write_nt(&self, off: usize, data: &[u8]) {
         match &self.layout {
             // SAFETY: as in `write`: off + len <= cap, the request holds the unique borrow.
@@ -201,6 +205,7 @@ impl RecvBuf {
         }
     }
 
+    #[inline]
     pub(crate) fn pieces(&self, len: usize, out: &mut SmallVec<[RawIovMut; 8]>) {
         match &self.layout {
             Layout::Contig => out.push(RawIovMut {

@@ -10,6 +10,7 @@ use crate::provider::RemoteAddr;
 use crate::types::Rank;
 
 impl P2pState {
+    #[inline]
     pub(super) fn on_eager(
         &mut self,
         am: &mut AmState,
@@ -165,6 +166,7 @@ impl P2pState {
 
     /// `k` more bytes of streaming receive `rreq` are in its buffer (copied by `on_data` or
     /// placed by the provider); finish it when all have arrived.
+    #[inline]
     pub(super) fn data_arrived(&mut self, rreq: u64, src: Rank, k: usize) {
         let Some(Req {
             kind: Kind::Recv(r),
@@ -217,6 +219,7 @@ impl P2pState {
         Some(())
     }
 
+    #[inline]
     pub(super) fn on_sack(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
         let sreq = rd.u64()?;
         match self.reqs.get_mut(sreq) {

@@ -63,6 +63,7 @@ const EAGER_OVERHEAD: usize = 64;
 /// The exact header length of message `kind` whose second byte is `flags` (for the kinds that
 /// have a flags byte), or `None` for a kind that is not ours. Every handler's fields are
 /// fixed, so a header of any other length is a protocol error, caught before anything is done.
+#[inline]
 pub(crate) fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
     Some(match kind {
         H_EAGER => 10 + if flags? & F_SYNC != 0 { 8 } else { 0 },
@@ -242,6 +243,7 @@ pub(crate) struct P2pState {
     deregs: Vec<MemRegion>,
 }
 
+#[inline]
 fn status(source: Rank, tag: i32, bytes: usize) -> Status {
     Status {
         source,
@@ -251,6 +253,7 @@ fn status(source: Rank, tag: i32, bytes: usize) -> Status {
     }
 }
 
+#[inline]
 fn recv_result(st: Status, cap: usize) -> Result<Status> {
     if st.bytes > cap {
         Err(Error::from(ErrorDetail::Truncated {
@@ -298,11 +301,13 @@ impl P2pState {
     }
 
     /// Number of live requests.
+    #[inline]
     pub(crate) fn live(&self) -> usize {
         self.reqs.live()
     }
 
     /// No rendezvous data left to stream.
+    #[inline]
     pub(crate) fn streams_idle(&self) -> bool {
         self.streams.is_empty()
     }
@@ -338,6 +343,7 @@ impl P2pState {
     // -------------------------------------------------------------------------- completion
 
     /// The result of a finished request, freeing it; `None` if still running.
+    #[inline]
     pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
         match self.reqs.get(id) {
             Some(Req { done: Some(_), .. }) => self.reqs.remove(id).and_then(|r| r.done),
@@ -346,11 +352,13 @@ impl P2pState {
         }
     }
 
+    #[inline]
     pub(crate) fn is_done(&self, id: ReqId) -> bool {
         !matches!(self.reqs.get(id), Some(Req { done: None, .. }))
     }
 
     /// Mark a request finished with `res`.
+    #[inline]
     fn finish(&mut self, id: ReqId, res: Result<Status>) {
         if let Some(r) = self.reqs.get_mut(id) {
             if r.done.is_none() {
@@ -516,6 +524,7 @@ impl P2pState {
 
     /// An active message of ours (`kind` in `am::P2P_IDS`, header length already checked);
     /// `None` if its fields do not parse.
+    #[inline]
     pub(crate) fn on_am(
         &mut self,
         am: &mut AmState,
@@ -608,6 +617,7 @@ impl P2pState {
 
     // ------------------------------------------------------------------------------ helpers
 
+    #[inline]
     fn set_send_phase(&mut self, id: ReqId, phase: SendPhase) {
         if let Some(Req {
             kind: Kind::Send(s),
@@ -620,6 +630,7 @@ impl P2pState {
 
     /// A send request in `phase`, owned by `scope`.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn new_send(
         &mut self,
         scope: u64,
@@ -647,6 +658,7 @@ impl P2pState {
     }
 
     /// Nothing is queued or streaming to `dest`: data sent now leaves at once.
+    #[inline]
     fn idle(&self, am: &AmState, dest: Rank) -> bool {
         am.out.is_empty_to(dest)
             && !self.streams.iter().any(|&id| {

@@ -136,6 +136,7 @@ impl P2pState {
     }
 
     /// Try to send queued eager message `id` (its turn in the outbox came).
+    #[inline]
     pub(super) fn send_queued_eager<P: Provider>(
         &mut self,
         p: &mut P,
@@ -350,6 +351,7 @@ impl P2pState {
 }
 
 /// Try to hand a message with the packed bytes of `buf` as payload to the provider now.
+#[inline]
 fn send_now<P: Provider>(
     p: &mut P,
     am: &mut AmState,

@@ -51,6 +51,7 @@ pub(crate) const H_BATCH: u8 = H_PUT + 13;
 const _: () = assert!(H_BATCH < am::RMA_IDS.end);
 
 /// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
+#[inline]
 pub(crate) fn header_len(kind: u8) -> Option<usize> {
     Some(match kind {
         H_PUT => 13,

@@ -93,6 +93,18 @@ pub fn host_id() -> String {
     format!("{hostname}/{boot}/{netns}")
 }
 
+/// The job's key-value space, as a provider keeps it after `open` ([`Bootstrap::kv`]): to
+/// look a peer's address up the first time it talks to that peer (lazy connection) instead of
+/// reading every rank's at open.
+pub trait KvSpace: Send + Sync {
+    /// Publish `key = value` for the others; visible to them after the next collective fence
+    /// (the core fences once right after opening the provider), or sooner where the launcher
+    /// allows.
+    fn put(&self, key: &str, value: &str) -> Result<()>;
+    /// A published value; `Ok(None)` if `key` was not published (or not visible yet).
+    fn get(&self, key: &str) -> Result<Option<String>>;
+}
+
 /// The launcher-side services a rank uses to find its peers.
 pub trait Bootstrap {
     fn rank(&self) -> Rank;
@@ -109,6 +121,11 @@ pub trait Bootstrap {
     /// The ranks are threads of one process.
     fn in_process(&self) -> bool {
         false
+    }
+    /// A handle to the key-value space that stays usable after `open` (see [`KvSpace`]);
+    /// `None` if this bootstrap cannot give one.
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        None
     }
     /// Tell the launcher this job is failing; best effort.
     fn abort(&mut self, _code: i32, _msg: &str) {}
@@ -137,7 +154,7 @@ pub fn allgather(boot: &mut dyn Bootstrap, key: &str, value: &str) -> Result<Vec
 /// A program started without a launcher: a world of one.
 #[derive(Debug)]
 pub struct Singleton {
-    kv: HashMap<String, String>,
+    kv: Arc<Mutex<HashMap<String, String>>>,
     nodes: NodeMap,
     job: String,
 }
@@ -154,7 +171,7 @@ impl Singleton {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Singleton {
-            kv: HashMap::new(),
+            kv: Arc::default(),
             nodes: NodeMap::single_host(1),
             job: format!("singleton-{}-{n}", std::process::id()),
         }
@@ -172,21 +189,42 @@ impl Bootstrap for Singleton {
         &self.job
     }
     fn put(&mut self, key: &str, value: &str) -> Result<()> {
-        self.kv.insert(key.to_string(), value.to_string());
-        Ok(())
+        MapKv(self.kv.clone()).put(key, value)
     }
     fn fence(&mut self) -> Result<()> {
         Ok(())
     }
     fn get(&mut self, key: &str) -> Result<String> {
-        self.kv.get(key).cloned().ok_or_else(|| {
-            Error::from(ErrorDetail::Bootstrap(format!(
-                "key '{key}' was never published"
-            )))
-        })
+        MapKv(self.kv.clone())
+            .get(key)?
+            .ok_or_else(|| never_published(key))
     }
     fn nodes(&self) -> &NodeMap {
         &self.nodes
+    }
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        Some(Arc::new(MapKv(self.kv.clone())))
+    }
+}
+
+fn never_published(key: &str) -> Error {
+    Error::from(ErrorDetail::Bootstrap(format!(
+        "key '{key}' was never published"
+    )))
+}
+
+/// A key-value space in this process's memory (a singleton's, an in-process job's).
+struct MapKv(Arc<Mutex<HashMap<String, String>>>);
+
+impl KvSpace for MapKv {
+    fn put(&self, key: &str, value: &str) -> Result<()> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.insert(key.to_string(), value.to_string());
+        Ok(())
+    }
+    fn get(&self, key: &str) -> Result<Option<String>> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(m.get(key).cloned())
     }
 }
 
@@ -246,6 +284,21 @@ impl InProcessJob {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+}
+
+/// An in-process job's key-value space, after open: a put is visible at once.
+struct JobKv(Arc<InProcessJob>);
+
+impl KvSpace for JobKv {
+    fn put(&self, key: &str, value: &str) -> Result<()> {
+        let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.kv.insert(key.to_string(), value.to_string());
+        Ok(())
+    }
+    fn get(&self, key: &str) -> Result<Option<String>> {
+        let st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(st.kv.get(key).cloned())
     }
 }
 
@@ -314,18 +367,18 @@ impl Bootstrap for InProcess {
         Ok(())
     }
     fn get(&mut self, key: &str) -> Result<String> {
-        let st = self.job.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.kv.get(key).cloned().ok_or_else(|| {
-            Error::from(ErrorDetail::Bootstrap(format!(
-                "key '{key}' was never published"
-            )))
-        })
+        JobKv(self.job.clone())
+            .get(key)?
+            .ok_or_else(|| never_published(key))
     }
     fn nodes(&self) -> &NodeMap {
         &self.nodes
     }
     fn in_process(&self) -> bool {
         true
+    }
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        Some(Arc::new(JobKv(self.job.clone())))
     }
     fn abort(&mut self, _code: i32, msg: &str) {
         self.job.break_job(msg);

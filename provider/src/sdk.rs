@@ -514,6 +514,7 @@ pub unsafe extern "C" fn rma_reg<P: StaticProvider>(
 ) -> i32 {
     with::<P, _>(h, |p| {
         let a = Access {
+            local_write: access & 8 != 0,
             remote_read: access & 1 != 0,
             remote_write: access & 2 != 0,
             remote_atomic: access & 4 != 0,
@@ -539,6 +540,7 @@ pub unsafe extern "C" fn rma_dereg<P: StaticProvider>(h: *mut c_void, mr: *const
             addr: m.addr,
             len: m.len as usize,
             handle: m.handle,
+            desc: m.handle,
         })?;
         Ok(WEFT_OK)
     })
@@ -559,10 +561,7 @@ pub unsafe extern "C" fn rma_read<P: StaticProvider>(
     with::<P, _>(h, |p| {
         let l: Vec<RawIovMut> = std::slice::from_raw_parts(local, cnt)
             .iter()
-            .map(|v| RawIovMut {
-                ptr: v.base,
-                len: v.len,
-            })
+            .map(|v| RawIovMut::new(v.base, v.len))
             .collect();
         p.rma_read(src, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
         Ok(WEFT_OK)
@@ -584,10 +583,7 @@ pub unsafe extern "C" fn rma_write<P: StaticProvider>(
     with::<P, _>(h, |p| {
         let l: Vec<RawIov> = std::slice::from_raw_parts(local, cnt)
             .iter()
-            .map(|v| RawIov {
-                ptr: v.base,
-                len: v.len,
-            })
+            .map(|v| RawIov::new(v.base, v.len))
             .collect();
         p.rma_write(dest, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
         Ok(WEFT_OK)
@@ -634,6 +630,7 @@ fn completion(token: u64, cntr: u64) -> Completion {
     Completion {
         cq: (token != 0).then_some(token),
         cntr: (cntr != 0).then_some(cntr),
+        fence: false,
     }
 }
 

@@ -8,12 +8,13 @@
 //! transparently; characters PMI values may not carry (space, `=`, control bytes, non-ASCII) are
 //! escaped as `%XX`.
 
-use super::{host_id, Bootstrap, NodeMap};
+use super::{host_id, Bootstrap, KvSpace, NodeMap};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::io::FromRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Parsed `key=value` tuples of one PMI line, in order.
@@ -208,8 +209,8 @@ impl Conn {
     }
 }
 
-/// A connected, initialised PMI-1 client.
-pub struct Pmi {
+/// The connection to the PMI server and what the handshake learned.
+struct Client {
     conn: Conn,
     rank: Rank,
     size: u32,
@@ -218,9 +219,34 @@ pub struct Pmi {
     key_max: usize,
     val_max: usize,
     timeout: Duration,
-    nodes: NodeMap,
     finalized: bool,
     line: String,
+}
+
+/// A connected, initialised PMI-1 client. Its connection is shared with the key-value handles
+/// providers keep after `open` ([`Bootstrap::kv`]).
+pub struct Pmi {
+    c: Arc<Mutex<Client>>,
+    rank: Rank,
+    size: u32,
+    kvsname: String,
+    nodes: NodeMap,
+}
+
+/// A provider's handle to the job's key-value space (see [`Bootstrap::kv`]).
+struct PmiKv(Arc<Mutex<Client>>);
+
+impl KvSpace for PmiKv {
+    fn put(&self, key: &str, value: &str) -> Result<()> {
+        lock(&self.0).put_value(key, value)
+    }
+    fn get(&self, key: &str) -> Result<Option<String>> {
+        lock(&self.0).try_get_value(key)
+    }
+}
+
+fn lock(c: &Mutex<Client>) -> std::sync::MutexGuard<'_, Client> {
+    c.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl std::fmt::Debug for Pmi {
@@ -319,7 +345,7 @@ impl Pmi {
             Some((r, n)) => (Some(r), Some(n)),
             None => (None, None),
         };
-        let mut p = Pmi {
+        let mut p = Client {
             conn,
             rank: rank.unwrap_or(0),
             size: size.unwrap_or(1),
@@ -328,7 +354,6 @@ impl Pmi {
             key_max: 64,
             val_max: 256,
             timeout,
-            nodes: NodeMap::single_host(1),
             finalized: false,
             line: String::new(),
         };
@@ -394,21 +419,36 @@ impl Pmi {
                 ))
             })?
             .to_string();
+        let mut pmi = Pmi {
+            rank: p.rank,
+            size: p.size,
+            kvsname: p.kvsname.clone(),
+            c: Arc::new(Mutex::new(p)),
+            nodes: NodeMap::single_host(1),
+        };
         // Node map: everybody publishes its host identity.
-        let ids = super::allgather(&mut p, "weft.host", &host_id())?;
-        p.nodes = NodeMap::from_ids(&ids, p.rank);
-        Ok(p)
+        let ids = super::allgather(&mut pmi, "weft.host", &host_id())?;
+        pmi.nodes = NodeMap::from_ids(&ids, pmi.rank);
+        Ok(pmi)
     }
 
     pub fn appnum(&self) -> i64 {
-        self.appnum
+        lock(&self.c).appnum
     }
 
     /// Server limits (key, value) after subtracting the C API's NUL.
     pub fn maxes(&self) -> (usize, usize) {
-        (self.key_max, self.val_max)
+        let c = lock(&self.c);
+        (c.key_max, c.val_max)
     }
 
+    /// Tell the launcher to end the job.
+    pub fn abort_job(&mut self, code: i32, msg: &str) {
+        lock(&self.c).abort_job(code, msg)
+    }
+}
+
+impl Client {
     fn send(&mut self, s: &str) -> Result<()> {
         self.conn
             .send(s)
@@ -485,7 +525,8 @@ impl Pmi {
         self.call(&req, "put_result").map(|_| ())
     }
 
-    fn raw_get(&mut self, key: &str) -> Result<String> {
+    /// The raw value of `key`; `None` if the server has none.
+    fn raw_get(&mut self, key: &str) -> Result<Option<String>> {
         self.check_key(key)?;
         let req = format!("cmd=get kvsname={} key={key}\n", self.kvsname);
         self.send(&req)?;
@@ -497,11 +538,9 @@ impl Pmi {
             ))));
         }
         if l.rc()? != 0 {
-            return Err(Error::from(ErrorDetail::Bootstrap(format!(
-                "PMI key '{key}' not found"
-            ))));
+            return Ok(None);
         }
-        Ok(l.get("value").unwrap_or("").to_string())
+        Ok(Some(l.get("value").unwrap_or("").to_string()))
     }
 
     /// Tell the launcher to end the job.
@@ -518,19 +557,8 @@ impl Pmi {
             escape(msg)
         ));
     }
-}
 
-impl Bootstrap for Pmi {
-    fn rank(&self) -> Rank {
-        self.rank
-    }
-    fn size(&self) -> u32 {
-        self.size
-    }
-    fn job_id(&self) -> &str {
-        &self.kvsname
-    }
-    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+    pub(super) fn put_value(&mut self, key: &str, value: &str) -> Result<()> {
         let esc = escape(value);
         // One-part values are stored as "1" + data; longer ones as "<n>" + first part with the
         // others under "<key>~<i>". The part count precedes a ':'.
@@ -546,11 +574,17 @@ impl Bootstrap for Pmi {
         }
         self.raw_put(key, &format!("{n}:{}", owned[0]))
     }
-    fn fence(&mut self) -> Result<()> {
-        self.call("cmd=barrier_in\n", "barrier_out").map(|_| ())
+    pub(super) fn get_value(&mut self, key: &str) -> Result<String> {
+        self.try_get_value(key)?.ok_or_else(|| {
+            Error::from(ErrorDetail::Bootstrap(format!("PMI key '{key}' not found")))
+        })
     }
-    fn get(&mut self, key: &str) -> Result<String> {
-        let head = self.raw_get(key)?;
+
+    /// A value published with `put_value`; `None` if `key` was never published.
+    pub(super) fn try_get_value(&mut self, key: &str) -> Result<Option<String>> {
+        let Some(head) = self.raw_get(key)? else {
+            return Ok(None);
+        };
         let (n, first) = head
             .split_once(':')
             .and_then(|(n, rest)| n.parse::<usize>().ok().map(|n| (n, rest)))
@@ -566,22 +600,54 @@ impl Bootstrap for Pmi {
         }
         let mut esc = first.to_string();
         for i in 1..n {
-            esc.push_str(&self.raw_get(&format!("{key}~{i}"))?);
+            let part = self.raw_get(&format!("{key}~{i}"))?.ok_or_else(|| {
+                Error::from(ErrorDetail::Bootstrap(format!(
+                    "PMI value of '{key}' lacks part {i}"
+                )))
+            })?;
+            esc.push_str(&part);
         }
-        unescape(&esc)
+        unescape(&esc).map(Some)
+    }
+}
+
+impl Bootstrap for Pmi {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+    fn job_id(&self) -> &str {
+        &self.kvsname
+    }
+    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+        lock(&self.c).put_value(key, value)
+    }
+    fn fence(&mut self) -> Result<()> {
+        lock(&self.c)
+            .call("cmd=barrier_in\n", "barrier_out")
+            .map(|_| ())
+    }
+    fn get(&mut self, key: &str) -> Result<String> {
+        lock(&self.c).get_value(key)
     }
     fn nodes(&self) -> &NodeMap {
         &self.nodes
+    }
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        Some(Arc::new(PmiKv(self.c.clone())))
     }
     fn abort(&mut self, code: i32, msg: &str) {
         self.abort_job(code, msg);
     }
     fn finalize(&mut self) -> Result<()> {
-        if self.finalized {
+        let mut c = lock(&self.c);
+        if c.finalized {
             return Ok(());
         }
-        self.finalized = true;
-        self.call("cmd=finalize\n", "finalize_ack").map(|_| ())
+        c.finalized = true;
+        c.call("cmd=finalize\n", "finalize_ack").map(|_| ())
     }
 }
 

@@ -346,6 +346,7 @@ impl Provider for Foreign {
             addr: mr.addr,
             len: mr.len as usize,
             handle: mr.handle,
+            desc: mr.handle,
         })
     }
 

@@ -253,6 +253,8 @@ fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
             alloc: false,
             native_locks: false,
             user_memory: true,
+            // ABI 1.0 promised what the core always assumed: delivery completion.
+            ..RmaCaps::default()
         });
     }
     if l.atomics.is_some() {

@@ -37,6 +37,7 @@ impl SendBuf {
     pub(crate) fn pieces(&self, off: usize, len: usize, out: &mut SmallVec<[RawIov; 8]>) {
         match &self.layout {
             Layout::Contig => out.push(RawIov {
+                desc: 0,
                 // SAFETY: off+len <= self.len, checked by callers; base..base+len is the
                 // borrowed buffer.
                 ptr: unsafe { self.base.add(off) },
@@ -45,6 +46,7 @@ impl SendBuf {
             Layout::Typed(dt, count) => {
                 let _ = dt.for_range(*count, off, len, |o, l| {
                     out.push(RawIov {
+                        desc: 0,
                         // SAFETY: the datatype's span was checked against the buffer length.
                         ptr: unsafe { self.base.offset(o) },
                         len: l,
@@ -209,12 +211,14 @@ impl RecvBuf {
     pub(crate) fn pieces(&self, len: usize, out: &mut SmallVec<[RawIovMut; 8]>) {
         match &self.layout {
             Layout::Contig => out.push(RawIovMut {
+                desc: 0,
                 ptr: self.base,
                 len,
             }),
             Layout::Typed(dt, count) => {
                 let _ = dt.for_range(*count, 0, len, |o, l| {
                     out.push(RawIovMut {
+                        desc: 0,
                         // SAFETY: within the checked span of the borrowed buffer.
                         ptr: unsafe { self.base.offset(o) },
                         len: l,

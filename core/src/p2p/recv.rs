@@ -180,6 +180,7 @@ impl P2pState {
         if count > am.caps.max_iov {
             let mut v = vec![0u8; buf.cap];
             pieces.push(RawIovMut {
+                desc: 0,
                 ptr: v.as_mut_ptr(),
                 len: v.len(),
             });

@@ -188,6 +188,7 @@ impl P2pState {
             let mut v = vec![0u8; buf.len];
             gather(&buf, &mut v);
             pieces.push(RawIov {
+                desc: 0,
                 ptr: v.as_ptr(),
                 len: v.len(),
             });

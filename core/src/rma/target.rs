@@ -226,6 +226,7 @@ fn get(st: &mut Ctx<'_>, src: Rank, win: u32, off: u64, len: usize, token: u64) 
         let mut h = Hdr::new(H_GET_REPLY);
         h.u64(token).u64(at as u64);
         let piece = RawIov {
+            desc: 0,
             // SAFETY: within the checked range of window memory.
             ptr: unsafe { p.add(at) },
             len: n,

@@ -94,6 +94,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     OpKind::Put => e.p.rma_write(
                         target,
                         &[RawIov {
+                            desc: 0,
                             ptr: op.origin,
                             len: op.len,
                         }],
@@ -103,6 +104,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     OpKind::Get => e.p.rma_read(
                         target,
                         &[RawIovMut {
+                            desc: 0,
                             ptr: op.result,
                             len: op.len,
                         }],
@@ -172,6 +174,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     // SAFETY: the origin buffer is borrowed by the epoch, which drains the
                     // outbox before it ends (see Out::Raw).
                     let r = RawIov {
+                        desc: 0,
                         ptr: unsafe { op.origin.add(at) },
                         len: n,
                     };
@@ -211,6 +214,7 @@ impl<'w, P: Provider> Window<'w, P> {
                         .u8(ty as u8);
                     // SAFETY: as for puts.
                     let r = RawIov {
+                        desc: 0,
                         ptr: unsafe { op.origin.add(at) },
                         len: n,
                     };

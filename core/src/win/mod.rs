@@ -541,6 +541,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let n = std::mem::size_of_val(out);
         if let Some(ra) = self.self_addr(off) {
             let local = [RawIovMut {
+                desc: 0,
                 ptr: out.as_mut_ptr() as *mut u8,
                 len: n,
             }];
@@ -568,6 +569,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let off = self.local_range(disp, n, "write")?;
         if let Some(ra) = self.self_addr(off) {
             let local = [RawIov {
+                desc: 0,
                 ptr: data.as_ptr() as *const u8,
                 len: n,
             }];

@@ -33,8 +33,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::Bootstrap;
 use weft_provider::provider::{
-    Access, Caps, CntrId, CntrValue, Completed, Completion, CompletionTable, MemRegion,
-    ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
+    Access, Caps, CntrId, CntrValue, Completed, Completion, CompletionLevel, CompletionTable,
+    MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
     StaticProvider, TaggedStatus, Token,
 };
 use weft_provider::{Error, ErrorDetail, Rank, Result};
@@ -102,6 +102,10 @@ fn caps() -> Caps {
         alloc: false,
         native_locks: false,
         user_memory: true,
+        // Cross-memory-attach copies finish (visible at the target) before the call returns.
+        completion: CompletionLevel::Delivery,
+        fence: true,
+        cq_data_size: 0,
     });
     c.counters = true;
     c
@@ -952,6 +956,7 @@ impl Limic {
             addr: if keyed { 0 } else { base as u64 },
             len,
             handle: i as u64,
+            desc: i as u64,
         })
     }
 
@@ -1448,6 +1453,7 @@ mod tests {
         let src = [0x5Au8; 64];
         let writer = std::thread::spawn(move || {
             let local = [RawIov {
+                desc: 0,
                 ptr: src.as_ptr(),
                 len: src.len(),
             }];
@@ -1502,6 +1508,7 @@ mod tests {
         let mut mine = vec![0u8; len];
         let mut other = vec![0u8; len];
         let buf = [RawIovMut {
+            desc: 0,
             ptr: mine.as_mut_ptr(),
             len,
         }];
@@ -1512,6 +1519,7 @@ mod tests {
         l0.seg.slot(0, slot).iov[0][0].store(other.as_mut_ptr() as u64, Ordering::Relaxed);
         let data = vec![0xC3u8; len];
         let piece = [RawIov {
+            desc: 0,
             ptr: data.as_ptr(),
             len,
         }];

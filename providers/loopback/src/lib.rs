@@ -154,6 +154,9 @@ impl Loopback {
                 alloc: false,
                 native_locks: false,
                 user_memory: true,
+                // Copies between threads: complete when issued, hence ordered.
+                fence: true,
+                ..RmaCaps::default()
             });
             caps.counters = cfg.counters;
         }
@@ -392,6 +395,7 @@ impl Loopback {
             addr: if keyed { 0 } else { base as u64 },
             len,
             handle: key,
+            desc: key,
         })
     }
 

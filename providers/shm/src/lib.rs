@@ -143,6 +143,10 @@ impl Config {
                 alloc: true,
                 native_locks: true,
                 user_memory: false,
+                // Copies and CPU atomics: complete (and visible) when issued, hence ordered.
+                completion: weft_provider::provider::CompletionLevel::Delivery,
+                fence: true,
+                cq_data_size: 0,
             });
             c.atomics = weft_provider::types::AtomicTable::all();
             // Operations are copies and CPU atomics that finish when issued: counting them is
@@ -584,6 +588,7 @@ impl Provider for Shm {
                 addr: off as u64,
                 len,
                 handle: off as u64,
+                desc: off as u64,
             },
         ))
     }

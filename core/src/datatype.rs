@@ -672,6 +672,7 @@ mod tests {
     }
 
     proptest! {
+        #[cfg_attr(miri, ignore)] // hundreds of cases under Miri take hours; file I/O is isolated
         #[test]
         fn iovecs_cover_type_bytes_in_order(t in arb_type(), count in 0usize..4) {
             let t = t.commit();
@@ -688,6 +689,7 @@ mod tests {
             prop_assert_eq!(iov.iter().map(|p| p.1).sum::<usize>(), t.size() * count);
         }
 
+        #[cfg_attr(miri, ignore)] // hundreds of cases under Miri take hours; file I/O is isolated
         #[test]
         fn pack_then_unpack_is_identity(t in arb_type(), count in 0usize..4, seed in any::<u8>()) {
             let t = t.commit();
@@ -709,6 +711,7 @@ mod tests {
             prop_assert_eq!(again, packed);
         }
 
+        #[cfg_attr(miri, ignore)] // hundreds of cases under Miri take hours; file I/O is isolated
         #[test]
         fn ranges_concatenate(t in arb_type(), count in 1usize..4, cut in 0usize..64) {
             let t = t.commit();

@@ -120,6 +120,7 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                         }
                         writeln!(s).unwrap();
                     }
+                    writeln!(s, "  {}", atomic_windows(&c)).unwrap();
                 }
             }
         }
@@ -206,4 +207,38 @@ pub fn params_report() -> (String, bool) {
         writeln!(s, "ERROR: {e}").unwrap();
     }
     (s, ok)
+}
+
+/// Which windows get native atomics under the rule above, in a sentence.
+fn atomic_windows(c: &weft::provider::Caps) -> String {
+    let valid: Vec<(Op, BasicType)> = Op::ALL
+        .iter()
+        .flat_map(|o| BasicType::ALL.iter().map(move |t| (*o, *t)))
+        .filter(|(o, t)| o.valid_for(*t))
+        .collect();
+    let native: Vec<&(Op, BasicType)> = valid
+        .iter()
+        .filter(|(o, t)| c.atomics.query(*o, *t))
+        .collect();
+    let which = if c.rma.is_some_and(|r| !r.user_memory) {
+        "window the provider allocates"
+    } else {
+        "window"
+    };
+    if native.len() == valid.len() {
+        format!("windows: every {which} uses native atomics (no hint needed)")
+    } else if native.len() <= 8 {
+        let list: Vec<String> = native
+            .iter()
+            .map(|(o, t)| format!("{}:{}", o.name(), t.name()))
+            .collect();
+        format!(
+            "windows: only a {which} whose accumulate_ops hint allows no more than {{{}}} uses native atomics; a window without a hint uses active messages",
+            list.join(", ")
+        )
+    } else {
+        format!(
+            "windows: only a {which} whose accumulate_ops hint allows no more than the x entries uses native atomics; a window without a hint uses active messages"
+        )
+    }
 }

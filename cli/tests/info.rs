@@ -73,3 +73,24 @@ fn every_parameter_is_documented() {
         .collect();
     assert!(missing.is_empty(), "docs/environment.md lacks {missing:?}");
 }
+
+/// An HCA's atomics (8-byte SUM and CSWAP only): `weft info` says which windows get them (the
+/// ones whose accumulate_ops hint stays within those two), and lists contract 2's capabilities.
+#[test]
+fn info_says_which_windows_get_native_atomics() {
+    let o = run_bounded(
+        weft_clean()
+            .arg("info")
+            .env("WEFT_LOOPBACK_RMA", "1")
+            .env("WEFT_LOOPBACK_ATOMICS", "hca")
+            .env("WEFT_LOOPBACK_COMPLETION", "transmit")
+            .env("WEFT_LOOPBACK_ZCOPY", "1")
+            .env("WEFT_LOOPBACK_MR_LOCAL", "1")
+            .env("WEFT_LOOPBACK_LAZY", "1"),
+        30,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lb = &out[out.find("[loopback]").expect("loopback section")..];
+    insta::assert_snapshot!(lb);
+}

@@ -57,8 +57,8 @@ pub use weft_provider::{
 };
 
 pub use comm::{
-    waitall, waitany, Comm, Request, Scope, SharedBuf, Source, TagSel, World, ANY_SOURCE, ANY_TAG,
-    TAG_UB,
+    waitall, waitany, Comm, RegistrationStats, Request, Scope, SharedBuf, Source, TagSel, World,
+    ANY_SOURCE, ANY_TAG, TAG_UB,
 };
 pub use datatype::Datatype;
 pub use engine::EngineConfig;

@@ -21,6 +21,13 @@ fn opts_queue() -> Options {
     o
 }
 
+fn opts_contract2() -> Options {
+    Options {
+        loopback: weft_loopback::LoopbackConfig::contract2(),
+        ..Options::default()
+    }
+}
+
 fn info(s: Sched) -> WinInfo {
     WinInfo {
         accumulate_ops: None,
@@ -52,40 +59,35 @@ fn with_window<T: Element, P: Provider, R>(
 
 const SCHEDS: [Sched; 4] = [Sched::Off, Sched::Reorder, Sched::Aggregate, Sched::Full];
 
-/// Run `$body(comm, sched)` on `$n` ranks for every path x policy x dispatch.
+/// Run `$body(comm, sched)` on `$n` ranks for every path x policy x dispatch, and on the
+/// loopback provider with every part of contract 2 on (local descriptors, transmit completion
+/// proven by fenced reads, completion data, zero-copy messages, lazy connections, HCA atomics).
 macro_rules! every_way {
     ($name:ident, $n:expr, $body:path) => {
         mod $name {
             use super::*;
-            #[test]
-            fn static_am() {
-                for s in SCHEDS {
-                    testing::world_with($n, &opts(false), |c| $body(c, s));
-                }
+            every_way!(@one static_am, world_with, $n, $body, opts(false));
+            every_way!(@one static_native_counters, world_with, $n, $body, opts(true));
+            every_way!(@one static_native_queue, world_with, $n, $body, opts_queue());
+            every_way!(@one static_contract2, world_with, $n, $body, opts_contract2());
+            every_way!(@one dynamic_am, world_dyn_with, $n, $body, opts(false));
+            every_way!(@one dynamic_native, world_dyn_with, $n, $body, opts(true));
+            every_way!(@one dynamic_contract2, world_dyn_with, $n, $body, opts_contract2());
+        }
+    };
+    (@one $test:ident, world_with, $n:expr, $body:path, $opts:expr) => {
+        #[test]
+        fn $test() {
+            for s in SCHEDS {
+                testing::world_with($n, &$opts, |c| $body(c, s));
             }
-            #[test]
-            fn static_native_counters() {
-                for s in SCHEDS {
-                    testing::world_with($n, &opts(true), |c| $body(c, s));
-                }
-            }
-            #[test]
-            fn static_native_queue() {
-                for s in SCHEDS {
-                    testing::world_with($n, &opts_queue(), |c| $body(c, s));
-                }
-            }
-            #[test]
-            fn dynamic_am() {
-                for s in SCHEDS {
-                    testing::world_dyn_with($n, "loopback", &opts(false), |c| $body(c, s));
-                }
-            }
-            #[test]
-            fn dynamic_native() {
-                for s in SCHEDS {
-                    testing::world_dyn_with($n, "loopback", &opts(true), |c| $body(c, s));
-                }
+        }
+    };
+    (@one $test:ident, world_dyn_with, $n:expr, $body:path, $opts:expr) => {
+        #[test]
+        fn $test() {
+            for s in SCHEDS {
+                testing::world_dyn_with($n, "loopback", &$opts, |c| $body(c, s));
             }
         }
     };

@@ -610,17 +610,16 @@ pub unsafe extern "C" fn atomic<P: StaticProvider>(
     with::<P, _>(h, |p| {
         let op = Op::from_u8(op as u8).ok_or_else(|| Error::invalid("unknown atomic operation"))?;
         let ty = BasicType::from_u8(ty as u8).ok_or_else(|| Error::invalid("unknown type"))?;
-        p.atomic(
-            dest,
+        let a = crate::provider::AtomicOp {
             op,
             ty,
             count,
             origin,
             compare,
             result,
-            RemoteAddr { addr, key },
-            completion(token, cntr),
-        )?;
+            desc: [0; 3],
+        };
+        p.atomic(dest, &a, RemoteAddr { addr, key }, completion(token, cntr))?;
         Ok(WEFT_OK)
     })
 }

@@ -14,6 +14,7 @@
 //! here is fanned out to the protocols by the engine ([`AmState::take_newly_failed`]).
 
 pub(crate) mod codec;
+pub(crate) mod mr_cache;
 pub(crate) mod outbox;
 pub(crate) mod slab;
 
@@ -21,7 +22,7 @@ pub(crate) use codec::{Hdr, Rd, MIN_AM_HEADER};
 pub(crate) use outbox::Out;
 pub(crate) use slab::{ReqId, Slab};
 
-use crate::provider::Caps;
+use crate::provider::{Caps, ConnEvent, PeerCaps, Provider};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};
 use std::collections::VecDeque;
@@ -67,11 +68,26 @@ pub(crate) fn token_owner(t: u64) -> Proto {
 /// Quarantined request ids remembered for dropping their late messages quietly.
 const QUARANTINE_MEMORY: usize = 4096;
 
+/// What the core knows of one peer's connection.
+#[derive(Debug, Clone, Copy, Default)]
+struct PeerState {
+    /// `Provider::connect` was called for it.
+    connected: bool,
+    /// Its narrower capabilities (`Provider::peer_caps`), if any.
+    narrow: Option<PeerCaps>,
+}
+
 /// The active-message layer's state: the outbox and the health of every peer.
 pub(crate) struct AmState {
     pub(crate) size: u32,
     pub(crate) caps: Caps,
     pub(crate) out: outbox::Outbox,
+    peers: Vec<PeerState>,
+    /// Peers whose connection changed during `progress`: their capabilities are read again.
+    refresh: Vec<Rank>,
+    /// Connections the core asked for, and those the provider reported up (diagnostics).
+    pub(crate) connects: u32,
+    pub(crate) connected_events: u32,
     failed: Vec<Option<String>>,
     pub(crate) nfailed: u32,
     /// Peers failed since the engine last fanned failures out to the protocols.
@@ -92,14 +108,21 @@ pub(crate) struct AmState {
     /// batches) and of unexpected eager messages once received, which would otherwise cost an
     /// allocation each.
     spare: crate::BufPool,
+    /// Local registrations of user buffers, for providers that need descriptors.
+    pub(crate) mr: mr_cache::MrCache,
 }
 
 impl AmState {
-    pub(crate) fn new(size: u32, caps: Caps) -> Self {
+    pub(crate) fn new(size: u32, caps: Caps, mr_cache: (usize, usize)) -> Self {
         AmState {
+            mr: mr_cache::MrCache::new(mr_cache.0, mr_cache.1, caps.mr_pins),
             size,
             caps,
             out: outbox::Outbox::new(size),
+            peers: vec![PeerState::default(); size as usize],
+            refresh: Vec::new(),
+            connects: 0,
+            connected_events: 0,
             failed: vec![None; size as usize],
             nfailed: 0,
             newly_failed: Vec::new(),
@@ -126,6 +149,71 @@ impl AmState {
             return Err(Error::peer_failed(r, why.clone()));
         }
         Ok(())
+    }
+
+    /// Make sure the provider was told about `peer` (`Provider::connect`, once per peer,
+    /// before the first operation towards it). A refusal fails the peer.
+    #[inline]
+    pub(crate) fn touch<P: Provider>(&mut self, p: &mut P, peer: Rank) -> Result<()> {
+        match self.peers.get(peer as usize) {
+            Some(s) if s.connected => self.check_peer(peer),
+            Some(_) => self.connect(p, peer),
+            None => self.check_peer(peer),
+        }
+    }
+
+    #[cold]
+    fn connect<P: Provider>(&mut self, p: &mut P, peer: Rank) -> Result<()> {
+        self.check_peer(peer)?;
+        self.peers[peer as usize].connected = true;
+        self.connects += 1;
+        if let Err(e) = p.connect(peer) {
+            let why = format!("connecting to it failed: {e}");
+            self.fail_peer(peer, &why);
+            return Err(Error::peer_failed(peer, why));
+        }
+        self.peers[peer as usize].narrow = p.peer_caps(peer);
+        Ok(())
+    }
+
+    /// The provider reported a connection event for `peer` (from inside `progress`).
+    pub(crate) fn connection(&mut self, peer: Rank, ev: ConnEvent) {
+        if peer >= self.size {
+            return;
+        }
+        if ev == ConnEvent::Connected {
+            self.connected_events += 1;
+        }
+        tracing::debug!(peer, ?ev, "connection event");
+        self.refresh.push(peer);
+    }
+
+    /// Read again the capabilities of peers whose connection changed.
+    pub(crate) fn refresh_peers<P: Provider>(&mut self, p: &P) {
+        for peer in std::mem::take(&mut self.refresh) {
+            self.peers[peer as usize].narrow = p.peer_caps(peer);
+        }
+    }
+
+    /// Peers whose capabilities are to be read again.
+    #[inline]
+    pub(crate) fn needs_refresh(&self) -> bool {
+        !self.refresh.is_empty()
+    }
+
+    /// `peer`'s narrower capabilities, if it has any.
+    #[inline]
+    pub(crate) fn narrow(&self, peer: Rank) -> Option<&PeerCaps> {
+        self.peers.get(peer as usize)?.narrow.as_ref()
+    }
+
+    /// Largest payload towards `peer`.
+    #[inline]
+    pub(crate) fn chunk(&self, peer: Rank) -> usize {
+        match self.narrow(peer) {
+            None => self.caps.max_am_payload,
+            Some(n) => n.max_am_payload.min(self.caps.max_am_payload),
+        }
     }
 
     /// Why `rank` failed, if it did.

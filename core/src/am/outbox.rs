@@ -141,6 +141,12 @@ impl AmState {
         let mut i = 0;
         while i < self.out.pending.len() {
             let dest = self.out.pending[i];
+            if self.touch(p, dest).is_err() {
+                // Failed now: its queue was dropped.
+                self.out.flag[dest as usize] = false;
+                self.out.pending.swap_remove(i);
+                continue;
+            }
             let mut blocked = false;
             while let Some(item) = self.out.q[dest as usize].front() {
                 let tried = match item {

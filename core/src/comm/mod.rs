@@ -164,6 +164,8 @@ impl<P: Provider> Shared<P> {
         let mut e = self.engine.borrow_mut();
         e.st.am.closing = true;
         let q = e.quiesce();
+        let e = &mut *e;
+        e.st.am.mr.clear(&mut e.p);
         let c = e.p.close();
         let f = self.boot.borrow_mut().finalize();
         q.and(c).and(f)
@@ -700,6 +702,44 @@ impl<P: Provider> Comm<P> {
     pub fn staged_bytes(&self) -> usize {
         self.sh.engine.borrow().st.p2p.spec_staged_bytes
     }
+
+    /// Registrations the core holds for a provider that needs local descriptors, and how
+    /// often its registration cache was hit and missed (diagnostics).
+    pub fn registration_cache(&self) -> RegistrationStats {
+        let e = self.sh.engine.borrow();
+        let s = e.st.am.mr.stats;
+        RegistrationStats {
+            entries: e.st.am.mr.len(),
+            hits: s.hits,
+            misses: s.misses,
+            evictions: s.evictions,
+            stale: s.stale,
+        }
+    }
+
+    /// The provider's own named counters ([`Provider::counters`]): what it carried, by path.
+    pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
+        self.sh.engine.borrow().p.counters()
+    }
+
+    /// Peers the core asked the provider to connect to, and connections the provider reported
+    /// up (diagnostics: a lazily connecting provider connects only to the peers used).
+    pub fn connections(&self) -> (u32, u32) {
+        let e = self.sh.engine.borrow();
+        (e.st.am.connects, e.st.am.connected_events)
+    }
+}
+
+/// The registration cache's counters ([`Comm::registration_cache`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegistrationStats {
+    /// Registrations held now (in use or cached).
+    pub entries: usize,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    /// Cached registrations found stale (their pages had changed) and made anew.
+    pub stale: u64,
 }
 
 /// Create a world from a bootstrap and an opened provider, with the core parameters.

@@ -30,6 +30,9 @@ pub struct EngineConfig {
     /// it, messages go by rendezvous until the peer's receives catch up (flow control: what a
     /// peer can make this rank hold in its unexpected queue is bounded by it).
     pub eager_window: usize,
+    /// Bounds of the registration cache (entries, bytes), for providers that need local
+    /// descriptors.
+    pub mr_cache: (usize, usize),
 }
 
 impl Default for EngineConfig {
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             spec_buffer: 4 << 20,
             spec_behind: false,
             eager_window: 8 << 20,
+            mr_cache: (1024, 1 << 30),
         }
     }
 }
@@ -104,6 +108,7 @@ impl EngineConfig {
             spec_buffer: SPEC_BUFFER.get_size()?,
             spec_behind: SPEC_BEHIND.get_bool()?,
             eager_window: EAGER_WINDOW.get_size()?,
+            mr_cache: crate::am::mr_cache::MrCache::bounds_from_env()?,
         })
     }
 }

@@ -18,7 +18,7 @@ pub use config::EngineConfig;
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
 use crate::p2p::{self, P2pConfig, P2pState, Posted, RecvBuf, SendBuf};
-use crate::provider::{Completed, Provider, Sink, Token};
+use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result, Status};
@@ -120,6 +120,19 @@ impl Sink for State {
         self.am.fail_peer(rank, reason);
         self.settle();
     }
+
+    fn connection(&mut self, peer: Rank, event: ConnEvent) {
+        self.am.connection(peer, event);
+    }
+
+    fn rma_data(&mut self, src: Rank, data: u64) {
+        let mut cx = rma::Ctx {
+            rma: &mut self.rma,
+            am: &mut self.am,
+        };
+        rma::on_data(&mut cx, src, data);
+        self.settle();
+    }
 }
 
 /// The engine: a provider plus the core state.
@@ -163,8 +176,8 @@ impl<P: Provider> Engine<P> {
             rma_read: caps.rma.is_some_and(|r| r.read && r.user_memory),
         };
         let st = State {
-            p2p: P2pState::new(size, caps.max_am_payload, pc),
-            am: AmState::new(size, caps),
+            p2p: P2pState::new(size, pc),
+            am: AmState::new(size, caps, cfg.mr_cache),
             rma: RmaState::default(),
         };
         Ok(Engine { p, st, cfg })
@@ -249,6 +262,12 @@ impl<P: Provider> Engine<P> {
             n += self.st.p2p.after_progress(&mut self.p, &mut self.st.am);
             self.st.settle();
         }
+        if self.st.am.needs_refresh() {
+            self.st.am.refresh_peers(&self.p);
+        }
+        if self.st.am.mr.has_dead() {
+            self.st.am.mr.reap(&mut self.p);
+        }
         Ok(n)
     }
 
@@ -265,7 +284,7 @@ impl<P: Provider> Engine<P> {
     /// The result of a finished request, freeing it; `None` if still running.
     #[inline]
     pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
-        self.st.p2p.try_take(id)
+        self.st.p2p.try_take(&mut self.st.am, id)
     }
 
     pub(crate) fn test(&mut self, id: ReqId) -> Result<Option<Result<Status>>> {
@@ -437,7 +456,7 @@ impl<P: Provider> Engine<P> {
         let native = tokens.iter().any(|t| {
             matches!(
                 self.st.rma.waits.get(t),
-                Some(rma::Wait::Native { done: false, .. })
+                Some(rma::Wait::Native { pending: 1.., .. })
             )
         });
         if native || native_outstanding {

@@ -229,6 +229,46 @@ impl RecvBuf {
     }
 }
 
+/// The smallest contiguous range holding every piece: what one registration must cover.
+fn span_of(pieces: impl Iterator<Item = (usize, usize)>) -> (usize, usize) {
+    let (mut lo, mut hi) = (usize::MAX, 0usize);
+    for (p, l) in pieces {
+        lo = lo.min(p);
+        hi = hi.max(p + l);
+    }
+    if lo > hi {
+        (0, 0)
+    } else {
+        (lo, hi - lo)
+    }
+}
+
+impl SendBuf {
+    /// Start and length of the memory the buffer's packed bytes live in.
+    pub(crate) fn span(&self) -> (*const u8, usize) {
+        if let Layout::Contig = self.layout {
+            return (self.base, self.len);
+        }
+        let mut v: SmallVec<[RawIov; 8]> = SmallVec::new();
+        self.pieces(0, self.len, &mut v);
+        let (p, l) = span_of(v.iter().map(|x| (x.ptr as usize, x.len)));
+        (p as *const u8, l)
+    }
+}
+
+impl RecvBuf {
+    /// Start and length of the memory the buffer's first `len` packed bytes go to.
+    pub(crate) fn span(&self, len: usize) -> (*const u8, usize) {
+        if let Layout::Contig = self.layout {
+            return (self.base, len);
+        }
+        let mut v: SmallVec<[RawIovMut; 8]> = SmallVec::new();
+        self.pieces(len, &mut v);
+        let (p, l) = span_of(v.iter().map(|x| (x.ptr as usize, x.len)));
+        (p as *const u8, l)
+    }
+}
+
 /// Copy a send buffer's packed bytes into `out`.
 pub(crate) fn gather(buf: &SendBuf, out: &mut [u8]) {
     let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();

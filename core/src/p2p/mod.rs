@@ -34,10 +34,11 @@ mod spec;
 
 pub(crate) use buf::{Layout, RecvBuf, SendBuf};
 
+use crate::am::mr_cache::MrRef;
 use crate::am::outbox::Deferred;
 use crate::am::{self, AmState, Hdr, Rd, ReqId, Slab};
 use crate::matching::{Matcher, PostedHandle};
-use crate::provider::{Completed, MemRegion, Provider, RemoteAddr, SendOutcome};
+use crate::provider::{Access, Completed, MemRegion, MrDesc, Provider, RemoteAddr, SendOutcome};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result, Status};
 
@@ -95,6 +96,16 @@ enum SendPhase {
     },
 }
 
+/// How a rendezvous send buffer is registered for the receiver's read.
+#[derive(Debug)]
+pub(crate) enum SendMr {
+    /// For this send alone (deregistered when it no longer needs to be readable).
+    Own(Box<MemRegion>),
+    /// Through the registration cache (providers whose registration is costly:
+    /// `Caps::mr_local` or `Caps::mr_pins`).
+    Cached(MrRef),
+}
+
 #[derive(Debug)]
 struct SendReq {
     dest: Rank,
@@ -103,8 +114,13 @@ struct SendReq {
     buf: SendBuf,
     sync: bool,
     phase: SendPhase,
-    /// Registration of the send buffer for a receiver-side RMA read (rare: boxed).
-    mr: Option<Box<MemRegion>>,
+    /// Registration of the send buffer for a receiver-side RMA read.
+    mr: Option<SendMr>,
+    /// Zero-copy pieces (`am_isend`) the provider has not reported complete: until they are,
+    /// it may still read the buffer, so the request cannot end.
+    inflight: u32,
+    /// The request's result, decided while pieces were in flight.
+    then: Option<Result<Status>>,
 }
 
 #[derive(Debug)]
@@ -157,6 +173,20 @@ struct Req {
     scope: u64,
     done: Option<Result<Status>>,
     kind: Kind,
+    /// The registration that describes the request's buffer to a provider that needs local
+    /// descriptors (`Caps::mr_local`), released when the request is removed.
+    local: Option<(MrDesc, MrRef)>,
+}
+
+impl Req {
+    fn new(scope: u64, kind: Kind) -> Self {
+        Req {
+            scope,
+            done: None,
+            kind,
+            local: None,
+        }
+    }
 }
 
 /// What an unexpected message carries.
@@ -229,8 +259,6 @@ pub(crate) struct P2pState {
     /// Bytes of eager payload waiting in the unexpected queue (diagnostics).
     pub(crate) unexpected_bytes: usize,
     nt_copy_min: usize,
-    /// Rendezvous data chunk (the provider's payload limit).
-    chunk: usize,
     /// Rendezvous by a receiver-side RMA read of the registered send buffer.
     rma_read: bool,
     reqs: Slab<Req>,
@@ -240,7 +268,7 @@ pub(crate) struct P2pState {
     /// Receives whose RMA read is to be issued.
     reads: Vec<ReqId>,
     /// Registrations to release once `progress` returns.
-    deregs: Vec<MemRegion>,
+    deregs: Vec<SendMr>,
 }
 
 #[inline]
@@ -275,7 +303,7 @@ fn cancelled_status() -> Status {
 }
 
 impl P2pState {
-    pub(crate) fn new(size: u32, chunk: usize, cfg: P2pConfig) -> Self {
+    pub(crate) fn new(size: u32, cfg: P2pConfig) -> Self {
         P2pState {
             eager_limit: cfg.eager_limit,
             spec_limit: cfg.spec_limit,
@@ -290,7 +318,6 @@ impl P2pState {
             eager_in: vec![0; size as usize],
             unexpected_bytes: 0,
             nt_copy_min: cfg.nt_copy_min,
-            chunk,
             rma_read: cfg.rma_read,
             reqs: Slab::default(),
             matcher: Matcher::new(),
@@ -333,8 +360,13 @@ impl P2pState {
             n += self.issue_reads(p, am);
         }
         while let Some(m) = self.deregs.pop() {
-            if let Err(e) = p.mr_deregister(&m) {
-                tracing::warn!("deregistration failed: {e}");
+            match m {
+                SendMr::Own(m) => {
+                    if let Err(e) = p.mr_deregister(&m) {
+                        tracing::warn!("deregistration failed: {e}");
+                    }
+                }
+                SendMr::Cached(r) => am.mr.release(r),
             }
         }
         n
@@ -344,12 +376,47 @@ impl P2pState {
 
     /// The result of a finished request, freeing it; `None` if still running.
     #[inline]
-    pub(crate) fn try_take(&mut self, id: ReqId) -> Option<Result<Status>> {
+    pub(crate) fn try_take(&mut self, am: &mut AmState, id: ReqId) -> Option<Result<Status>> {
         match self.reqs.get(id) {
-            Some(Req { done: Some(_), .. }) => self.reqs.remove(id).and_then(|r| r.done),
+            Some(Req { done: Some(_), .. }) => self.remove(am, id).and_then(|r| r.done),
             Some(_) => None,
             None => Some(Err(Error::invalid("request already completed"))),
         }
+    }
+
+    /// Remove request `id`, releasing the registration that described its buffer.
+    #[inline]
+    fn remove(&mut self, am: &mut AmState, id: ReqId) -> Option<Req> {
+        let r = self.reqs.remove(id)?;
+        if let Some((_, m)) = r.local {
+            am.mr.release(m);
+        }
+        Some(r)
+    }
+
+    /// The local descriptor of request `id`'s buffer `[ptr, ptr + len)` for a provider that
+    /// needs one (registered through the cache on first use, kept until the request is
+    /// removed); 0 for other providers.
+    fn describe<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        id: ReqId,
+        (ptr, len): (*const u8, usize),
+        access: Access,
+    ) -> Result<MrDesc> {
+        if !am.caps.mr_local {
+            return Ok(0);
+        }
+        let Some(r) = self.reqs.get_mut(id) else {
+            return Ok(0);
+        };
+        if let Some((d, _)) = r.local {
+            return Ok(d);
+        }
+        let (d, m) = am.mr.acquire(p, ptr, len, access)?;
+        r.local = Some((d, m));
+        Ok(d)
     }
 
     #[inline]
@@ -359,11 +426,21 @@ impl P2pState {
 
     /// Mark a request finished with `res`.
     #[inline]
+    ///
+    /// A send whose zero-copy pieces are still in flight keeps its result until the provider
+    /// has reported them all: the buffer stays borrowed until then.
     fn finish(&mut self, id: ReqId, res: Result<Status>) {
         if let Some(r) = self.reqs.get_mut(id) {
-            if r.done.is_none() {
-                r.done = Some(res);
+            if r.done.is_some() {
+                return;
             }
+            if let Kind::Send(s) = &mut r.kind {
+                if s.inflight > 0 {
+                    s.then.get_or_insert(res);
+                    return;
+                }
+            }
+            r.done = Some(res);
         }
     }
 
@@ -423,11 +500,14 @@ impl P2pState {
         let held = match self.reqs.get(id) {
             None => return Ok(()),
             Some(Req { done: Some(_), .. }) => {
-                self.reqs.remove(id);
+                self.remove(am, id);
                 return Ok(());
             }
             Some(Req { kind, .. }) => match kind {
                 Kind::NSend { .. } => Some("a send whose buffer the provider may still read"),
+                Kind::Send(SendReq { inflight: 1.., .. }) => {
+                    Some("a send whose zero-copy data the provider may still read")
+                }
                 Kind::NRecv { .. } => match p.tagged_cancel(id) {
                     Ok(true) => None,
                     _ => Some("a matched receive the provider may still write into"),
@@ -442,7 +522,7 @@ impl P2pState {
         if let Some(what) = held {
             return Err(what);
         }
-        let Some(req) = self.reqs.remove(id) else {
+        let Some(req) = self.remove(am, id) else {
             return Ok(());
         };
         match req.kind {
@@ -455,10 +535,17 @@ impl P2pState {
             },
             Kind::Send(s) => {
                 // The receiver may hold the key for a read: revoke it now.
-                if let Some(m) = s.mr {
-                    if let Err(e) = p.mr_deregister(&m) {
-                        tracing::warn!("deregistration failed: {e}");
+                match s.mr {
+                    Some(SendMr::Own(m)) => {
+                        if let Err(e) = p.mr_deregister(&m) {
+                            tracing::warn!("deregistration failed: {e}");
+                        }
                     }
+                    Some(SendMr::Cached(r)) => {
+                        am.mr.revoke(r);
+                        am.mr.reap(p);
+                    }
+                    None => {}
                 }
             }
             Kind::NSend { .. } | Kind::NRecv { .. } => {}
@@ -474,6 +561,20 @@ impl P2pState {
             return;
         };
         match &mut req.kind {
+            Kind::Send(s) if s.inflight > 0 => {
+                s.inflight -= 1;
+                let dest = s.dest;
+                if let Err(e) = result {
+                    // A piece of the message is lost: the receiver would wait for it forever.
+                    s.then = Some(Err(e.clone()));
+                    am.fail_peer(dest, &crate::am::outbox::failure_reason(&e));
+                }
+                if s.inflight == 0 {
+                    if let Some(res) = s.then.take() {
+                        req.done = Some(res);
+                    }
+                }
+            }
             Kind::NSend { dest, .. } => {
                 let d = *dest;
                 self.finish(token, result.map(|_| status(d, 0, 0)));
@@ -599,7 +700,7 @@ impl P2pState {
                 }
                 Kind::Send(s) => {
                     if let Some(m) = s.mr.take() {
-                        self.deregs.push(*m);
+                        self.deregs.push(m);
                     }
                 }
                 _ => {}
@@ -640,12 +741,11 @@ impl P2pState {
         buf: SendBuf,
         sync: bool,
         phase: SendPhase,
-        mr: Option<Box<MemRegion>>,
+        mr: Option<SendMr>,
     ) -> ReqId {
-        self.reqs.insert(Req {
+        self.reqs.insert(Req::new(
             scope,
-            done: None,
-            kind: Kind::Send(SendReq {
+            Kind::Send(SendReq {
                 dest,
                 ctx,
                 tag,
@@ -653,8 +753,10 @@ impl P2pState {
                 sync,
                 phase,
                 mr,
+                inflight: 0,
+                then: None,
             }),
-        })
+        ))
     }
 
     /// Nothing is queued or streaming to `dest`: data sent now leaves at once.

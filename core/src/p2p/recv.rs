@@ -8,7 +8,7 @@ use super::{
 };
 use crate::am::{AmState, Hdr, ReqId};
 use crate::matching::PostedHandle;
-use crate::provider::{Completion, Provider, RawIovMut, RemoteAddr};
+use crate::provider::{Access, Completion, Provider, RawIovMut, RemoteAddr};
 use crate::types::Rank;
 use crate::{Error, ErrorKind, Result, Status};
 use smallvec::SmallVec;
@@ -65,15 +65,14 @@ impl P2pState {
                     sreq,
                     remote,
                 } => {
-                    let id = self.reqs.insert(Req {
+                    let id = self.reqs.insert(Req::new(
                         scope,
-                        done: None,
-                        kind: Kind::Recv(RecvReq {
+                        Kind::Recv(RecvReq {
                             src,
                             buf,
                             phase: RecvPhase::Posted(PostedHandle::dangling()),
                         }),
-                    });
+                    ));
                     self.start_rndv(am, id, msrc, mtag, total, sreq, remote);
                     self.issue_reads(p, am);
                     self.flush(p, am)?;
@@ -84,15 +83,14 @@ impl P2pState {
                 }
             }
         }
-        let id = self.reqs.insert(Req {
+        let id = self.reqs.insert(Req::new(
             scope,
-            done: None,
-            kind: Kind::Recv(RecvReq {
+            Kind::Recv(RecvReq {
                 src,
                 buf,
                 phase: RecvPhase::Posted(PostedHandle::dangling()),
             }),
-        });
+        ));
         let h = self.matcher.post(ctx, src, tag, id);
         if let Some(Req {
             kind: Kind::Recv(r),
@@ -141,10 +139,9 @@ impl P2pState {
         if let Some(why) = am.peer_failure(src) {
             return Err(Error::peer_failed(src, why));
         }
-        let id = self.reqs.insert(Req {
+        let id = self.reqs.insert(Req::new(
             scope,
-            done: None,
-            kind: Kind::Recv(RecvReq {
+            Kind::Recv(RecvReq {
                 src: Some(src),
                 buf,
                 phase: RecvPhase::Stream {
@@ -155,7 +152,7 @@ impl P2pState {
                     tag,
                 },
             }),
-        });
+        ));
         self.spec_rx.push((src, sreq, id));
         Ok(Posted::Pending(id))
     }
@@ -164,7 +161,7 @@ impl P2pState {
     fn native_recv<P: Provider>(
         &mut self,
         p: &mut P,
-        am: &AmState,
+        am: &mut AmState,
         src: Option<Rank>,
         ctx: u32,
         tag: Option<i32>,
@@ -188,16 +185,24 @@ impl P2pState {
         } else {
             buf.pieces(buf.cap, &mut pieces);
         }
-        let id = self.reqs.insert(Req {
-            scope,
-            done: None,
-            kind: Kind::NRecv { src, buf, tmp },
-        });
-        // SAFETY: the pieces point into the user's buffer (uniquely borrowed by the request
-        // until it completes or is cancelled) or into the request-owned `tmp` (a Vec whose heap
-        // storage does not move when the request moves).
-        if let Err(e) = unsafe { p.tagged_recv(src, ctx, tag, &pieces, id) } {
-            self.reqs.remove(id);
+        let span = match &tmp {
+            Some(v) => (v.as_ptr(), v.len()),
+            None => buf.span(buf.cap),
+        };
+        let id = self
+            .reqs
+            .insert(Req::new(scope, Kind::NRecv { src, buf, tmp }));
+        let posted = self
+            .describe(p, am, id, span, Access::LOCAL_WRITE)
+            .and_then(|d| {
+                pieces.iter_mut().for_each(|x| x.desc = d);
+                // SAFETY: the pieces point into the user's buffer (uniquely borrowed by the
+                // request until it completes or is cancelled) or into the request-owned `tmp`
+                // (a Vec whose heap storage does not move when the request moves).
+                unsafe { p.tagged_recv(src, ctx, tag, &pieces, id) }
+            });
+        if let Err(e) = posted {
+            self.remove(am, id);
             return Err(e);
         }
         Ok(Posted::Pending(id))
@@ -237,18 +242,27 @@ impl P2pState {
             let Some(Req {
                 kind:
                     Kind::Recv(RecvReq {
-                        buf,
-                        phase:
-                            RecvPhase::Reading {
-                                len,
-                                src,
-                                remote,
-                                issued,
-                                ..
-                            },
+                        phase: RecvPhase::Reading { src, remote, .. },
                         ..
                     }),
                 done: None,
+                ..
+            }) = self.reqs.get(id)
+            else {
+                continue;
+            };
+            let (src, remote) = (*src, *remote);
+            if let Err(e) = am.touch(p, src) {
+                self.complete(am, id, Err(e));
+                continue;
+            }
+            let Some(Req {
+                kind:
+                    Kind::Recv(RecvReq {
+                        buf,
+                        phase: RecvPhase::Reading { len, issued, .. },
+                        ..
+                    }),
                 ..
             }) = self.reqs.get_mut(id)
             else {
@@ -257,7 +271,14 @@ impl P2pState {
             *issued = true;
             let mut pieces: SmallVec<[RawIovMut; 8]> = SmallVec::new();
             buf.pieces(*len, &mut pieces);
-            let (src, remote) = (*src, *remote);
+            let span = buf.span(*len);
+            match self.describe(p, am, id, span, Access::LOCAL_WRITE) {
+                Ok(d) => pieces.iter_mut().for_each(|x| x.desc = d),
+                Err(e) => {
+                    self.complete(am, id, Err(e));
+                    continue;
+                }
+            }
             // SAFETY: the receive request uniquely borrows the buffer until it completes, which
             // happens only when the provider reports this token (or the peer fails).
             if let Err(e) = unsafe { p.rma_read(src, &pieces, remote, Completion::cq(id)) } {
@@ -282,7 +303,7 @@ impl P2pState {
         sreq: u64,
         remote: Option<RemoteAddr>,
     ) {
-        let rma_read = self.rma_read;
+        let rma_read = self.rma_read && am.narrow(src).is_none_or(|n| n.rma_read);
         let max_iov = am.caps.rma.map_or(0, |r| r.max_iov);
         let Some(Req {
             kind: Kind::Recv(r),

@@ -3,12 +3,12 @@
 
 use super::buf::{gather, Layout, SendBuf};
 use super::{
-    status, Kind, P2pState, Posted, Req, SendPhase, EAGER_OVERHEAD, F_REMOTE, F_SYNC, H_CREDIT,
-    H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
+    status, Kind, P2pState, Posted, Req, SendMr, SendPhase, EAGER_OVERHEAD, F_REMOTE, F_SYNC,
+    H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
 };
 use crate::am::outbox::failure_reason;
 use crate::am::{AmState, Hdr, Out, Rd, ReqId};
-use crate::provider::{Access, Provider, RawIov, SendOutcome};
+use crate::provider::{Access, Provider, RawIov, RemoteAddr, SendOutcome};
 use crate::types::Rank;
 use crate::{ErrorKind, Result};
 use smallvec::SmallVec;
@@ -26,14 +26,18 @@ impl P2pState {
         sync: bool,
         scope: u64,
     ) -> Result<Posted> {
-        am.check_peer(dest)?;
+        am.touch(p, dest)?;
         if am.caps.tagged {
             return self.native_send(p, am, dest, ctx, tag, buf, sync, scope);
         }
-        if buf.len <= self.eager_limit && self.eager_credit(dest, buf.len) {
+        let eager = match am.narrow(dest) {
+            None => self.eager_limit,
+            Some(n) => self.eager_limit.min(n.eager_limit).min(n.max_am_payload),
+        };
+        if buf.len <= eager && self.eager_credit(dest, buf.len) {
             // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
             // plain send then needs no request at all.
-            if !sync && am.out.is_empty_to(dest) {
+            if !sync && am.out.is_empty_to(dest) && !zcopy(am, dest, buf.len) {
                 let mut h = Hdr::new(H_EAGER);
                 h.u8(0).u32(ctx).u32(tag as u32);
                 if send_now(p, am, dest, &h, &buf)? == SendOutcome::Sent {
@@ -60,11 +64,28 @@ impl P2pState {
         }
         // Rendezvous.
         let mut mr = None;
-        if self.rma_read && matches!(buf.layout, Layout::Contig) {
-            // SAFETY: the send request borrows `buf` until it completes, and completion waits
-            // for FIN, sent only after the peer's read finished; we deregister before completing.
-            match unsafe { p.mr_register(buf.base as *mut u8, buf.len, Access::READ) } {
-                Ok(m) => mr = Some(Box::new(m)),
+        let peer_reads = am.narrow(dest).is_none_or(|n| n.rma_read);
+        if self.rma_read && peer_reads && matches!(buf.layout, Layout::Contig) {
+            // Registration is costly where the provider needs descriptors or pins pages: the
+            // cache keeps the buffer registered (readable by the job's peers) for the next send.
+            let reg = if am.caps.mr_local || am.caps.mr_pins {
+                am.mr
+                    .acquire_remote(p, buf.base, buf.len, Access::READ)
+                    .map(|(ra, r)| (ra, SendMr::Cached(r)))
+            } else {
+                // SAFETY: the send request borrows `buf` until it completes, and completion
+                // waits for FIN, sent only after the peer's read finished; the registration is
+                // dropped before the request completes (or revoked if it is quarantined).
+                unsafe { p.mr_register(buf.base as *mut u8, buf.len, Access::READ) }.map(|m| {
+                    let ra = RemoteAddr {
+                        addr: m.addr,
+                        key: m.key,
+                    };
+                    (ra, SendMr::Own(Box::new(m)))
+                })
+            };
+            match reg {
+                Ok((ra, m)) => mr = Some((ra, m)),
                 // Providers whose RMA reaches only memory they placed (shm windows) cannot
                 // register user buffers: stop asking (each refusal costs an error value).
                 Err(e) if e.kind() == ErrorKind::Unsupported => {
@@ -74,7 +95,8 @@ impl P2pState {
                 Err(e) => tracing::debug!("registration failed, streaming instead: {e}"),
             }
         }
-        let remote = mr.as_ref().map(|m| (m.addr, m.key));
+        let remote = mr.as_ref().map(|(ra, _)| (ra.addr, ra.key));
+        let mr = mr.map(|(_, m)| m);
         let phase = if mr.is_some() {
             SendPhase::WaitFin
         } else {
@@ -114,12 +136,12 @@ impl P2pState {
             return Ok(SendOutcome::Sent);
         };
         let (dest, len) = (r.dest, r.buf.len);
-        let n = len.min(self.chunk);
+        let n = len.min(am.chunk(dest));
         let mut h = Hdr::new(H_SPEC);
         h.u8(0).u32(r.ctx).u32(r.tag as u32).u64(len as u64).u64(id);
         let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
         r.buf.pieces(0, n, &mut pieces);
-        let o = am.send_pieces(p, dest, h.bytes(), &pieces)?;
+        let o = self.send_req_pieces(p, am, id, dest, &h, &pieces)?;
         if o == SendOutcome::Sent {
             self.set_send_phase(
                 id,
@@ -159,7 +181,9 @@ impl P2pState {
             h.u64(id);
         }
         let (sync, dest, tag, len) = (r.sync, r.dest, r.tag, r.buf.len);
-        let o = send_now(p, am, dest, &h, &r.buf);
+        let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+        r.buf.pieces(0, len, &mut pieces);
+        let o = self.send_req_pieces(p, am, id, dest, &h, &pieces);
         if o.as_ref().is_ok_and(|o| *o == SendOutcome::Sent) {
             if sync {
                 self.set_send_phase(id, SendPhase::WaitAck);
@@ -174,7 +198,7 @@ impl P2pState {
     fn native_send<P: Provider>(
         &mut self,
         p: &mut P,
-        am: &AmState,
+        am: &mut AmState,
         dest: Rank,
         ctx: u32,
         tag: i32,
@@ -196,15 +220,22 @@ impl P2pState {
         } else {
             buf.pieces(0, buf.len, &mut pieces);
         }
-        let id = self.reqs.insert(Req {
-            scope,
-            done: None,
-            kind: Kind::NSend { dest, _tmp: tmp },
+        let span = match &tmp {
+            Some(v) => (v.as_ptr(), v.len()),
+            None => buf.span(),
+        };
+        let id = self
+            .reqs
+            .insert(Req::new(scope, Kind::NSend { dest, _tmp: tmp }));
+        let posted = self.describe(p, am, id, span, Access::LOCAL).and_then(|d| {
+            pieces.iter_mut().for_each(|x| x.desc = d);
+            // SAFETY: the pieces point into the user's buffer (borrowed by the request
+            // until it completes) or into `tmp`, owned by the request; both outlive the
+            // provider's use.
+            unsafe { p.tagged_send(dest, ctx, tag, &pieces, sync, id) }
         });
-        // SAFETY: the pieces point into the user's buffer (borrowed by the request until it
-        // completes) or into `tmp`, owned by the request; both outlive the provider's use.
-        if let Err(e) = unsafe { p.tagged_send(dest, ctx, tag, &pieces, sync, id) } {
-            self.reqs.remove(id);
+        if let Err(e) = posted {
+            self.remove(am, id);
             return Err(e);
         }
         Ok(Posted::Pending(id))
@@ -243,8 +274,9 @@ impl P2pState {
                     continue;
                 }
             };
+            let chunk = am.chunk(dest);
             while off < len {
-                let n = (len - off).min(self.chunk);
+                let n = (len - off).min(chunk);
                 let mut h = match rreq {
                     Some(r) => {
                         let mut h = Hdr::new(H_DATA);
@@ -260,7 +292,7 @@ impl P2pState {
                 h.u64(off as u64);
                 let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
                 buf.pieces(off, n, &mut pieces);
-                match am.send_pieces(p, dest, h.bytes(), &pieces) {
+                match self.send_req_pieces(p, am, id, dest, &h, &pieces) {
                     Ok(SendOutcome::Sent) => {
                         off += n;
                         sent += 1;
@@ -349,6 +381,59 @@ impl P2pState {
         *out -= n;
         Some(())
     }
+}
+
+impl P2pState {
+    /// Send `h` with `pieces` of send request `id`'s buffer: zero-copy (`am_isend`, counted in
+    /// the request's `inflight` until the provider reports it) where the provider offers it
+    /// towards `dest` and the payload is above its inject size, else buffered.
+    #[inline]
+    fn send_req_pieces<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        id: ReqId,
+        dest: Rank,
+        h: &Hdr,
+        pieces: &[RawIov],
+    ) -> Result<SendOutcome> {
+        let len: usize = pieces.iter().map(|x| x.len).sum();
+        if !zcopy(am, dest, len) || pieces.len() > am.caps.max_iov {
+            return am.send_pieces(p, dest, h.bytes(), pieces);
+        }
+        let mut described: SmallVec<[RawIov; 8]> = SmallVec::from_slice(pieces);
+        if am.caps.mr_local {
+            let span = match self.reqs.get(id) {
+                Some(Req {
+                    kind: Kind::Send(s),
+                    ..
+                }) => s.buf.span(),
+                _ => return Ok(SendOutcome::Sent),
+            };
+            let d = self.describe(p, am, id, span, Access::LOCAL)?;
+            described.iter_mut().for_each(|x| x.desc = d);
+        }
+        // SAFETY: the pieces lie in the buffer send request `id` borrows; the request cannot
+        // end (nor be quarantined without ending the process) while `inflight > 0`, which
+        // drops only when the provider reports the token.
+        let o = unsafe { p.am_isend(dest, h.bytes(), &described, id)? };
+        if o == SendOutcome::Sent {
+            if let Some(Req {
+                kind: Kind::Send(s),
+                ..
+            }) = self.reqs.get_mut(id)
+            {
+                s.inflight += 1;
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// Does a `len`-byte payload to `dest` go zero-copy?
+#[inline]
+fn zcopy(am: &AmState, dest: Rank, len: usize) -> bool {
+    am.caps.am_isend && len > am.caps.inject_size && am.narrow(dest).is_none_or(|n| n.am_isend)
 }
 
 /// Try to hand a message with the packed bytes of `buf` as payload to the provider now.

@@ -25,7 +25,7 @@
 
 mod target;
 
-pub(crate) use target::{on_am, Ctx};
+pub(crate) use target::{on_am, on_data, Ctx};
 
 use crate::am::{self, AmState};
 use crate::types::{apply_op, BasicType, Op, Rank};
@@ -68,6 +68,20 @@ pub(crate) fn header_len(kind: u8) -> Option<usize> {
     })
 }
 
+/// Remote completion data of native writes (`Provider::rma_write_data`), 32 bits: a marker
+/// kind in bits 30..31 and the window id below. `D_COMPLETE` (PSCW): the origin's access
+/// epoch on this rank's window is complete — all its earlier writes are visible, since the
+/// marker travels fenced behind them.
+pub(crate) const D_COMPLETE: u32 = 2;
+/// Largest window id markers can name.
+pub(crate) const D_WIN_MAX: u32 = (1 << 30) - 1;
+
+/// The completion data of marker `kind` for window `win`.
+pub(crate) fn data_marker(kind: u32, win: u32) -> u64 {
+    debug_assert!(win <= D_WIN_MAX);
+    ((kind << 30) | (win & D_WIN_MAX)) as u64
+}
+
 /// Batch flags.
 pub(crate) const B_LOCK: u8 = 1;
 pub(crate) const B_COMPLETE: u8 = 2;
@@ -99,10 +113,14 @@ pub(crate) enum Wait {
         len: usize,
         done: bool,
     },
-    /// A native operation reported through the provider's completion queue.
+    /// Native operations reported through the provider's completion queue: `pending` of them
+    /// still in flight (an operation split in pieces shares its token), `err` the first
+    /// failure. Done only when the provider has reported every piece: until then it may still
+    /// use the operation's buffers, whatever happened to the peer.
     Native {
         win: u32,
-        done: bool,
+        pending: u32,
+        err: Option<Error>,
     },
     Failed(Error),
 }
@@ -111,7 +129,8 @@ impl Wait {
     fn done(&self) -> bool {
         match self {
             Wait::Data { len, got, .. } => got >= len,
-            Wait::Reply { done, .. } | Wait::Native { done, .. } => *done,
+            Wait::Reply { done, .. } => *done,
+            Wait::Native { pending, .. } => *pending == 0,
             Wait::Failed(_) => true,
         }
     }
@@ -260,7 +279,7 @@ impl RmaState {
     pub fn take(&mut self, t: u64) -> Result<()> {
         self.waits_on.remove(&t);
         match self.waits.remove(&t) {
-            Some(Wait::Failed(e)) => Err(e),
+            Some(Wait::Failed(e)) | Some(Wait::Native { err: Some(e), .. }) => Err(e),
             _ => Ok(()),
         }
     }
@@ -268,14 +287,14 @@ impl RmaState {
     /// A provider completion for an RMA token.
     pub fn complete(&mut self, t: u64, r: Result<()>) {
         match self.waits.get_mut(&t) {
-            Some(Wait::Native { win, done }) => {
-                *done = true;
+            Some(Wait::Native { win, pending, err }) => {
+                *pending = pending.saturating_sub(1);
+                if let Err(e) = r {
+                    err.get_or_insert(e);
+                }
                 let w = *win;
                 if let Some(ws) = self.wins.get_mut(&w) {
                     ws.native_done += 1;
-                }
-                if let Err(e) = r {
-                    self.waits.insert(t, Wait::Failed(e));
                 }
             }
             Some(_) => {
@@ -292,7 +311,9 @@ impl RmaState {
         for (t, r) in &self.waits_on {
             if *r == rank {
                 if let Some(w) = self.waits.get_mut(t) {
-                    if !w.done() {
+                    // Native operations end when the provider reports them (with an error,
+                    // now that the peer is gone): it may still be using their buffers.
+                    if !w.done() && !matches!(w, Wait::Native { .. }) {
                         *w = Wait::Failed(Error::peer_failed(rank, why));
                     }
                 }

@@ -181,6 +181,27 @@ pub(crate) fn on_am(
     }
 }
 
+/// Remote completion data from `src` (see `D_COMPLETE`): a PSCW completion that travelled
+/// behind the epoch's writes.
+pub(crate) fn on_data(st: &mut Ctx<'_>, src: Rank, data: u64) {
+    let (kind, win) = ((data >> 30) as u32 & 3, (data as u32) & D_WIN_MAX);
+    if data >> 32 != 0 {
+        st.am
+            .malformed(src, "remote completion data of more than 32 bits");
+        return;
+    }
+    let Some(w) = st.rma.wins.get_mut(&win) else {
+        let _ = unknown_window(st, src, win);
+        return;
+    };
+    match kind {
+        D_COMPLETE => *w.completes.entry(src).or_insert(0) += 1,
+        _ => st
+            .am
+            .malformed(src, "remote completion data of an unknown kind"),
+    }
+}
+
 fn reply(st: &mut Ctx<'_>, dest: Rank, kind: u8, token: u64) {
     let mut h = Hdr::new(kind);
     h.u64(token);

@@ -463,6 +463,7 @@ impl<'e, 'w, P: Provider> Epoch<'e, 'w, P> {
         }
         w.drain_pending_keep_lock()?;
         w.complete_local()?;
+        w.prove_delivery(Some(targets))?;
         for &t in targets {
             if std::mem::take(&mut w.am_dirty.borrow_mut()[t as usize]) {
                 w.roundtrip(rma::H_FLUSH, t, None)?;

@@ -61,11 +61,23 @@ impl<'w, P: Provider> Window<'w, P> {
                 key: base.key,
             };
             let e = &mut *eng;
+            e.st.am.touch(&mut e.p, target)?;
+            // An HCA takes one element per atomic: longer ones go in pieces, which share the
+            // operation's completion (counter increments or one token reported per piece).
+            let elems = match op.kind {
+                OpKind::Acc(_, ty) | OpKind::Rmw(_, ty) => op.len / ty.size(),
+                _ => 0,
+            };
+            let per = match e.st.am.caps.atomic_max_count {
+                0 => elems.max(1),
+                m => m,
+            };
+            let pieces = if elems > 0 { elems.div_ceil(per) } else { 1 };
             // Bulk operations count on the window's counter; request-based ones (and every one
             // when the provider has no counters) get a CQ entry of their own.
             let (done, t) = match (self.cntr, force_token) {
                 (Some(c), None) => {
-                    self.cntr_issued.set(self.cntr_issued.get() + 1);
+                    self.cntr_issued.set(self.cntr_issued.get() + pieces as u64);
                     let mut ts = self.cntr_targets.borrow_mut();
                     if !ts.contains(&target) {
                         ts.push(target);
@@ -76,76 +88,48 @@ impl<'w, P: Provider> Window<'w, P> {
                     let t = e.st.rma.token(
                         Wait::Native {
                             win: self.id,
-                            done: false,
+                            pending: pieces as u32,
+                            err: None,
                         },
                         target,
                     );
                     if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
-                        w.native_issued += 1;
+                        w.native_issued += pieces as u64;
                     }
                     (Completion::cq(t), Some(t))
                 }
             };
-            // SAFETY (all arms): origin/result/compare point at buffers borrowed by the epoch
-            // (or owned by a request) until the token completes, which the epoch's
-            // synchronisation waits for.
-            let r = unsafe {
-                match op.kind {
-                    OpKind::Put => e.p.rma_write(
-                        target,
-                        &[RawIov {
-                            desc: 0,
-                            ptr: op.origin,
-                            len: op.len,
-                        }],
-                        ra,
-                        done,
-                    ),
-                    OpKind::Get => e.p.rma_read(
-                        target,
-                        &[RawIovMut {
-                            desc: 0,
-                            ptr: op.result,
-                            len: op.len,
-                        }],
-                        ra,
-                        done,
-                    ),
-                    OpKind::Acc(o, ty) => e.p.atomic(
-                        target,
-                        o,
-                        ty,
-                        op.len / ty.size(),
-                        op.origin,
-                        std::ptr::null(),
-                        std::ptr::null_mut(),
-                        ra,
-                        done,
-                    ),
-                    OpKind::Rmw(o, ty) => e.p.atomic(
-                        target,
-                        o,
-                        ty,
-                        op.len / ty.size(),
-                        op.origin,
-                        op.compare,
-                        op.result,
-                        ra,
-                        done,
-                    ),
-                }
-            };
+            let mut posted = 0usize;
+            let r = self.post_native(e, target, op, ra, done, per, &mut posted);
             if let Err(err) = r {
+                // The pieces not posted will never be reported.
+                let missing = (pieces - posted) as u64;
                 match t {
                     Some(t) => {
-                        e.st.rma.take(t).ok();
-                        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
-                            w.native_issued -= 1;
+                        if let Some(Wait::Native {
+                            pending, err: e2, ..
+                        }) = e.st.rma.waits.get_mut(&t)
+                        {
+                            *pending -= missing as u32;
+                            e2.get_or_insert(err.clone());
                         }
+                        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
+                            w.native_issued -= missing;
+                        }
+                        if posted == 0 {
+                            e.st.rma.take(t).ok();
+                            return Err(err);
+                        }
+                        // Some pieces are out: the error surfaces when their token completes.
+                        self.tokens.borrow_mut().push(t);
+                        return Ok(Some(t));
                     }
-                    None => self.cntr_issued.set(self.cntr_issued.get() - 1),
+                    None => {
+                        // Pieces already posted still count on the window's counter.
+                        self.cntr_issued.set(self.cntr_issued.get() - missing);
+                        return Err(err);
+                    }
                 }
-                return Err(err);
             }
             let Some(t) = t else {
                 return Ok(None);
@@ -155,6 +139,204 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         drop(eng);
         self.issue_am(op, force_token.is_some())
+    }
+
+    /// Make the native writes of this epoch to `targets` (communicator ranks; `None`: all)
+    /// visible at their targets, for providers whose writes complete at transmission: one
+    /// fenced 1-byte read per written target, which the provider starts only once the earlier
+    /// writes to it are done there.
+    pub(super) fn prove_delivery(&self, targets: Option<&[u32]>) -> Result<()> {
+        let mut mine: SmallVec<[u32; 4]> = SmallVec::new();
+        {
+            let mut w = self.written.borrow_mut();
+            match targets {
+                Some(ts) => {
+                    for &t in ts {
+                        if std::mem::take(&mut w[t as usize]) {
+                            mine.push(t);
+                        }
+                    }
+                }
+                None => {
+                    for (t, x) in w.iter_mut().enumerate() {
+                        if std::mem::take(x) {
+                            mine.push(t as u32);
+                        }
+                    }
+                }
+            }
+        }
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let mut toks: SmallVec<[u64; 4]> = SmallVec::new();
+        let mut eng = self.engine();
+        let e = &mut *eng;
+        let probe = self.probe.borrow_mut().as_mut_ptr();
+        let mut err = None;
+        for t in mine {
+            let target = self.world(t);
+            let ra = match &self.keys {
+                Some(k) => k[t as usize],
+                None => RemoteAddr {
+                    addr: 0,
+                    key: self.id as u64,
+                },
+            };
+            let tok = e.st.rma.token(
+                Wait::Native {
+                    win: self.id,
+                    pending: 1,
+                    err: None,
+                },
+                target,
+            );
+            let d = if e.st.am.caps.mr_local {
+                match e.st.am.mr.acquire(&mut e.p, probe, 1, Access::LOCAL_WRITE) {
+                    Ok((d, m)) => {
+                        self.local_mrs.borrow_mut().push(m);
+                        d
+                    }
+                    Err(x) => {
+                        e.st.rma.take(tok).ok();
+                        err.get_or_insert(x);
+                        continue;
+                    }
+                }
+            } else {
+                0
+            };
+            let local = [RawIovMut {
+                ptr: probe,
+                len: 1,
+                desc: d,
+            }];
+            // SAFETY: `probe` is owned by the window, which outlives the read: this function
+            // waits for it (or the failed wait ends the process, see quarantine_rma).
+            match unsafe {
+                e.p.rma_read(target, &local, ra, Completion::cq(tok).fenced())
+            } {
+                Ok(()) => toks.push(tok),
+                Err(x) => {
+                    e.st.rma.take(tok).ok();
+                    err.get_or_insert(x);
+                }
+            }
+        }
+        let waited = eng.wait_until("RMA writes to become visible at their targets", |e| {
+            toks.iter().all(|t| e.st.rma.is_done(*t))
+        });
+        if let Err(x) = waited {
+            eng.quarantine_rma(&toks, true);
+            return Err(x);
+        }
+        for t in toks {
+            if let Err(x) = eng.st.rma.take(t) {
+                err.get_or_insert(x);
+            }
+        }
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Post native operation `op` (in pieces of `per` elements for atomics), counting the
+    /// pieces the provider took in `posted`. Local buffers get descriptors for providers that
+    /// need them; the registrations are held until the epoch's operations have completed.
+    #[allow(clippy::too_many_arguments)]
+    fn post_native(
+        &self,
+        e: &mut Engine<P>,
+        target: Rank,
+        op: PendingOp,
+        ra: RemoteAddr,
+        done: Completion,
+        per: usize,
+        posted: &mut usize,
+    ) -> Result<()> {
+        let mr_local = e.st.am.caps.mr_local;
+        let mut desc = |ptr: *const u8, len: usize, access: Access| -> Result<MrDesc> {
+            if !mr_local || ptr.is_null() || len == 0 {
+                return Ok(0);
+            }
+            let (d, m) = e.st.am.mr.acquire(&mut e.p, ptr, len, access)?;
+            self.local_mrs.borrow_mut().push(m);
+            Ok(d)
+        };
+        match op.kind {
+            OpKind::Put => {
+                if !e.st.am.caps.rma.is_some_and(|r| r.delivery_complete()) {
+                    self.written.borrow_mut()[op.trank as usize] = true;
+                }
+                let d = desc(op.origin, op.len, Access::LOCAL)?;
+                let local = [RawIov {
+                    ptr: op.origin,
+                    len: op.len,
+                    desc: d,
+                }];
+                // SAFETY: the origin buffer is borrowed by the epoch (or owned by a request)
+                // until the operation completes, which the epoch's synchronisation waits for.
+                unsafe { e.p.rma_write(target, &local, ra, done)? };
+                *posted += 1;
+            }
+            OpKind::Get => {
+                let d = desc(op.result, op.len, Access::LOCAL_WRITE)?;
+                let local = [RawIovMut {
+                    ptr: op.result,
+                    len: op.len,
+                    desc: d,
+                }];
+                // SAFETY: as above, for the result buffer.
+                unsafe { e.p.rma_read(target, &local, ra, done)? };
+                *posted += 1;
+            }
+            OpKind::Acc(o, ty) | OpKind::Rmw(o, ty) => {
+                let sz = ty.size();
+                let (compare, result) = match op.kind {
+                    OpKind::Rmw(..) => (op.compare, op.result),
+                    _ => (std::ptr::null(), std::ptr::null_mut()),
+                };
+                let descs = [
+                    desc(op.origin, op.len, Access::LOCAL)?,
+                    desc(
+                        compare,
+                        if compare.is_null() { 0 } else { sz },
+                        Access::LOCAL,
+                    )?,
+                    desc(result, op.len, Access::LOCAL_WRITE)?,
+                ];
+                let elems = op.len / sz;
+                let mut at = 0;
+                while at < elems {
+                    let n = per.min(elems - at);
+                    let off = at * sz;
+                    // SAFETY: offsets within the operation's buffers (`elems` elements each;
+                    // compare, when present, is one element and `elems` is 1 then).
+                    let a = unsafe {
+                        AtomicOp {
+                            op: o,
+                            ty,
+                            count: n,
+                            origin: op.origin.add(off),
+                            compare,
+                            result: if result.is_null() {
+                                result
+                            } else {
+                                result.add(off)
+                            },
+                            desc: descs,
+                        }
+                    };
+                    let r = RemoteAddr {
+                        addr: ra.addr + off as u64,
+                        key: ra.key,
+                    };
+                    // SAFETY: as above, for origin, compare and result.
+                    unsafe { e.p.atomic(target, &a, r, done)? };
+                    *posted += 1;
+                    at += n;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn issue_am(&self, op: PendingOp, _req: bool) -> Result<Option<u64>> {
@@ -543,6 +725,10 @@ impl<'w, P: Provider> Window<'w, P> {
             if let Err(err) = eng.st.rma.take(t) {
                 first.get_or_insert(err);
             }
+        }
+        // Every native operation of the epoch is over: their buffers need no descriptor now.
+        for m in self.local_mrs.borrow_mut().drain(..) {
+            eng.st.am.mr.release(m);
         }
         // Keep the list's capacity for the next epoch.
         let mut tokens = self.tokens.borrow_mut();

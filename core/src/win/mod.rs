@@ -51,12 +51,14 @@
 //! active message, with the synchronisation (complete, unlock, flush, even the lock itself)
 //! folded into the last one; `full` does both.
 
+use crate::am::mr_cache::MrRef;
 use crate::am::{Hdr, Out};
 use crate::comm::Comm;
 use crate::datatype::Datatype;
 use crate::engine::Engine;
 use crate::provider::{
-    Access, CntrId, CntrValue, Completion, MemRegion, Provider, RawIov, RawIovMut, RemoteAddr,
+    Access, AtomicOp, CntrId, CntrValue, Completion, MemRegion, MrDesc, Provider, RawIov,
+    RawIovMut, RemoteAddr,
 };
 use crate::rma::{self, Wait, WinState};
 use crate::types::{BasicType, Element, Op, Rank};
@@ -237,8 +239,15 @@ pub struct Window<'w, P: Provider> {
     lazy_lock: Cell<Option<(u32, u8)>>,
     /// Targets that received active-message operations since their last flush/unlock.
     am_dirty: RefCell<Vec<bool>>,
+    /// Targets of native writes not proven delivered yet (providers with transmit completion).
+    written: RefCell<Vec<bool>>,
+    /// Where the fenced reads that prove delivery land.
+    probe: RefCell<Box<[u8; 8]>>,
     /// Tokens of operations not known to be complete.
     tokens: RefCell<Vec<u64>>,
+    /// Registrations describing the epoch's local buffers to a provider that needs local
+    /// descriptors; released once its operations have completed.
+    local_mrs: RefCell<Vec<MrRef>>,
     /// The provider's completion counter for this window's bulk native operations (None:
     /// every native operation reports a CQ entry and the core counts them).
     cntr: Option<CntrId>,
@@ -426,7 +435,12 @@ impl<'w, P: Provider> Window<'w, P> {
                 .collect()
         });
         let native_atomics = native && ops.iter().all(|(o, t)| caps.atomics.query(*o, *t));
-        let native_put = native && caps.rma.is_some_and(|r| r.write);
+        // Writes that complete only at transmission need a fenced read to prove delivery at
+        // the end of an epoch; without a fence they stay on active messages.
+        let native_put = native
+            && caps
+                .rma
+                .is_some_and(|r| r.write && (r.delivery_complete() || (r.fence && r.read)));
         let native_get = native && caps.rma.is_some_and(|r| r.read);
         // Native locks only make sense when no operation needs the target's progress.
         let native_locks = native_put
@@ -477,7 +491,10 @@ impl<'w, P: Provider> Window<'w, P> {
             exposed: RefCell::new(Vec::new()),
             lazy_lock: Cell::new(None),
             am_dirty: RefCell::new(vec![false; n]),
+            written: RefCell::new(vec![false; n]),
+            probe: RefCell::new(Box::new([0; 8])),
             tokens: RefCell::new(Vec::new()),
+            local_mrs: RefCell::new(Vec::new()),
             cntr,
             cntr_issued: Cell::new(0),
             cntr_seen: Cell::new(CntrValue::default()),
@@ -540,19 +557,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let off = self.local_range(disp, std::mem::size_of_val(out), "read")?;
         let n = std::mem::size_of_val(out);
         if let Some(ra) = self.self_addr(off) {
-            let local = [RawIovMut {
-                desc: 0,
-                ptr: out.as_mut_ptr() as *mut u8,
-                len: n,
-            }];
-            let me = self.world(self.comm.rank());
-            // SAFETY: `out` is borrowed for the call and the copy finishes within it (the
-            // in-process providers copy at issue time).
-            return unsafe {
-                self.engine()
-                    .p
-                    .rma_read(me, &local, ra, Completion::default())
-            };
+            return self.local_via_provider(ra, out.as_mut_ptr() as *mut u8, n, false);
         }
         // SAFETY: `[off, off + n)` is inside the window memory (checked); the copy goes through
         // raw pointers, so no reference to memory other processes may write is ever formed.
@@ -568,21 +573,62 @@ impl<'w, P: Provider> Window<'w, P> {
         let n = std::mem::size_of_val(data);
         let off = self.local_range(disp, n, "write")?;
         if let Some(ra) = self.self_addr(off) {
-            let local = [RawIov {
-                desc: 0,
-                ptr: data.as_ptr() as *const u8,
-                len: n,
-            }];
-            let me = self.world(self.comm.rank());
-            // SAFETY: as in `read_local`.
-            return unsafe {
-                self.engine()
-                    .p
-                    .rma_write(me, &local, ra, Completion::default())
-            };
+            return self.local_via_provider(ra, data.as_ptr() as *mut u8, n, true);
         }
         // SAFETY: as in `read_local`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, self.base.add(off), n) };
+        Ok(())
+    }
+
+    /// Local access through the provider (see [`Window::self_addr`]): `n` bytes at `ptr` are
+    /// read from (`write`) or written with the window memory at `ra`. The buffer gets a local
+    /// descriptor when the provider wants one, and a write whose completion is only
+    /// transmission is proven landed (a fenced read) before this returns.
+    fn local_via_provider(
+        &self,
+        ra: RemoteAddr,
+        ptr: *mut u8,
+        n: usize,
+        write: bool,
+    ) -> Result<()> {
+        let me_t = self.comm.rank();
+        let me = self.world(me_t);
+        let delivery = {
+            let mut eng = self.engine();
+            let e = &mut *eng;
+            let access = if write {
+                crate::provider::Access::LOCAL
+            } else {
+                crate::provider::Access::LOCAL_WRITE
+            };
+            let (desc, mr) = if e.st.am.caps.mr_local && n > 0 {
+                let (d, m) = e.st.am.mr.acquire(&mut e.p, ptr, n, access)?;
+                (d, Some(m))
+            } else {
+                (0, None)
+            };
+            // SAFETY: the caller's buffer is borrowed for this call, and the copy happens within
+            // it: this path is taken only for providers whose ranks are threads of one process,
+            // which copy at issue time (the contract of `Caps::spans_processes == false`).
+            let r = unsafe {
+                if write {
+                    let local = [RawIov { desc, ptr, len: n }];
+                    e.p.rma_write(me, &local, ra, Completion::default())
+                } else {
+                    let local = [RawIovMut { desc, ptr, len: n }];
+                    e.p.rma_read(me, &local, ra, Completion::default())
+                }
+            };
+            if let Some(m) = mr {
+                e.st.am.mr.release(m);
+            }
+            r?;
+            e.st.am.caps.rma.is_some_and(|r| r.delivery_complete())
+        };
+        if write && !delivery {
+            self.written.borrow_mut()[me_t as usize] = true;
+            self.prove_delivery(Some(&[me_t]))?;
+        }
         Ok(())
     }
 

@@ -65,6 +65,7 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         self.drain_pending(None)?;
         self.complete_local()?;
+        self.prove_delivery(None)?;
         if self.native_put && self.native_get && self.native_atomics {
             // Every operation is complete at the origin, hence at the target: a barrier is
             // enough.
@@ -206,12 +207,48 @@ impl<'w, P: Provider> Window<'w, P> {
         };
         // Gets and native operations must be complete before we say so.
         self.complete_local()?;
+        // Where writes complete at transmission, a target that got only native writes learns
+        // of the completion from a marker fenced behind them (remote completion data: no
+        // round trip); any other target gets the writes proven delivered, then COMPLETE.
+        let marker = self.engine().st.am.caps.rma.is_some_and(|r| {
+            !r.delivery_complete() && r.fence && r.cq_data_size >= 4 && self.id <= rma::D_WIN_MAX
+        });
+        let mut by_marker: SmallVec<[u32; 4]> = SmallVec::new();
+        if marker {
+            let am = self.am_dirty.borrow();
+            let mut w = self.written.borrow_mut();
+            for &t in targets {
+                if !folded.contains(&t) && !am[t as usize] && w[t as usize] {
+                    w[t as usize] = false;
+                    by_marker.push(t);
+                }
+            }
+        }
+        self.prove_delivery(Some(targets))?;
         let mut eng = self.engine();
         for &t in targets {
             if folded.contains(&t) {
                 continue;
             }
             let w = self.comm.world_rank(t)?;
+            if by_marker.contains(&t) {
+                let ra = match &self.keys {
+                    Some(k) => k[t as usize],
+                    None => RemoteAddr {
+                        addr: 0,
+                        key: self.id as u64,
+                    },
+                };
+                let data = rma::data_marker(rma::D_COMPLETE, self.id);
+                let e = &mut *eng;
+                // Nothing to keep valid: no local bytes. Completion is not waited for (the
+                // next epoch's operations are fenced behind it by the provider anyway).
+                // SAFETY: an empty local iovec.
+                unsafe {
+                    e.p.rma_write_data(w, &[], ra, data, Completion::default().fenced())?
+                };
+                continue;
+            }
             let mut h = Hdr::new(rma::H_COMPLETE);
             h.u32(self.id);
             eng.st.am.push_ctrl(w, h);
@@ -319,6 +356,9 @@ impl<'w, P: Provider> Window<'w, P> {
         if self.native_locks {
             self.drain_pending(None)?;
             let mut first = self.complete_local().err();
+            if first.is_none() {
+                first = self.prove_delivery(Some(targets)).err();
+            }
             for &t in targets {
                 let ra = self.keys.as_ref().expect("native locks need keys")[t as usize];
                 let target = self.world(t);
@@ -350,7 +390,9 @@ impl<'w, P: Provider> Window<'w, P> {
             self.drain_pending(None)?;
             Targets::new()
         };
-        let r = self.complete_local();
+        let r = self
+            .complete_local()
+            .and_then(|_| self.prove_delivery(Some(targets)));
         let mut first = r.err();
         for &t in targets {
             let res = match tokens.iter().find(|(tr, _)| *tr == t) {

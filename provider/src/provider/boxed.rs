@@ -42,6 +42,9 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
     fn peer_caps(&self, peer: Rank) -> Option<PeerCaps> {
         (**self).peer_caps(peer)
     }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        (**self).counters()
+    }
     #[inline]
     unsafe fn am_isend(
         &mut self,
@@ -144,16 +147,11 @@ impl<T: Provider + ?Sized> Provider for Box<T> {
     unsafe fn atomic(
         &mut self,
         dest: Rank,
-        op: Op,
-        ty: BasicType,
-        count: usize,
-        origin: *const u8,
-        compare: *const u8,
-        result: *mut u8,
+        a: &AtomicOp,
         remote: RemoteAddr,
         done: Completion,
     ) -> Result<()> {
-        (**self).atomic(dest, op, ty, count, origin, compare, result, remote, done)
+        (**self).atomic(dest, a, remote, done)
     }
     fn cntr_open(&mut self) -> Result<CntrId> {
         (**self).cntr_open()

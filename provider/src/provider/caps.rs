@@ -79,7 +79,11 @@ pub struct Caps {
     pub atomic_max_count: usize,
     /// Completion counters ([`super::Provider::cntr_open`]) for RMA and atomic operations.
     pub counters: bool,
-    /// Ranks may live in different processes.
+    /// Ranks may live in different processes. When false (ranks are threads of one process,
+    /// which may copy into each other's windows under the provider's own lock), the core does
+    /// its local window accesses of native windows as RMA to itself, and the provider must
+    /// finish such self-directed reads and writes within the call (writes at least copied
+    /// out; a transmit-complete write is then proven landed by a fenced read).
     pub spans_processes: bool,
     /// Ranks may live on different hosts.
     pub spans_hosts: bool,
@@ -177,8 +181,20 @@ impl Caps {
         if self.mr_local {
             v.push("mr-local");
         }
+        if self.mr_pins {
+            v.push("mr-pins");
+        }
+        if self
+            .rma
+            .is_some_and(|r| r.completion == CompletionLevel::Transmit)
+        {
+            v.push("rma-transmit-complete");
+        }
         if self.lazy_connect {
             v.push("lazy-connect");
+        }
+        if self.per_peer {
+            v.push("per-peer-caps");
         }
         v
     }

@@ -40,6 +40,21 @@ impl RawIovMut {
     }
 }
 
+/// One native atomic operation: the `count` elements of `ty` at the target become
+/// `target op origin` — or, for `Op::Cswap`, `origin` where they equal `compare` — and their
+/// old values go to `result` when it is not null. `desc` holds the local descriptors of
+/// origin, compare and result for providers that need them ([`super::Caps::mr_local`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtomicOp {
+    pub op: crate::types::Op,
+    pub ty: crate::types::BasicType,
+    pub count: usize,
+    pub origin: *const u8,
+    pub compare: *const u8,
+    pub result: *mut u8,
+    pub desc: [MrDesc; 3],
+}
+
 /// Where a remote RMA access lands: a key and an address as the target registered them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RemoteAddr {

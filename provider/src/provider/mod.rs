@@ -50,10 +50,10 @@ pub use completion::{
     CntrId, CntrValue, Completed, Completion, CompletionTable, ConnEvent, SendOutcome,
     TaggedStatus, Token,
 };
-pub use mem::{Access, MemRegion, MrDesc, RawIov, RawIovMut, RemoteAddr};
+pub use mem::{Access, AtomicOp, MemRegion, MrDesc, RawIov, RawIovMut, RemoteAddr};
 
 use crate::bootstrap::Bootstrap;
-use crate::types::{BasicType, Op, Rank};
+use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result};
 use std::io::IoSlice;
 
@@ -154,6 +154,13 @@ pub trait Provider: 'static {
     /// core reads them after `connect` and again on every [`ConnEvent`] for that peer.
     fn peer_caps(&self, _peer: Rank) -> Option<PeerCaps> {
         None
+    }
+
+    /// Named counts of what this provider carried (messages by path, zero-copy sends,
+    /// completion data, connections...): diagnostics for users, and the proof in tests and
+    /// benchmarks of which path a job took. Names are stable per provider; empty by default.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
     }
 
     /// Zero-copy active message ([`Caps::am_isend`]): like `am_send`, but the provider may keep
@@ -346,22 +353,17 @@ pub trait Provider: 'static {
         unsupported("native window locks")
     }
 
-    /// Native atomic on `count` elements of `ty` at `remote`: `target = target op origin`
-    /// (or compare-and-swap with `compare`), old values to `result` when not null.
+    /// Native atomic ([`AtomicOp`]) on the elements at `remote`; report completion as `done`
+    /// says, once the operation was performed at the target (and its old values, if asked
+    /// for, are in `result`).
     ///
     /// # Safety
     /// `origin`, `compare` and `result` (when non-null) must point at `count` elements and stay
-    /// valid until the operation completes (reported as `done` says).
-    #[allow(clippy::too_many_arguments)]
+    /// valid until the operation completes.
     unsafe fn atomic(
         &mut self,
         _dest: Rank,
-        _op: Op,
-        _ty: BasicType,
-        _count: usize,
-        _origin: *const u8,
-        _compare: *const u8,
-        _result: *mut u8,
+        _a: &AtomicOp,
         _remote: RemoteAddr,
         _done: Completion,
     ) -> Result<()> {

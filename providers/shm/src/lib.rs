@@ -647,20 +647,23 @@ impl Provider for Shm {
     unsafe fn atomic(
         &mut self,
         dest: Rank,
-        op: weft_provider::Op,
-        ty: weft_provider::BasicType,
-        count: usize,
-        origin: *const u8,
-        compare: *const u8,
-        result: *mut u8,
+        a: &weft_provider::provider::AtomicOp,
         remote: RemoteAddr,
         done: Completion,
     ) -> Result<()> {
         let (pool, li) = self.pool_target(dest)?;
-        let at = pool.check(li, remote.key, remote.addr, count * ty.size())?;
+        let at = pool.check(li, remote.key, remote.addr, a.count * a.ty.size())?;
         // SAFETY: in bounds of the target's pool slice (checked); the caller guarantees the
         // operand buffers; pool memory of atomically used windows is only accessed atomically.
-        let r = pool::apply(op, ty, count, pool.ptr(at), origin, compare, result);
+        let r = pool::apply(
+            a.op,
+            a.ty,
+            a.count,
+            pool.ptr(at),
+            a.origin,
+            a.compare,
+            a.result,
+        );
         self.done.finish(done, r);
         Ok(())
     }

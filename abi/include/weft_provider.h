@@ -11,7 +11,7 @@
 #define WEFT_ABI_MAJOR 1
 
 // ABI minor version: a loader accepts providers with a minor not newer than its own.
-#define WEFT_ABI_MINOR 0
+#define WEFT_ABI_MINOR 1
 
 // `major << 16 | minor`, the first field of every entry.
 #define WEFT_ABI_VERSION ((WEFT_ABI_MAJOR << 16) | WEFT_ABI_MINOR)
@@ -58,6 +58,52 @@
 
 #define WEFT_CAP_SPANS_HOSTS (1 << 8)
 
+// 1.1: the provider needs a local descriptor ([`WeftMr::desc`]) for every local buffer of
+// [`WeftExtOps`] calls (libfabric's `FI_MR_LOCAL`).
+#define WEFT_CAP_MR_LOCAL (1 << 9)
+
+// 1.1: registrations pin pages (a cached registration could go stale after unmap + map).
+#define WEFT_CAP_MR_PINS (1 << 10)
+
+// 1.1: [`WeftExtOps::am_isend`] (zero-copy active messages above `inject_size`).
+#define WEFT_CAP_AM_ISEND (1 << 11)
+
+// 1.1: connects to a peer when [`WeftExtOps::connect`] is called, not at `open`.
+#define WEFT_CAP_LAZY_CONNECT (1 << 12)
+
+// 1.1: capabilities may be narrower towards some peers ([`WeftExtOps::peer_caps`]).
+#define WEFT_CAP_PER_PEER (1 << 13)
+
+// 1.1: RMA writes complete when their data has left (transmit completion), not when it is
+// visible at the target (delivery completion, the 1.0 meaning).
+#define WEFT_CAP_RMA_TRANSMIT (1 << 14)
+
+// 1.1: [`WEFT_OP_FENCE`] is honoured.
+#define WEFT_CAP_RMA_FENCE (1 << 15)
+
+// 1.1 access bits of [`WeftRmaOps::reg`] beyond 1.0's (1 remote read, 2 remote write, 4 remote
+// atomic): the provider may write into the region locally.
+#define WEFT_ACCESS_LOCAL_WRITE 8
+
+// 1.1 operation flag of [`WeftExtOps`] RMA calls: start only after this rank's earlier writes
+// to the same target have landed there.
+#define WEFT_OP_FENCE 1
+
+// 1.1 connection events ([`WeftSink::connection`]).
+#define WEFT_CONN_CONNECTED 0
+
+// The peer's capabilities changed: ask [`WeftExtOps::peer_caps`] again.
+#define WEFT_CONN_CAPS_CHANGED 1
+
+// [`WeftPeerCaps::flags`]: RMA reads of the peer's memory.
+#define WEFT_PEER_RMA_READ 1
+
+// RMA writes into the peer's memory.
+#define WEFT_PEER_RMA_WRITE 2
+
+// `am_isend` to the peer.
+#define WEFT_PEER_AM_ISEND 4
+
 // What `probe` may look at.
 typedef struct WeftProbeCtx {
   uint32_t size;
@@ -85,6 +131,13 @@ typedef struct WeftCaps {
   // bxor, land, lor, lxor, replace, no_op, cswap), a bitmask of basic types (i8, u8, i16,
   // u16, i32, u32, i64, u64, f32, f64 as bits 0..9).
   uint16_t atomics[13];
+  uint16_t reserved2;
+  // 1.1: with `WEFT_CAP_AM_ISEND`, payloads up to this size go through `am_send`.
+  uint64_t inject_size;
+  // 1.1: bytes of remote completion data [`WeftExtOps::write_data`] carries (0: none).
+  uint32_t cq_data_size;
+  // 1.1: most elements per native atomic call (0: no limit).
+  uint32_t atomic_max_count;
 } WeftCaps;
 
 // The bootstrap, offered to `open`: the job's key-value space and node map.
@@ -105,6 +158,13 @@ typedef struct WeftBoot {
   int32_t (*get)(void *ctx, const char *key, char *buf, uintptr_t buflen, uintptr_t *needed);
   // Host index of `rank` (ranks with equal indices share a host).
   uint32_t (*host_of)(void *ctx, uint32_t rank);
+  // 1.1: the job's key-value space, valid from `open` until `close` (for addresses looked
+  // up on first use). Null where the bootstrap keeps none. A value put is visible to the
+  // others after their next successful `kv_get` retry or the next collective fence.
+  void *kv_ctx;
+  int32_t (*kv_put)(void *ctx, const char *key, const char *value);
+  // As `get`; `WEFT_OK` with `*needed` = 0 when the key is not (yet) there.
+  int32_t (*kv_get)(void *ctx, const char *key, char *buf, uintptr_t buflen, uintptr_t *needed);
 } WeftBoot;
 
 // One piece of a message.
@@ -133,6 +193,11 @@ typedef struct WeftSink {
   // `status` is `WEFT_OK` or a `WEFT_E*` code; `tagged` is set for received messages.
   void (*complete)(void *ctx, uint64_t token, int32_t status, const struct WeftTaggedStatus *tagged);
   void (*peer_failed)(void *ctx, uint32_t rank, const char *reason);
+  // 1.1 (present when `size` covers it): a write from `src` with completion data `data`
+  // is visible in this rank's memory.
+  void (*rma_data)(void *ctx, uint32_t src, uint64_t data);
+  // 1.1: the connection to `peer` changed (`WEFT_CONN_*`).
+  void (*connection)(void *ctx, uint32_t peer, uint32_t event);
 } WeftSink;
 
 // The mandatory group: active messages and the provider's life cycle.
@@ -182,6 +247,9 @@ typedef struct WeftMr {
   uint64_t addr;
   uint64_t len;
   uint64_t handle;
+  // 1.1: the local descriptor to pass for memory inside the region (with
+  // `WEFT_CAP_MR_LOCAL`); a 1.0 library leaves it 0.
+  uint64_t desc;
 } WeftMr;
 
 // Optional: memory registration and RMA.
@@ -220,6 +288,40 @@ typedef struct WeftCntrOps {
   int32_t (*close)(void *provider, uint64_t cntr);
 } WeftCntrOps;
 
+// 1.1: what a provider offers towards one peer ([`WeftExtOps::peer_caps`]); each field can
+// only narrow the provider-wide value.
+typedef struct WeftPeerCaps {
+  uint32_t size;
+  // `WEFT_PEER_*` bits.
+  uint32_t flags;
+  uint64_t max_am_payload;
+  uint64_t eager_limit;
+} WeftPeerCaps;
+
+// 1.1, optional: the contract-2 entries. Local buffers come with a parallel array of
+// descriptors (`descs[i]` for `iov[i]`; null when the provider did not ask for them with
+// `WEFT_CAP_MR_LOCAL`); `flags` takes `WEFT_OP_*`. Completion as in [`WeftRmaOps`].
+typedef struct WeftExtOps {
+  uint32_t size;
+  uint32_t reserved;
+  // Called once before the first operation towards `peer` (with `WEFT_CAP_LAZY_CONNECT`);
+  // report `WEFT_CONN_CONNECTED` from `progress` when it is up, answer `WEFT_BUSY` to sends
+  // until then.
+  int32_t (*connect)(void *provider, uint32_t peer);
+  // Narrower capabilities towards `peer`: fill `*caps` and return 1, or return 0 when the
+  // provider-wide ones apply.
+  int32_t (*peer_caps)(void *provider, uint32_t peer, struct WeftPeerCaps *caps);
+  // Zero-copy active message: the provider may read the payload until it reports `token`
+  // through `WeftSink::complete`. `WEFT_BUSY`: nothing taken, `token` never reported.
+  int32_t (*am_isend)(void *provider, uint32_t dest, const uint8_t *hdr, uintptr_t hdr_len, const struct WeftIov *iov, const uint64_t *descs, uintptr_t iovcnt, uint64_t token);
+  int32_t (*read)(void *provider, uint32_t src, const struct WeftIovMut *local, const uint64_t *descs, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr, uint32_t flags);
+  int32_t (*write)(void *provider, uint32_t dest, const struct WeftIov *local, const uint64_t *descs, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr, uint32_t flags);
+  // A write whose target is told `data` (`WeftSink::rma_data`) once it is visible.
+  int32_t (*write_data)(void *provider, uint32_t dest, const struct WeftIov *local, const uint64_t *descs, uintptr_t cnt, uint64_t addr, uint64_t key, uint64_t data, uint64_t token, uint64_t cntr, uint32_t flags);
+  // `descs`: origin, compare, result (null without `WEFT_CAP_MR_LOCAL`).
+  int32_t (*atomic)(void *provider, uint32_t dest, uint32_t op, uint32_t ty, uintptr_t count, const uint8_t *origin, const uint8_t *compare, uint8_t *result, const uint64_t *descs, uint64_t addr, uint64_t key, uint64_t token, uint64_t cntr, uint32_t flags);
+} WeftExtOps;
+
 // What `weft_provider_entry` returns.
 typedef struct WeftEntry {
   // `WEFT_ABI_VERSION` of the provider's build (first in every ABI version).
@@ -239,6 +341,8 @@ typedef struct WeftEntry {
   const struct WeftRmaOps *rma;
   const struct WeftAtomicOps *atomics;
   const struct WeftCntrOps *cntr;
+  // 1.1 (present when `abi_version` says minor 1 or later and `size` covers it).
+  const struct WeftExtOps *ext;
 } WeftEntry;
 
 // The signature of `weft_provider_entry`.

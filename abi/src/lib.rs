@@ -1,5 +1,13 @@
-//! The C ABI between weft and provider libraries, version 1.0: `#[repr(C)]` types and constants
+//! The C ABI between weft and provider libraries, version 1.1: `#[repr(C)]` types and constants
 //! only, no logic. `include/weft_provider.h` is generated from this file with cbindgen.
+//!
+//! 1.1 adds, all optional and all at the ends of existing tables: the contract-2 capability
+//! bits and limits in [`WeftCaps`], a local descriptor in [`WeftMr`] (and the local-write access
+//! bit), remote completion data and connection events in [`WeftSink`], a key-value space that
+//! stays valid after `open` in [`WeftBoot`], and the [`WeftExtOps`] table (connections,
+//! per-peer capabilities, zero-copy active messages, RMA and atomics with local descriptors and
+//! the fence flag, writes with completion data). A 1.0 library never sees any of it: the
+//! loader reads and passes the 1.1 parts only to libraries that declare minor 1 or later.
 //!
 //! A provider library `libweft-<name>.so` exports one symbol, `weft_provider_entry`, returning
 //! a pointer to a [`WeftEntry`]. Every table begins with its own size so it can grow compatibly:
@@ -17,7 +25,7 @@ use std::ffi::{c_char, c_void};
 /// ABI major version: a loader refuses a provider whose major differs.
 pub const WEFT_ABI_MAJOR: u32 = 1;
 /// ABI minor version: a loader accepts providers with a minor not newer than its own.
-pub const WEFT_ABI_MINOR: u32 = 0;
+pub const WEFT_ABI_MINOR: u32 = 1;
 /// `major << 16 | minor`, the first field of every entry.
 pub const WEFT_ABI_VERSION: u32 = (WEFT_ABI_MAJOR << 16) | WEFT_ABI_MINOR;
 
@@ -50,6 +58,35 @@ pub const WEFT_CAP_NATIVE_LOCKS: u32 = 1 << 5;
 pub const WEFT_CAP_COUNTERS: u32 = 1 << 6;
 pub const WEFT_CAP_SPANS_PROCESSES: u32 = 1 << 7;
 pub const WEFT_CAP_SPANS_HOSTS: u32 = 1 << 8;
+/// 1.1: the provider needs a local descriptor ([`WeftMr::desc`]) for every local buffer of
+/// [`WeftExtOps`] calls (libfabric's `FI_MR_LOCAL`).
+pub const WEFT_CAP_MR_LOCAL: u32 = 1 << 9;
+/// 1.1: registrations pin pages (a cached registration could go stale after unmap + map).
+pub const WEFT_CAP_MR_PINS: u32 = 1 << 10;
+/// 1.1: [`WeftExtOps::am_isend`] (zero-copy active messages above `inject_size`).
+pub const WEFT_CAP_AM_ISEND: u32 = 1 << 11;
+/// 1.1: connects to a peer when [`WeftExtOps::connect`] is called, not at `open`.
+pub const WEFT_CAP_LAZY_CONNECT: u32 = 1 << 12;
+/// 1.1: capabilities may be narrower towards some peers ([`WeftExtOps::peer_caps`]).
+pub const WEFT_CAP_PER_PEER: u32 = 1 << 13;
+/// 1.1: RMA writes complete when their data has left (transmit completion), not when it is
+/// visible at the target (delivery completion, the 1.0 meaning).
+pub const WEFT_CAP_RMA_TRANSMIT: u32 = 1 << 14;
+/// 1.1: [`WEFT_OP_FENCE`] is honoured.
+pub const WEFT_CAP_RMA_FENCE: u32 = 1 << 15;
+
+/// 1.1 access bits of [`WeftRmaOps::reg`] beyond 1.0's (1 remote read, 2 remote write, 4 remote
+/// atomic): the provider may write into the region locally.
+pub const WEFT_ACCESS_LOCAL_WRITE: u32 = 8;
+
+/// 1.1 operation flag of [`WeftExtOps`] RMA calls: start only after this rank's earlier writes
+/// to the same target have landed there.
+pub const WEFT_OP_FENCE: u32 = 1;
+
+/// 1.1 connection events ([`WeftSink::connection`]).
+pub const WEFT_CONN_CONNECTED: u32 = 0;
+/// The peer's capabilities changed: ask [`WeftExtOps::peer_caps`] again.
+pub const WEFT_CONN_CAPS_CHANGED: u32 = 1;
 
 /// One piece of a message.
 #[repr(C)]
@@ -85,7 +122,33 @@ pub struct WeftCaps {
     /// bxor, land, lor, lxor, replace, no_op, cswap), a bitmask of basic types (i8, u8, i16,
     /// u16, i32, u32, i64, u64, f32, f64 as bits 0..9).
     pub atomics: [u16; 13],
+    pub reserved2: u16,
+    /// 1.1: with `WEFT_CAP_AM_ISEND`, payloads up to this size go through `am_send`.
+    pub inject_size: u64,
+    /// 1.1: bytes of remote completion data [`WeftExtOps::write_data`] carries (0: none).
+    pub cq_data_size: u32,
+    /// 1.1: most elements per native atomic call (0: no limit).
+    pub atomic_max_count: u32,
 }
+
+/// 1.1: what a provider offers towards one peer ([`WeftExtOps::peer_caps`]); each field can
+/// only narrow the provider-wide value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WeftPeerCaps {
+    pub size: u32,
+    /// `WEFT_PEER_*` bits.
+    pub flags: u32,
+    pub max_am_payload: u64,
+    pub eager_limit: u64,
+}
+
+/// [`WeftPeerCaps::flags`]: RMA reads of the peer's memory.
+pub const WEFT_PEER_RMA_READ: u32 = 1;
+/// RMA writes into the peer's memory.
+pub const WEFT_PEER_RMA_WRITE: u32 = 2;
+/// `am_isend` to the peer.
+pub const WEFT_PEER_AM_ISEND: u32 = 4;
 
 /// What `probe` may look at.
 #[repr(C)]
@@ -129,6 +192,23 @@ pub struct WeftBoot {
     >,
     /// Host index of `rank` (ranks with equal indices share a host).
     pub host_of: Option<unsafe extern "C" fn(ctx: *mut c_void, rank: u32) -> u32>,
+    /// 1.1: the job's key-value space, valid from `open` until `close` (for addresses looked
+    /// up on first use). Null where the bootstrap keeps none. A value put is visible to the
+    /// others after their next successful `kv_get` retry or the next collective fence.
+    pub kv_ctx: *mut c_void,
+    pub kv_put: Option<
+        unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_char) -> i32,
+    >,
+    /// As `get`; `WEFT_OK` with `*needed` = 0 when the key is not (yet) there.
+    pub kv_get: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            key: *const c_char,
+            buf: *mut c_char,
+            buflen: usize,
+            needed: *mut usize,
+        ) -> i32,
+    >,
 }
 
 /// Status of a natively matched receive.
@@ -171,6 +251,11 @@ pub struct WeftSink {
     >,
     pub peer_failed:
         Option<unsafe extern "C" fn(ctx: *mut c_void, rank: u32, reason: *const c_char)>,
+    /// 1.1 (present when `size` covers it): a write from `src` with completion data `data`
+    /// is visible in this rank's memory.
+    pub rma_data: Option<unsafe extern "C" fn(ctx: *mut c_void, src: u32, data: u64)>,
+    /// 1.1: the connection to `peer` changed (`WEFT_CONN_*`).
+    pub connection: Option<unsafe extern "C" fn(ctx: *mut c_void, peer: u32, event: u32)>,
 }
 
 /// The mandatory group: active messages and the provider's life cycle.
@@ -267,6 +352,9 @@ pub struct WeftMr {
     pub addr: u64,
     pub len: u64,
     pub handle: u64,
+    /// 1.1: the local descriptor to pass for memory inside the region (with
+    /// `WEFT_CAP_MR_LOCAL`); a 1.0 library leaves it 0.
+    pub desc: u64,
 }
 
 /// Optional: memory registration and RMA.
@@ -355,6 +443,101 @@ pub struct WeftCntrOps {
     pub close: Option<unsafe extern "C" fn(provider: *mut c_void, cntr: u64) -> i32>,
 }
 
+/// 1.1, optional: the contract-2 entries. Local buffers come with a parallel array of
+/// descriptors (`descs[i]` for `iov[i]`; null when the provider did not ask for them with
+/// `WEFT_CAP_MR_LOCAL`); `flags` takes `WEFT_OP_*`. Completion as in [`WeftRmaOps`].
+#[repr(C)]
+pub struct WeftExtOps {
+    pub size: u32,
+    pub reserved: u32,
+    /// Called once before the first operation towards `peer` (with `WEFT_CAP_LAZY_CONNECT`);
+    /// report `WEFT_CONN_CONNECTED` from `progress` when it is up, answer `WEFT_BUSY` to sends
+    /// until then.
+    pub connect: Option<unsafe extern "C" fn(provider: *mut c_void, peer: u32) -> i32>,
+    /// Narrower capabilities towards `peer`: fill `*caps` and return 1, or return 0 when the
+    /// provider-wide ones apply.
+    pub peer_caps: Option<
+        unsafe extern "C" fn(provider: *mut c_void, peer: u32, caps: *mut WeftPeerCaps) -> i32,
+    >,
+    /// Zero-copy active message: the provider may read the payload until it reports `token`
+    /// through `WeftSink::complete`. `WEFT_BUSY`: nothing taken, `token` never reported.
+    pub am_isend: Option<
+        unsafe extern "C" fn(
+            provider: *mut c_void,
+            dest: u32,
+            hdr: *const u8,
+            hdr_len: usize,
+            iov: *const WeftIov,
+            descs: *const u64,
+            iovcnt: usize,
+            token: u64,
+        ) -> i32,
+    >,
+    pub read: Option<
+        unsafe extern "C" fn(
+            provider: *mut c_void,
+            src: u32,
+            local: *const WeftIovMut,
+            descs: *const u64,
+            cnt: usize,
+            addr: u64,
+            key: u64,
+            token: u64,
+            cntr: u64,
+            flags: u32,
+        ) -> i32,
+    >,
+    pub write: Option<
+        unsafe extern "C" fn(
+            provider: *mut c_void,
+            dest: u32,
+            local: *const WeftIov,
+            descs: *const u64,
+            cnt: usize,
+            addr: u64,
+            key: u64,
+            token: u64,
+            cntr: u64,
+            flags: u32,
+        ) -> i32,
+    >,
+    /// A write whose target is told `data` (`WeftSink::rma_data`) once it is visible.
+    pub write_data: Option<
+        unsafe extern "C" fn(
+            provider: *mut c_void,
+            dest: u32,
+            local: *const WeftIov,
+            descs: *const u64,
+            cnt: usize,
+            addr: u64,
+            key: u64,
+            data: u64,
+            token: u64,
+            cntr: u64,
+            flags: u32,
+        ) -> i32,
+    >,
+    /// `descs`: origin, compare, result (null without `WEFT_CAP_MR_LOCAL`).
+    pub atomic: Option<
+        unsafe extern "C" fn(
+            provider: *mut c_void,
+            dest: u32,
+            op: u32,
+            ty: u32,
+            count: usize,
+            origin: *const u8,
+            compare: *const u8,
+            result: *mut u8,
+            descs: *const u64,
+            addr: u64,
+            key: u64,
+            token: u64,
+            cntr: u64,
+            flags: u32,
+        ) -> i32,
+    >,
+}
+
 /// What `weft_provider_entry` returns.
 #[repr(C)]
 pub struct WeftEntry {
@@ -375,6 +558,8 @@ pub struct WeftEntry {
     pub rma: *const WeftRmaOps,
     pub atomics: *const WeftAtomicOps,
     pub cntr: *const WeftCntrOps,
+    /// 1.1 (present when `abi_version` says minor 1 or later and `size` covers it).
+    pub ext: *const WeftExtOps,
 }
 
 // SAFETY: the entry and its tables are immutable static data describing functions; the
@@ -390,6 +575,8 @@ unsafe impl Sync for WeftRmaOps {}
 unsafe impl Sync for WeftAtomicOps {}
 // SAFETY: as above.
 unsafe impl Sync for WeftCntrOps {}
+// SAFETY: as above.
+unsafe impl Sync for WeftExtOps {}
 
 /// The signature of `weft_provider_entry`.
 pub type WeftEntryFn = unsafe extern "C" fn() -> *const WeftEntry;

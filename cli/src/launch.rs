@@ -21,6 +21,9 @@
 //!
 //! The launcher writes no files; it removes the job's `/dev/shm/weft-<job>-*` objects that a
 //! rank killed during start-up left, and those of earlier jobs whose launcher was killed.
+//!
+//! Size (over 800 lines): one event loop — the PMI-1 server, process supervision, signals and
+//! clean-up share the loop's state; splitting it would pass that state between files.
 
 use mio::net::{TcpListener, TcpStream, UnixStream as MioUnix};
 use mio::unix::pipe::Receiver as PipeRx;

@@ -97,6 +97,8 @@ fn example_providers_pass_across_processes() {
     let dir = dir.to_str().unwrap();
     passes(&["--provider", "rdgram", "--provider-path", dir, "-n", "3"]);
     passes(&["--provider", "cdgram", "--provider-path", dir, "-n", "3"]);
+    // The same C example built as an ABI 1.0 library still loads and passes.
+    passes(&["--provider", "cdgram10", "--provider-path", dir, "-n", "3"]);
 }
 
 #[test]

@@ -5,14 +5,15 @@
 //! weft::export_provider!(MyProvider, name = "mine", priority = 20, summary = "what it is");
 //! ```
 //!
-//! which generates `weft_provider_entry` and the C tables of ABI 1.0. Every exported function
+//! which generates `weft_provider_entry` and the C tables of ABI 1.1 (the contract-2 entries in
+//! `WeftExtOps` forward to the trait's optional methods). Every exported function
 //! catches panics and turns them into errors (`WEFT_EFAIL` with the panic message available
 //! from `last_error`): a panic never crosses into the host.
 
-use crate::bootstrap::{Bootstrap, NodeMap};
+use crate::bootstrap::{Bootstrap, KvSpace, NodeMap};
 use crate::provider::{
-    Access, Caps, Completed, Completion, ProbeContext, RawIov, RawIovMut, RemoteAddr, SendOutcome,
-    Sink, StaticProvider, Token,
+    Access, Caps, Completed, Completion, CompletionLevel, ConnEvent, ProbeContext, RawIov,
+    RawIovMut, RemoteAddr, SendOutcome, Sink, StaticProvider, Token,
 };
 use crate::types::{BasicType, Op, Rank};
 use crate::{Error, ErrorDetail, ErrorKind, Result};
@@ -20,6 +21,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::io::IoSlice;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use weft_abi::*;
 
 /// An opened provider and its last error message.
@@ -199,6 +201,70 @@ impl Bootstrap for HostBoot {
     fn nodes(&self) -> &NodeMap {
         &self.nodes
     }
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        let b = self.boot();
+        if (b.size as usize) < std::mem::size_of::<WeftBoot>() || b.kv_ctx.is_null() {
+            return None;
+        }
+        Some(Arc::new(HostKv {
+            ctx: b.kv_ctx,
+            put: b.kv_put?,
+            get: b.kv_get?,
+        }))
+    }
+}
+
+/// The host's key-value space (ABI 1.1 `WeftBoot::kv_*`), valid until the instance is closed.
+struct HostKv {
+    ctx: *mut c_void,
+    put: unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char) -> i32,
+    get: unsafe extern "C" fn(*mut c_void, *const c_char, *mut c_char, usize, *mut usize) -> i32,
+}
+
+// SAFETY: `ctx` is the host's `Arc<dyn KvSpace>`, which is `Send + Sync`; the functions only
+// reach it through that shared reference.
+unsafe impl Send for HostKv {}
+// SAFETY: as above.
+unsafe impl Sync for HostKv {}
+
+impl KvSpace for HostKv {
+    fn put(&self, key: &str, value: &str) -> Result<()> {
+        let (k, v) = (cstring(key)?, cstring(value)?);
+        // SAFETY: host callback with valid strings; the space outlives the instance's use.
+        match unsafe { (self.put)(self.ctx, k.as_ptr(), v.as_ptr()) } {
+            WEFT_OK => Ok(()),
+            c => Err(Error::from(ErrorDetail::Bootstrap(format!(
+                "key-value put failed ({c})"
+            )))),
+        }
+    }
+    fn get(&self, key: &str) -> Result<Option<String>> {
+        let k = cstring(key)?;
+        let mut buf = vec![0 as c_char; 256];
+        loop {
+            let mut need = 0usize;
+            // SAFETY: host callback with a buffer of the announced length.
+            let r =
+                unsafe { (self.get)(self.ctx, k.as_ptr(), buf.as_mut_ptr(), buf.len(), &mut need) };
+            match r {
+                WEFT_OK if need == 0 => return Ok(None),
+                WEFT_OK => {
+                    // SAFETY: the host wrote a NUL-terminated string.
+                    return Ok(Some(
+                        unsafe { CStr::from_ptr(buf.as_ptr()) }
+                            .to_string_lossy()
+                            .into_owned(),
+                    ));
+                }
+                WEFT_EINVAL if need > buf.len() => buf.resize(need, 0),
+                c => {
+                    return Err(Error::from(ErrorDetail::Bootstrap(format!(
+                        "key '{key}': key-value get failed ({c})"
+                    ))))
+                }
+            }
+        }
+    }
 }
 
 /// The host's sink, seen from the provider.
@@ -277,6 +343,32 @@ impl Sink for HostSink {
             }
         }
     }
+    fn rma_data(&mut self, src: Rank, data: u64) {
+        // SAFETY: as in `am`; the 1.1 field is read only when the host's sink has it.
+        unsafe {
+            let s = &*self.0;
+            if s.size as usize >= std::mem::size_of::<WeftSink>() {
+                if let Some(f) = s.rma_data {
+                    f(s.ctx, src, data);
+                }
+            }
+        }
+    }
+    fn connection(&mut self, peer: Rank, event: ConnEvent) {
+        let ev = match event {
+            ConnEvent::Connected => WEFT_CONN_CONNECTED,
+            ConnEvent::CapsChanged => WEFT_CONN_CAPS_CHANGED,
+        };
+        // SAFETY: as in `rma_data`.
+        unsafe {
+            let s = &*self.0;
+            if s.size as usize >= std::mem::size_of::<WeftSink>() {
+                if let Some(f) = s.connection {
+                    f(s.ctx, peer, ev);
+                }
+            }
+        }
+    }
 }
 
 /// Fill a C caps struct from [`Caps`].
@@ -302,6 +394,23 @@ pub fn caps_to_c(c: &Caps) -> WeftCaps {
     if c.spans_hosts {
         flags |= WEFT_CAP_SPANS_HOSTS;
     }
+    for (on, bit) in [
+        (c.mr_local, WEFT_CAP_MR_LOCAL),
+        (c.mr_pins, WEFT_CAP_MR_PINS),
+        (c.am_isend, WEFT_CAP_AM_ISEND),
+        (c.lazy_connect, WEFT_CAP_LAZY_CONNECT),
+        (c.per_peer, WEFT_CAP_PER_PEER),
+        (
+            c.rma
+                .is_some_and(|r| r.completion == CompletionLevel::Transmit),
+            WEFT_CAP_RMA_TRANSMIT,
+        ),
+        (c.rma.is_some_and(|r| r.fence), WEFT_CAP_RMA_FENCE),
+    ] {
+        if on {
+            flags |= bit;
+        }
+    }
     let mut atomics = [0u16; 13];
     for op in Op::ALL {
         atomics[op as usize] = c.atomics.mask(op);
@@ -316,6 +425,10 @@ pub fn caps_to_c(c: &Caps) -> WeftCaps {
         rma_max_iov: c.rma.map_or(0, |r| r.max_iov as u32),
         reserved: 0,
         atomics,
+        reserved2: 0,
+        inject_size: c.inject_size as u64,
+        cq_data_size: c.rma.map_or(0, |r| r.cq_data_size as u32),
+        atomic_max_count: c.atomic_max_count as u32,
     }
 }
 
@@ -525,6 +638,7 @@ pub unsafe extern "C" fn rma_reg<P: StaticProvider>(
             addr: m.addr,
             len: m.len as u64,
             handle: m.handle,
+            desc: m.desc,
         };
         Ok(WEFT_OK)
     })
@@ -540,7 +654,7 @@ pub unsafe extern "C" fn rma_dereg<P: StaticProvider>(h: *mut c_void, mr: *const
             addr: m.addr,
             len: m.len as usize,
             handle: m.handle,
-            desc: m.handle,
+            desc: m.desc,
         })?;
         Ok(WEFT_OK)
     })
@@ -630,6 +744,263 @@ fn completion(token: u64, cntr: u64) -> Completion {
         cq: (token != 0).then_some(token),
         cntr: (cntr != 0).then_some(cntr),
         fence: false,
+    }
+}
+
+/// A 1.1 completion: with the `WEFT_OP_*` flags.
+fn completion_flags(token: u64, cntr: u64, flags: u32) -> Completion {
+    Completion {
+        fence: flags & WEFT_OP_FENCE != 0,
+        ..completion(token, cntr)
+    }
+}
+
+/// Descriptor `i` of a 1.1 call's array (0 when the host passed none).
+unsafe fn desc_at(descs: *const u64, i: usize) -> u64 {
+    if descs.is_null() {
+        0
+    } else {
+        *descs.add(i)
+    }
+}
+
+// ------------------------------------------------------------------------- ABI 1.1 entries
+
+/// # Safety
+/// As for the other exported functions.
+pub unsafe extern "C" fn ext_connect<P: StaticProvider>(h: *mut c_void, peer: u32) -> i32 {
+    with::<P, _>(h, |p| {
+        p.connect(peer)?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions; `out` valid for a write.
+pub unsafe extern "C" fn ext_peer_caps<P: StaticProvider>(
+    h: *mut c_void,
+    peer: u32,
+    out: *mut WeftPeerCaps,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let Some(c) = p.peer_caps(peer) else {
+            return Ok(0);
+        };
+        let mut flags = 0;
+        if c.rma_read {
+            flags |= WEFT_PEER_RMA_READ;
+        }
+        if c.rma_write {
+            flags |= WEFT_PEER_RMA_WRITE;
+        }
+        if c.am_isend {
+            flags |= WEFT_PEER_AM_ISEND;
+        }
+        *out = WeftPeerCaps {
+            size: std::mem::size_of::<WeftPeerCaps>() as u32,
+            flags,
+            max_am_payload: c.max_am_payload as u64,
+            eager_limit: c.eager_limit as u64,
+        };
+        Ok(1)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions; the payload stays valid until `token` completes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ext_am_isend<P: StaticProvider>(
+    h: *mut c_void,
+    dest: u32,
+    hdr: *const u8,
+    hdr_len: usize,
+    iov: *const WeftIov,
+    descs: *const u64,
+    iovcnt: usize,
+    token: u64,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let header = if hdr_len == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(hdr, hdr_len)
+        };
+        let pieces: Vec<RawIov> = (0..iovcnt)
+            .map(|i| {
+                let v = *iov.add(i);
+                RawIov {
+                    ptr: v.base,
+                    len: v.len,
+                    desc: desc_at(descs, i),
+                }
+            })
+            .collect();
+        Ok(match p.am_isend(dest, header, &pieces, token)? {
+            SendOutcome::Sent => WEFT_OK,
+            SendOutcome::Busy => WEFT_BUSY,
+        })
+    })
+}
+
+/// # Safety
+/// As for the other exported functions.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ext_read<P: StaticProvider>(
+    h: *mut c_void,
+    src: u32,
+    local: *const WeftIovMut,
+    descs: *const u64,
+    cnt: usize,
+    addr: u64,
+    key: u64,
+    token: u64,
+    cntr: u64,
+    flags: u32,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let l: Vec<RawIovMut> = (0..cnt)
+            .map(|i| {
+                let v = *local.add(i);
+                RawIovMut {
+                    ptr: v.base,
+                    len: v.len,
+                    desc: desc_at(descs, i),
+                }
+            })
+            .collect();
+        p.rma_read(
+            src,
+            &l,
+            RemoteAddr { addr, key },
+            completion_flags(token, cntr, flags),
+        )?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// The local pieces of a 1.1 write.
+unsafe fn raw_iovs(local: *const WeftIov, descs: *const u64, cnt: usize) -> Vec<RawIov> {
+    (0..cnt)
+        .map(|i| {
+            let v = *local.add(i);
+            RawIov {
+                ptr: v.base,
+                len: v.len,
+                desc: desc_at(descs, i),
+            }
+        })
+        .collect()
+}
+
+/// # Safety
+/// As for the other exported functions.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ext_write<P: StaticProvider>(
+    h: *mut c_void,
+    dest: u32,
+    local: *const WeftIov,
+    descs: *const u64,
+    cnt: usize,
+    addr: u64,
+    key: u64,
+    token: u64,
+    cntr: u64,
+    flags: u32,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let l = raw_iovs(local, descs, cnt);
+        p.rma_write(
+            dest,
+            &l,
+            RemoteAddr { addr, key },
+            completion_flags(token, cntr, flags),
+        )?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ext_write_data<P: StaticProvider>(
+    h: *mut c_void,
+    dest: u32,
+    local: *const WeftIov,
+    descs: *const u64,
+    cnt: usize,
+    addr: u64,
+    key: u64,
+    data: u64,
+    token: u64,
+    cntr: u64,
+    flags: u32,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let l = raw_iovs(local, descs, cnt);
+        p.rma_write_data(
+            dest,
+            &l,
+            RemoteAddr { addr, key },
+            data,
+            completion_flags(token, cntr, flags),
+        )?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// # Safety
+/// As for the other exported functions; `descs` null or 3 entries.
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ext_atomic<P: StaticProvider>(
+    h: *mut c_void,
+    dest: u32,
+    op: u32,
+    ty: u32,
+    count: usize,
+    origin: *const u8,
+    compare: *const u8,
+    result: *mut u8,
+    descs: *const u64,
+    addr: u64,
+    key: u64,
+    token: u64,
+    cntr: u64,
+    flags: u32,
+) -> i32 {
+    with::<P, _>(h, |p| {
+        let op = Op::from_u8(op as u8).ok_or_else(|| Error::invalid("unknown atomic operation"))?;
+        let ty = BasicType::from_u8(ty as u8).ok_or_else(|| Error::invalid("unknown type"))?;
+        let a = crate::provider::AtomicOp {
+            op,
+            ty,
+            count,
+            origin,
+            compare,
+            result,
+            desc: [desc_at(descs, 0), desc_at(descs, 1), desc_at(descs, 2)],
+        };
+        p.atomic(
+            dest,
+            &a,
+            RemoteAddr { addr, key },
+            completion_flags(token, cntr, flags),
+        )?;
+        Ok(WEFT_OK)
+    })
+}
+
+/// The ABI 1.1 table of `P`.
+pub const fn ext_ops<P: StaticProvider>() -> WeftExtOps {
+    WeftExtOps {
+        size: std::mem::size_of::<WeftExtOps>() as u32,
+        reserved: 0,
+        connect: Some(ext_connect::<P>),
+        peer_caps: Some(ext_peer_caps::<P>),
+        am_isend: Some(ext_am_isend::<P>),
+        read: Some(ext_read::<P>),
+        write: Some(ext_write::<P>),
+        write_data: Some(ext_write_data::<P>),
+        atomic: Some(ext_atomic::<P>),
     }
 }
 
@@ -727,6 +1098,7 @@ macro_rules! export_provider {
         static __WEFT_RMA: $crate::sdk::__abi::WeftRmaOps = $crate::sdk::rma_ops::<$ty>();
         static __WEFT_ATOMICS: $crate::sdk::__abi::WeftAtomicOps = $crate::sdk::atomic_ops::<$ty>();
         static __WEFT_CNTR: $crate::sdk::__abi::WeftCntrOps = $crate::sdk::cntr_ops::<$ty>();
+        static __WEFT_EXT: $crate::sdk::__abi::WeftExtOps = $crate::sdk::ext_ops::<$ty>();
         static __WEFT_ENTRY: $crate::sdk::__abi::WeftEntry = $crate::sdk::__abi::WeftEntry {
             abi_version: $crate::sdk::__abi::WEFT_ABI_VERSION,
             size: ::std::mem::size_of::<$crate::sdk::__abi::WeftEntry>() as u32,
@@ -740,8 +1112,9 @@ macro_rules! export_provider {
             rma: &__WEFT_RMA,
             atomics: &__WEFT_ATOMICS,
             cntr: &__WEFT_CNTR,
+            ext: &__WEFT_EXT,
         };
-        /// The provider's entry point (weft provider ABI 1.0).
+        /// The provider's entry point (weft provider ABI 1.1).
         #[no_mangle]
         pub extern "C" fn weft_provider_entry() -> *const $crate::sdk::__abi::WeftEntry {
             &__WEFT_ENTRY

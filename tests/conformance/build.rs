@@ -44,6 +44,13 @@ fn main() {
         "../../examples/providers/c-dgram/cdgram.c",
         &[],
     );
+    // The same example as an ABI 1.0 library: a 1.1 weft must still load and run it.
+    shared(
+        &good,
+        "libweft-cdgram10.so",
+        "../../examples/providers/c-dgram/cdgram.c",
+        &["CDGRAM_ABI_1_0", "CDGRAM_NAME=\"cdgram10\""],
+    );
     shared_with(
         &good,
         "libweft-faulty.so",

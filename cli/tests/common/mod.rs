@@ -167,7 +167,11 @@ pub fn provider_dir() -> PathBuf {
             dir.join("libweft-rdgram.so"),
         )
         .unwrap();
-        for lib in ["libweft-cdgram.so", "libweft-faulty.so"] {
+        for lib in [
+            "libweft-cdgram.so",
+            "libweft-cdgram10.so",
+            "libweft-faulty.so",
+        ] {
             std::fs::copy(
                 std::path::Path::new(weft_conformance::CDGRAM_DIR).join(lib),
                 dir.join(lib),

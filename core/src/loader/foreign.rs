@@ -12,6 +12,12 @@ pub(super) struct Foreign {
     pub(super) rma: Option<&'static WeftRmaOps>,
     pub(super) atomics: Option<&'static WeftAtomicOps>,
     pub(super) cntr: Option<&'static WeftCntrOps>,
+    /// ABI 1.1 entries, and the library's minor version.
+    pub(super) ext: Option<&'static WeftExtOps>,
+    pub(super) minor: u32,
+    /// The key-value space handed to a 1.1 library at `open` (`WeftBoot::kv_ctx` points into
+    /// this box), kept until the instance is closed.
+    pub(super) kv: Option<Box<Arc<dyn KvSpace>>>,
     pub(super) handle: *mut c_void,
     pub(super) caps: Caps,
     pub(super) rank: Rank,
@@ -26,6 +32,15 @@ impl Foreign {
     fn err(&self, code: i32, what: &str, peer: Option<Rank>) -> Error {
         let text = error_text(self.am, self.handle, code);
         code_error(&self.name, code, what, text, peer)
+    }
+
+    fn ext(&self, what: &str) -> Result<&'static WeftExtOps> {
+        self.ext.ok_or_else(|| {
+            Error::from(ErrorDetail::Unsupported(format!(
+                "{}: {what} needs ABI 1.1 entries the library does not have",
+                self.name
+            )))
+        })
     }
 
     fn check(&self, code: i32, what: &str, peer: Option<Rank>) -> Result<()> {
@@ -127,6 +142,34 @@ unsafe extern "C" fn sink_complete(
     c.panicked |= r.is_err();
 }
 
+unsafe extern "C" fn sink_rma_data(ctx: *mut c_void, src: u32, data: u64) {
+    // SAFETY: see sink_am.
+    let c = &mut *(ctx as *mut SinkCtx<'_>);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.sink.rma_data(src, data)));
+    c.panicked |= r.is_err();
+}
+
+unsafe extern "C" fn sink_connection(ctx: *mut c_void, peer: u32, event: u32) {
+    // SAFETY: see sink_am.
+    let c = &mut *(ctx as *mut SinkCtx<'_>);
+    let ev = match event {
+        WEFT_CONN_CONNECTED => ConnEvent::Connected,
+        WEFT_CONN_CAPS_CHANGED => ConnEvent::CapsChanged,
+        _ => return, // an event of a newer minor: nothing this weft acts on
+    };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.sink.connection(peer, ev)));
+    c.panicked |= r.is_err();
+}
+
+/// Descriptors of `n` local pieces for a 1.1 call: null unless the provider asked for them.
+fn descs_ptr(mr_local: bool, d: &[u64]) -> *const u64 {
+    if mr_local {
+        d.as_ptr()
+    } else {
+        std::ptr::null()
+    }
+}
+
 unsafe extern "C" fn sink_peer_failed(ctx: *mut c_void, rank: u32, reason: *const c_char) {
     // SAFETY: see sink_am.
     let c = &mut *(ctx as *mut SinkCtx<'_>);
@@ -195,6 +238,8 @@ impl Provider for Foreign {
             am: Some(sink_am),
             complete: Some(sink_complete),
             peer_failed: Some(sink_peer_failed),
+            rma_data: Some(sink_rma_data),
+            connection: Some(sink_connection),
         };
         let mut n = 0usize;
         // SAFETY: `s` and `ctx` outlive the call.
@@ -214,6 +259,8 @@ impl Provider for Foreign {
         }
         // SAFETY: closing our own instance once; it is not used afterwards.
         let r = unsafe { (self.am.close.expect("checked at load"))(self.handle) };
+        // The library may use the key-value space until close returns, not after.
+        self.kv = None;
         if r == WEFT_OK {
             return Ok(());
         }
@@ -336,9 +383,13 @@ impl Provider for Foreign {
             .rma
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("RMA".into())))?;
         let mut mr = WeftMr::default();
-        let bits = access.remote_read as u32
+        let mut bits = access.remote_read as u32
             | (access.remote_write as u32) << 1
             | (access.remote_atomic as u32) << 2;
+        // A 1.0 library knows only the remote bits.
+        if self.minor >= 1 && access.local_write {
+            bits |= WEFT_ACCESS_LOCAL_WRITE;
+        }
         let r = (t.reg.expect("checked"))(self.handle, base, len, bits, &mut mr);
         self.check(r, "memory registration", None)?;
         Ok(MemRegion {
@@ -346,7 +397,7 @@ impl Provider for Foreign {
             addr: mr.addr,
             len: mr.len as usize,
             handle: mr.handle,
-            desc: mr.handle,
+            desc: if self.minor >= 1 { mr.desc } else { mr.handle },
         })
     }
 
@@ -359,6 +410,7 @@ impl Provider for Foreign {
             addr: mr.addr,
             len: mr.len as u64,
             handle: mr.handle,
+            desc: mr.desc,
         };
         // SAFETY: valid pointer for the call.
         let r = unsafe { (t.dereg.expect("checked"))(self.handle, &w) };
@@ -382,6 +434,23 @@ impl Provider for Foreign {
                 len: d.len,
             })
             .collect();
+        if self.caps.mr_local || done.fence {
+            let x = self.ext("RMA read with descriptors or a fence")?;
+            let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
+            let r = (x.read.expect("checked by caps"))(
+                self.handle,
+                src,
+                iov.as_ptr(),
+                descs_ptr(self.caps.mr_local, &d),
+                iov.len(),
+                remote.addr,
+                remote.key,
+                done.cq.unwrap_or(0),
+                done.cntr.unwrap_or(0),
+                if done.fence { WEFT_OP_FENCE } else { 0 },
+            );
+            return self.check(r, "RMA read", Some(src));
+        }
         let r = (t.read.expect("checked"))(
             self.handle,
             src,
@@ -412,6 +481,23 @@ impl Provider for Foreign {
                 len: d.len,
             })
             .collect();
+        if self.caps.mr_local || done.fence {
+            let x = self.ext("RMA write with descriptors or a fence")?;
+            let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
+            let r = (x.write.expect("checked by caps"))(
+                self.handle,
+                dest,
+                iov.as_ptr(),
+                descs_ptr(self.caps.mr_local, &d),
+                iov.len(),
+                remote.addr,
+                remote.key,
+                done.cq.unwrap_or(0),
+                done.cntr.unwrap_or(0),
+                if done.fence { WEFT_OP_FENCE } else { 0 },
+            );
+            return self.check(r, "RMA write", Some(dest));
+        }
         let r = (t.write.expect("checked"))(
             self.handle,
             dest,
@@ -435,6 +521,33 @@ impl Provider for Foreign {
         let t = self
             .atomics
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("atomics".into())))?;
+        if self.caps.mr_local || done.fence {
+            if let Some(f) = self.ext.and_then(|x| x.atomic) {
+                let r = f(
+                    self.handle,
+                    dest,
+                    a.op as u32,
+                    a.ty as u32,
+                    a.count,
+                    a.origin,
+                    a.compare,
+                    a.result,
+                    descs_ptr(self.caps.mr_local, &a.desc),
+                    remote.addr,
+                    remote.key,
+                    done.cq.unwrap_or(0),
+                    done.cntr.unwrap_or(0),
+                    if done.fence { WEFT_OP_FENCE } else { 0 },
+                );
+                return self.check(r, "atomic", Some(dest));
+            }
+            if self.caps.mr_local {
+                return Err(Error::from(ErrorDetail::Unsupported(format!(
+                    "{}: atomics with descriptors need the ABI 1.1 atomic entry",
+                    self.name
+                ))));
+            }
+        }
         let r = (t.atomic.expect("checked"))(
             self.handle,
             dest,
@@ -450,6 +563,119 @@ impl Provider for Foreign {
             done.cntr.unwrap_or(0),
         );
         self.check(r, "atomic", Some(dest))
+    }
+
+    fn connect(&mut self, peer: Rank) -> Result<()> {
+        if !self.caps.lazy_connect {
+            return Ok(());
+        }
+        let f = self.ext("connect")?.connect.expect("checked by caps");
+        // SAFETY: the library's function with our instance.
+        let r = unsafe { f(self.handle, peer) };
+        self.check(r, "connect", Some(peer))
+    }
+
+    fn peer_caps(&self, peer: Rank) -> Option<PeerCaps> {
+        if !self.caps.per_peer {
+            return None;
+        }
+        let f = self.ext?.peer_caps?;
+        let mut w = WeftPeerCaps {
+            size: std::mem::size_of::<WeftPeerCaps>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: the library's function with our instance and a valid out pointer.
+        if unsafe { f(self.handle, peer, &mut w) } != 1 {
+            return None;
+        }
+        // Each field can only narrow the provider-wide value.
+        let wide = PeerCaps::from(&self.caps);
+        Some(PeerCaps {
+            max_am_payload: (w.max_am_payload as usize).clamp(1, wide.max_am_payload),
+            eager_limit: (w.eager_limit as usize).min(wide.eager_limit),
+            rma_read: wide.rma_read && w.flags & WEFT_PEER_RMA_READ != 0,
+            rma_write: wide.rma_write && w.flags & WEFT_PEER_RMA_WRITE != 0,
+            am_isend: wide.am_isend && w.flags & WEFT_PEER_AM_ISEND != 0,
+        })
+    }
+
+    unsafe fn am_isend(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[RawIov],
+        token: Token,
+    ) -> Result<SendOutcome> {
+        let f = self.ext("am_isend")?.am_isend.ok_or_else(|| {
+            Error::from(ErrorDetail::Unsupported(format!(
+                "{}: no am_isend",
+                self.name
+            )))
+        })?;
+        let iov: SmallVec<[WeftIov; 8]> = payload
+            .iter()
+            .map(|d| WeftIov {
+                base: d.ptr,
+                len: d.len,
+            })
+            .collect();
+        let d: SmallVec<[u64; 8]> = payload.iter().map(|l| l.desc).collect();
+        let r = f(
+            self.handle,
+            dest,
+            header.as_ptr(),
+            header.len(),
+            iov.as_ptr(),
+            descs_ptr(self.caps.mr_local, &d),
+            iov.len(),
+            token,
+        );
+        match r {
+            WEFT_OK => Ok(SendOutcome::Sent),
+            WEFT_BUSY => Ok(SendOutcome::Busy),
+            c => Err(self.err(c, "am_isend", Some(dest))),
+        }
+    }
+
+    unsafe fn rma_write_data(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        data: u64,
+        done: Completion,
+    ) -> Result<()> {
+        let f = self
+            .ext("remote completion data")?
+            .write_data
+            .ok_or_else(|| {
+                Error::from(ErrorDetail::Unsupported(format!(
+                    "{}: no write_data",
+                    self.name
+                )))
+            })?;
+        let iov: SmallVec<[WeftIov; 8]> = local
+            .iter()
+            .map(|d| WeftIov {
+                base: d.ptr,
+                len: d.len,
+            })
+            .collect();
+        let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
+        let r = f(
+            self.handle,
+            dest,
+            iov.as_ptr(),
+            descs_ptr(self.caps.mr_local, &d),
+            iov.len(),
+            remote.addr,
+            remote.key,
+            data,
+            done.cq.unwrap_or(0),
+            done.cntr.unwrap_or(0),
+            if done.fence { WEFT_OP_FENCE } else { 0 },
+        );
+        self.check(r, "RMA write with data", Some(dest))
     }
 
     fn cntr_open(&mut self) -> Result<CntrId> {

@@ -1,15 +1,16 @@
 //! Loading provider libraries: every `libweft-<name>.so` in the directories of
 //! `WEFT_PROVIDER_PATH` is opened with `libloading`, and its `weft_provider_entry` table is
 //! checked before anything else is called: ABI major equal, minor not newer than ours, every
-//! table at least as large as ABI 1.0's, every mandatory function present, the name matching
+//! table at least as large as its ABI version's, every mandatory function present, the name matching
 //! the file. A library that fails a check is reported (with the file and the reason) and
 //! skipped; it never takes the process down.
 
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Bootstrap, KvSpace};
 use crate::provider::{
     Access, Caps, CntrId, CntrValue, Completed, Completion, MemRegion, ProbeContext, Provider,
     RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink, TaggedStatus, Token,
 };
+use crate::provider::{CompletionLevel, ConnEvent, PeerCaps};
 use crate::registry::{Factory, LoadFailure, Origin};
 use crate::types::{AtomicTable, BasicType, Op, Rank};
 use crate::{Error, ErrorDetail, Result};
@@ -17,6 +18,7 @@ use smallvec::SmallVec;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::io::IoSlice;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::OnceLock;
 use weft_abi::*;
 
@@ -106,6 +108,27 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
     };
     // SAFETY: calling the provider's entry function, which returns a pointer to static data.
     let entry = unsafe { f() };
+    // SAFETY: the entry of a library that stays loaded (forgotten below on success).
+    let r = unsafe { from_entry(path, expected_name, entry) };
+    if r.is_ok() {
+        // The library stays loaded for the rest of the process: instances keep pointers into it.
+        std::mem::forget(lib);
+    }
+    r
+}
+
+/// The checks of [`load`] on an entry table already in memory (the library's, or, in tests, a
+/// table built with the SDK in this process).
+///
+/// # Safety
+/// `entry` is null or points at an entry whose tables and strings live for the rest of the
+/// process.
+#[doc(hidden)]
+pub unsafe fn from_entry(
+    path: &Path,
+    expected_name: &str,
+    entry: *const WeftEntry,
+) -> Result<LoadedProvider> {
     if entry.is_null() {
         return Err(fail(path, "weft_provider_entry returned null"));
     }
@@ -127,16 +150,23 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
             expected: format!("{WEFT_ABI_MAJOR}.{WEFT_ABI_MINOR}"),
         }));
     }
-    if (size as usize) < std::mem::size_of::<WeftEntry>() {
+    // ABI 1.0's entry ends before `ext`; 1.1 libraries must have it.
+    let size_1_0 = std::mem::offset_of!(WeftEntry, ext);
+    let needed = if minor >= 1 {
+        std::mem::size_of::<WeftEntry>()
+    } else {
+        size_1_0
+    };
+    if (size as usize) < needed {
         return Err(fail(
             path,
             format!(
-                "entry table of {size} bytes is smaller than ABI 1.0's {}",
-                std::mem::size_of::<WeftEntry>()
+                "entry table of {size} bytes is smaller than ABI 1.{minor}'s {needed} (1.0's is {size_1_0})"
             ),
         ));
     }
-    // SAFETY: the table is at least as large as the struct we read.
+    // SAFETY: the table holds at least every field up to `ext` (checked); `ext` itself is read
+    // only below, for 1.1 libraries whose table was checked to contain it.
     let e: &'static WeftEntry = unsafe { &*entry };
     // SAFETY: strings in the entry are static NUL-terminated data of the library.
     let name = unsafe { cstr(e.name) }.ok_or_else(|| fail(path, "the entry has no name"))?;
@@ -202,8 +232,12 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
     let rma = optional!(e.rma, WeftRmaOps, "RMA", [reg, dereg, read, write]);
     let atomics = optional!(e.atomics, WeftAtomicOps, "atomics", [atomic]);
     let cntr = optional!(e.cntr, WeftCntrOps, "counters", [open, read, close]);
-    // The library stays loaded for the rest of the process: instances keep pointers into it.
-    std::mem::forget(lib);
+    let ext = if minor >= 1 {
+        // The 1.1 entries are each optional within the table: a null one is "not supported".
+        optional!(e.ext, WeftExtOps, "extension (ABI 1.1)", [])
+    } else {
+        None
+    };
     Ok(LoadedProvider {
         path: path.to_path_buf(),
         // SAFETY: static strings of the library (which stays loaded).
@@ -216,6 +250,8 @@ pub fn load(path: &Path, expected_name: &str) -> Result<LoadedProvider> {
         rma,
         atomics,
         cntr,
+        ext,
+        minor,
     })
 }
 
@@ -231,6 +267,10 @@ pub struct LoadedProvider {
     rma: Option<&'static WeftRmaOps>,
     atomics: Option<&'static WeftAtomicOps>,
     cntr: Option<&'static WeftCntrOps>,
+    /// ABI 1.1 entries (libraries of minor 1 or later).
+    ext: Option<&'static WeftExtOps>,
+    /// The library's ABI minor version: 1.1 fields are read and passed only from 1.
+    minor: u32,
 }
 
 fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
@@ -272,6 +312,33 @@ fn caps_from(c: &WeftCaps, l: &LoadedProvider) -> Caps {
     caps.counters = f & WEFT_CAP_COUNTERS != 0 && l.cntr.is_some();
     caps.spans_processes = f & WEFT_CAP_SPANS_PROCESSES != 0;
     caps.spans_hosts = f & WEFT_CAP_SPANS_HOSTS != 0;
+    if l.minor >= 1 {
+        // ABI 1.1: contract 2, where the library has the entries each bit needs.
+        let ext = l.ext;
+        let has = |f: fn(&WeftExtOps) -> bool| ext.is_some_and(f);
+        caps.mr_local = f & WEFT_CAP_MR_LOCAL != 0 && has(|x| x.read.is_some());
+        caps.mr_pins = f & WEFT_CAP_MR_PINS != 0;
+        caps.am_isend = f & WEFT_CAP_AM_ISEND != 0 && has(|x| x.am_isend.is_some());
+        caps.inject_size = if caps.am_isend {
+            c.inject_size as usize
+        } else {
+            0
+        };
+        caps.lazy_connect = f & WEFT_CAP_LAZY_CONNECT != 0 && has(|x| x.connect.is_some());
+        caps.per_peer = f & WEFT_CAP_PER_PEER != 0 && has(|x| x.peer_caps.is_some());
+        caps.atomic_max_count = c.atomic_max_count as usize;
+        if let Some(r) = caps.rma.as_mut() {
+            if f & WEFT_CAP_RMA_TRANSMIT != 0 {
+                r.completion = CompletionLevel::Transmit;
+            }
+            r.fence = f & WEFT_CAP_RMA_FENCE != 0 && has(|x| x.read.is_some() && x.write.is_some());
+            r.cq_data_size = if has(|x| x.write_data.is_some()) {
+                c.cq_data_size.min(8) as usize
+            } else {
+                0
+            };
+        }
+    }
     caps
 }
 
@@ -299,6 +366,10 @@ impl LoadedProvider {
             rma_max_iov: 0,
             reserved: 0,
             atomics: [0; 13],
+            reserved2: 0,
+            inject_size: 0,
+            cq_data_size: 0,
+            atomic_max_count: 0,
         };
         // SAFETY: valid pointer to a caps struct of the size we announce.
         let r = unsafe { (self.am.caps.expect("checked at load"))(&mut c) };
@@ -362,6 +433,14 @@ impl Factory for LoadedProvider {
         let caps = self.caps()?;
         let job = CString::new(boot.job_id()).map_err(|_| Error::invalid("job id has a NUL"))?;
         let (rank, size) = (boot.rank(), boot.size());
+        let kv: Option<Box<Arc<dyn KvSpace>>> = if self.minor >= 1 {
+            boot.kv().map(Box::new)
+        } else {
+            None
+        };
+        let kv_ctx = kv.as_ref().map_or(std::ptr::null_mut(), |k| {
+            &**k as *const Arc<dyn KvSpace> as *mut c_void
+        });
         let mut ctx = BootCtx { boot };
         let b = WeftBoot {
             size: std::mem::size_of::<WeftBoot>() as u32,
@@ -374,6 +453,9 @@ impl Factory for LoadedProvider {
             fence: Some(boot_fence),
             get: Some(boot_get),
             host_of: Some(boot_host_of),
+            kv_ctx,
+            kv_put: kv.as_ref().map(|_| kv_put as _),
+            kv_get: kv.as_ref().map(|_| kv_get as _),
         };
         let mut handle: *mut c_void = std::ptr::null_mut();
         // SAFETY: `b` and `ctx` outlive the call; `handle` receives the instance.
@@ -391,6 +473,9 @@ impl Factory for LoadedProvider {
             rma: self.rma,
             atomics: self.atomics,
             cntr: self.cntr,
+            ext: self.ext,
+            minor: self.minor,
+            kv,
             handle,
             caps,
             rank,
@@ -471,4 +556,58 @@ unsafe extern "C" fn boot_host_of(ctx: *mut c_void, rank: u32) -> u32 {
         .get(rank as usize)
         .copied()
         .unwrap_or(0)
+}
+
+/// `WeftBoot::kv_put`: `ctx` is the `Arc<dyn KvSpace>` the instance keeps until it is closed.
+unsafe extern "C" fn kv_put(ctx: *mut c_void, key: *const c_char, value: *const c_char) -> i32 {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: ctx points at the boxed handle `Foreign::kv` owns until close.
+        let kv = &*(ctx as *const Arc<dyn KvSpace>);
+        let (Some(k), Some(v)) = (cstr(key), cstr(value)) else {
+            return WEFT_EINVAL;
+        };
+        match kv.put(&k, &v) {
+            Ok(()) => WEFT_OK,
+            Err(_) => WEFT_EFAIL,
+        }
+    }));
+    r.unwrap_or(WEFT_EFAIL)
+}
+
+/// `WeftBoot::kv_get`: as `boot_get`, with `*needed` = 0 for a key not (yet) published.
+unsafe extern "C" fn kv_get(
+    ctx: *mut c_void,
+    key: *const c_char,
+    buf: *mut c_char,
+    buflen: usize,
+    needed: *mut usize,
+) -> i32 {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: see kv_put.
+        let kv = &*(ctx as *const Arc<dyn KvSpace>);
+        let Some(k) = cstr(key) else {
+            return WEFT_EINVAL;
+        };
+        let v = match kv.get(&k) {
+            Ok(Some(v)) => v,
+            Ok(None) => {
+                if !needed.is_null() {
+                    *needed = 0;
+                }
+                return WEFT_OK;
+            }
+            Err(_) => return WEFT_EFAIL,
+        };
+        if !needed.is_null() {
+            *needed = v.len() + 1;
+        }
+        if buf.is_null() || buflen < v.len() + 1 {
+            return WEFT_EINVAL;
+        }
+        // SAFETY: `buf` holds `buflen >= len + 1` bytes (checked).
+        std::ptr::copy_nonoverlapping(v.as_ptr() as *const c_char, buf, v.len());
+        *buf.add(v.len()) = 0;
+        WEFT_OK
+    }));
+    r.unwrap_or(WEFT_EFAIL)
 }

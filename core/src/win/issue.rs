@@ -1,5 +1,10 @@
 //! Issuing operations: native or active-message paths, deferral and reordering, aggregation
 //! into batches, and waiting for local completion (counters, tokens).
+//!
+//! Size (over 800 lines): one concern, turning an epoch's operations into provider calls or active
+//! messages and waiting for them; the native, active-message and batch paths share the deferral
+//! queue, the token bookkeeping and the registrations held per epoch, which splitting would spread
+//! across files.
 
 use super::*;
 

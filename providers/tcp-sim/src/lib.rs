@@ -15,6 +15,10 @@
 //! * Simulation: `WEFT_TCP_SIM_DELAY_US`, `WEFT_TCP_SIM_BW_MBPS`, `WEFT_TCP_SIM_JITTER_US` hold
 //!   each frame at the sender until its simulated arrival time: one-way delay plus jitter, after
 //!   serialising through a token bucket at the given rate. Order per pair is kept.
+//!
+//! Size (over 800 lines): one connection state machine (lazy connect, the simultaneous-connect
+//! handshake, framing into `am_target` buffers, the simulated delay/bandwidth queue, failure
+//! detection) over one `mio` poll; the frame format is in `frame.rs`.
 
 pub mod frame;
 

@@ -3,6 +3,8 @@
  * error, never from the instance it just closed: here a closed instance is kept and marked, and
  * last_error on it answers with a tell-tale text instead of reading freed memory. */
 #define weft_provider_entry cdgram_provider_entry
+/* cdgram's 1.0 behaviour (addresses at open): this fixture has no ABI 1.1 `connect`. */
+#define CDGRAM_ABI_1_0
 #include "cdgram.c"
 #undef weft_provider_entry
 

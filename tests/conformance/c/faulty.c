@@ -3,6 +3,8 @@
  * (MAX_PAYLOAD bytes, i.e. the chunks of large messages) with its last byte flipped; headers and
  * smaller payloads pass untouched, so the protocol keeps working and only data checks fail. */
 #define weft_provider_entry cdgram_provider_entry
+/* cdgram's 1.0 behaviour (addresses at open): this fixture has no ABI 1.1 `connect`. */
+#define CDGRAM_ABI_1_0
 #include "cdgram.c"
 #undef weft_provider_entry
 

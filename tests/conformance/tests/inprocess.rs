@@ -42,11 +42,13 @@ fn conformance_in_process_and_loader_checks() {
     let dir = std::env::temp_dir().join(format!("weft-providers-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     install_rdgram(&dir);
-    std::fs::copy(
-        Path::new(weft_conformance::CDGRAM_DIR).join("libweft-cdgram.so"),
-        dir.join("libweft-cdgram.so"),
-    )
-    .unwrap();
+    for lib in ["libweft-cdgram.so", "libweft-cdgram10.so"] {
+        std::fs::copy(
+            Path::new(weft_conformance::CDGRAM_DIR).join(lib),
+            dir.join(lib),
+        )
+        .unwrap();
+    }
     let path =
         std::env::join_paths([dir.as_path(), Path::new(weft_conformance::BROKEN_DIR)]).unwrap();
     std::env::set_var("WEFT_PROVIDER_PATH", &path);
@@ -70,7 +72,7 @@ fn conformance_in_process_and_loader_checks() {
             .unwrap_or_else(|| panic!("libweft-{n}.so was not refused; failures: {failures:?}"))
     };
     assert!(
-        reason("badmajor").contains("provider speaks ABI 2.0, weft speaks ABI 1.0"),
+        reason("badmajor").contains("provider speaks ABI 2.0, weft speaks ABI 1.1"),
         "{}",
         reason("badmajor")
     );
@@ -80,7 +82,7 @@ fn conformance_in_process_and_loader_checks() {
         reason("newminor")
     );
     assert!(
-        reason("smallentry").contains("smaller than ABI 1.0"),
+        reason("smallentry").contains("entry table of 8 bytes is smaller than ABI 1.1's"),
         "{}",
         reason("smallentry")
     );
@@ -146,7 +148,35 @@ fn conformance_in_process_and_loader_checks() {
     assert!(e.contains("the fabric refused to close"), "{e}");
     assert!(!e.contains("USE AFTER CLOSE"), "{e}");
 
-    for (p, n) in [("loopback", 3), ("shm", 3), ("rdgram", 3), ("cdgram", 3)] {
+    // ABI 1.1 (cdgram connects lazily through the key-value space) and 1.0 (cdgram10) side by
+    // side: the 1.0 library sees none of 1.1.
+    let caps_of = |n: &str| {
+        all.iter()
+            .find(|f| f.name() == n)
+            .unwrap_or_else(|| panic!("{n} loads"))
+            .caps()
+            .unwrap()
+    };
+    assert!(caps_of("cdgram").lazy_connect);
+    assert!(!caps_of("cdgram10").lazy_connect);
+    let lazy = weft_testing::world_dyn(3, "cdgram", |c| {
+        c.barrier().unwrap();
+        // cdgram connects at once and reports the event from its next progress.
+        c.progress().unwrap();
+        c.connections()
+    });
+    // A dissemination barrier on 3 ranks sends to 2 peers: asked for and reported up.
+    assert!(
+        lazy.iter().all(|&(asked, up)| asked == 2 && up == 2),
+        "{lazy:?}"
+    );
+    for (p, n) in [
+        ("loopback", 3),
+        ("shm", 3),
+        ("rdgram", 3),
+        ("cdgram", 3),
+        ("cdgram10", 3),
+    ] {
         check(p, n);
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -89,10 +89,18 @@ fn run() -> weft::Result<u64> {
             SIZES.len()
         );
     }
+    // What the provider carried, by path (a composed job counts host and network separately).
+    let counts: Vec<String> = world
+        .provider_counters()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     println!(
-        "ring: rank {r} on host {} ok={}",
+        "ring: rank {r} on host {} ok={}{}{}",
         nodes.my_host,
-        errors == 0
+        errors == 0,
+        if counts.is_empty() { "" } else { " " },
+        counts.join(" ")
     );
     world.finalize()?;
     Ok(total[0])

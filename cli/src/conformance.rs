@@ -26,6 +26,8 @@ pub struct Args {
     pub in_process: bool,
     pub timeout: f64,
     pub env: Vec<(String, String)>,
+    /// Pretend hosts (`--hosts`).
+    pub hosts: u32,
 }
 
 /// `WEFT_PROVIDER_PATH` with `dir` first.
@@ -106,8 +108,12 @@ fn selected(group: Option<&str>) -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
+/// What a run across processes gave: the outcomes, why the job ended early if it did, and
+/// the provider the ranks ended up with (a composition on several hosts: `net+host`).
+type Across = (Vec<Outcome>, Option<String>, Option<String>);
+
 /// Outcomes of a run across processes, and why the job ended early if it did.
-fn across_processes(a: &Args) -> Result<(Vec<Outcome>, Option<String>), String> {
+fn across_processes(a: &Args) -> Result<Across, String> {
     let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
     let mut spec = launch::Spec::new(a.n, exe);
     spec.args = vec!["test-rank".into()];
@@ -117,6 +123,7 @@ fn across_processes(a: &Args) -> Result<(Vec<Outcome>, Option<String>), String> 
     }
     spec.provider = Some(a.provider.clone());
     spec.env = a.env.clone();
+    spec.hosts = a.hosts;
     // Ranks inherit WEFT_PROVIDER_PATH, which `main` has set with --provider-path first.
     // A bound on every blocking wait: a check that loses a message fails with a timeout
     // instead of hanging the run (unless the caller chose a bound).
@@ -132,6 +139,10 @@ fn across_processes(a: &Args) -> Result<(Vec<Outcome>, Option<String>), String> 
     let text =
         String::from_utf8_lossy(o.stdout.first().map(Vec::as_slice).unwrap_or(&[])).into_owned();
     let mut got: Vec<Outcome> = text.lines().filter_map(Outcome::from_line).collect();
+    let used = text
+        .lines()
+        .find_map(|l| l.strip_prefix("PROVIDER "))
+        .map(str::to_string);
     let mut ended = None;
     if o.code != 0 || got.len() < selected(a.group.as_deref()).len() {
         ended = Some(
@@ -158,7 +169,7 @@ fn across_processes(a: &Args) -> Result<(Vec<Outcome>, Option<String>), String> 
             }
         }
     }
-    Ok((got, ended))
+    Ok((got, ended, used))
 }
 
 fn in_process(a: &Args) -> Vec<Outcome> {
@@ -182,8 +193,8 @@ pub fn main(a: &Args) -> ExitCode {
         eprintln!("weft test: {e}");
         return ExitCode::from(2);
     }
-    let (outcomes, ended) = if a.in_process {
-        (in_process(a), None)
+    let (outcomes, ended, used) = if a.in_process {
+        (in_process(a), None, None)
     } else {
         match across_processes(a) {
             Ok(o) => o,
@@ -195,12 +206,15 @@ pub fn main(a: &Args) -> ExitCode {
     };
     let where_ = if a.in_process {
         format!("{} ranks in-process", a.n)
+    } else if a.hosts > 1 {
+        format!("{} processes on {} pretend hosts", a.n, a.hosts)
     } else {
         format!("{} processes", a.n)
     };
+    let name = used.unwrap_or_else(|| a.provider.clone());
     print!(
         "{}",
-        weft_conformance::table(&format!("{} ({where_})", a.provider), &outcomes)
+        weft_conformance::table(&format!("{name} ({where_})"), &outcomes)
     );
     if let Some(why) = ended {
         println!("the job ended early: {why}");
@@ -223,6 +237,9 @@ pub fn rank_main(group: Option<&str>) -> ExitCode {
     };
     let c = world.comm();
     let me = c.rank();
+    if me == 0 {
+        println!("PROVIDER {}", c.provider_name());
+    }
     weft_conformance::run_with(c, group, |o| {
         if me == 0 {
             println!("{}", o.to_line());

@@ -60,6 +60,9 @@ pub struct Spec {
     /// A rank that exits with an error or is killed does not end the others (Hydra's
     /// `-disable-auto-cleanup`); PMI barriers fail instead of waiting for it.
     pub keep_going: bool,
+    /// Pretend the ranks run on this many hosts (blocks of consecutive ranks, through
+    /// `WEFT_HOST_ID`), to try per-host composition on one machine. 1: the real identity.
+    pub hosts: u32,
 }
 
 impl Spec {
@@ -77,6 +80,7 @@ impl Spec {
             timeout: None,
             quiet: false,
             keep_going: false,
+            hosts: 1,
         }
     }
 }
@@ -368,6 +372,15 @@ impl<'a> Launcher<'a> {
             .env("PMI_SIZE", spec.n.to_string());
         if let Some(p) = &spec.provider {
             cmd.env("WEFT_PROVIDER", p);
+        }
+        if spec.hosts > 1 {
+            // Rank r on pretend host r * hosts / n; the hostname keeps real hosts apart.
+            let host = u64::from(r) * u64::from(spec.hosts) / u64::from(spec.n.max(1));
+            let real = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            cmd.env(
+                "WEFT_HOST_ID",
+                format!("{}/pretend-host-{host}", real.trim()),
+            );
         }
         for (k, v) in &spec.env {
             cmd.env(k, v);

@@ -67,6 +67,10 @@ enum Cmd {
         /// status is still that of the first failure.
         #[arg(long)]
         keep_going: bool,
+        /// Pretend the ranks are on this many hosts (consecutive blocks of ranks; sets
+        /// WEFT_HOST_ID per rank): per-host composition on one machine.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        hosts: u32,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
@@ -100,6 +104,10 @@ enum Cmd {
         /// Environment variable for the ranks (repeatable).
         #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
         env: Vec<(String, String)>,
+        /// Pretend the ranks are on this many hosts (as `weft run --hosts`): the provider
+        /// under test carries traffic between hosts, WEFT_SHM_PROVIDER within one.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+        hosts: u32,
     },
     /// (internal) The rank side of `weft test`.
     #[command(hide = true)]
@@ -442,6 +450,7 @@ fn main() -> ExitCode {
             in_process,
             timeout,
             env,
+            hosts,
         } => conformance::main(&conformance::Args {
             provider,
             provider_path,
@@ -450,6 +459,7 @@ fn main() -> ExitCode {
             in_process,
             timeout,
             env,
+            hosts,
         }),
         Cmd::TestRank { group } => conformance::rank_main(group.as_deref()),
         Cmd::BenchRank {
@@ -512,6 +522,7 @@ fn main() -> ExitCode {
             pmi_port,
             timeout,
             keep_going,
+            hosts,
             command,
         } => {
             // The ranks see the launcher's environment plus --env: so does this check (a
@@ -542,6 +553,7 @@ fn main() -> ExitCode {
             spec.bind = bind;
             spec.pmi_port = pmi_port;
             spec.keep_going = keep_going;
+            spec.hosts = hosts;
             spec.timeout = timeout.map(Duration::from_secs_f64);
             match launch::run(&spec) {
                 Ok(o) => ExitCode::from(o.code.clamp(0, 255) as u8),

@@ -185,7 +185,7 @@ fn two_namespaces_are_two_hosts() {
         }
     };
     let ring = example("weft-cli", "ring");
-    let run = |extra: &[&str]| {
+    let launch = |extra: &[&str], program: &[&std::ffi::OsStr]| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &hosts.ns[0]])
             .arg(&mpiexec)
@@ -195,21 +195,54 @@ fn two_namespaces_are_two_hosts() {
             .args(["-hosts", &format!("{},{}", hosts.ip[0], hosts.ip[1])])
             .args(["-ppn", "2", "-n", "4"])
             .args(extra)
-            .arg(&ring);
-        run_bounded(&mut c, 180)
+            .args(program);
+        run_bounded(&mut c, 300)
     };
-    // Default selection: shared memory cannot span the hosts, so tcp-sim carries the job.
+    let run = |extra: &[&str]| launch(extra, &[ring.as_os_str()]);
+    // Default selection: tcp-sim between the hosts (shared memory cannot span them), shm
+    // between the two ranks of each host.
     let o = run(&[]);
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
     let out = stdout(&o);
     assert!(
-        out.contains("ring: ok over 4 ranks on 2 host(s), provider tcp-sim"),
+        out.contains("ring: ok over 4 ranks on 2 host(s), provider tcp-sim+shm"),
         "{out}"
     );
     assert!(
         out.contains("on host 0 ok=true") && out.contains("on host 1 ok=true"),
         "{out}"
     );
+    // Which provider carried what: Hydra places ranks 0,1 on the first host and 2,3 on the
+    // second, so hops 0->1 and 2->3 stay on a host and 1->2, 3->0 cross.
+    for line in out.lines().filter(|l| l.starts_with("ring: rank ")) {
+        let r: u32 = line["ring: rank ".len()..]
+            .split(' ')
+            .next()
+            .and_then(|x| x.parse().ok())
+            .expect("rank");
+        let get = |k: &str| -> u64 {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{k} in {line}"))
+        };
+        let (on_host, across) = (get("host.bytes"), get("net.bytes"));
+        if r % 2 == 0 {
+            assert!(on_host > 3_000_000 && across < 1000, "{line}");
+        } else {
+            assert!(across > 3_000_000 && on_host < 1000, "{line}");
+        }
+    }
+    // The conformance suite on the composition, ranks started by Hydra in both namespaces.
+    let o = launch(
+        &[],
+        &[weft().as_os_str(), std::ffi::OsStr::new("test-rank")],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("PROVIDER tcp-sim+shm"), "{out}");
+    assert_eq!(out.matches("CHECK pass").count(), 16, "{out}");
+    assert!(!out.contains("CHECK fail"), "{out}");
     // Asking for shm across hosts is a clear error, not a hang.
     let o = run(&["-genv", "WEFT_PROVIDER", "shm"]);
     assert!(!o.status.success());

@@ -49,6 +49,7 @@ pub mod loader;
 pub mod registry {
     pub use crate::select::*;
 }
+mod route;
 mod select;
 
 pub use weft_provider::{

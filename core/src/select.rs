@@ -341,7 +341,8 @@ pub fn select_and_open(
         };
         tracing::debug!(provider = f.name(), "selected");
         match f.open(boot) {
-            Ok(p) => return Ok((p, *f)),
+            // On a job spanning hosts, the host provider joins it for ranks of one host.
+            Ok(p) => return Ok((crate::route::compose(boot, p, &all)?, *f)),
             // A provider that finds out during open that it cannot work (on every rank: the
             // contract asks providers to agree before failing this way) lets the next one try.
             Err(e) if e.kind() == ErrorKind::ProviderUnavailable => {

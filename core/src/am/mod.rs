@@ -153,7 +153,7 @@ impl AmState {
 
     /// Make sure the provider was told about `peer` (`Provider::connect`, once per peer,
     /// before the first operation towards it). A refusal fails the peer.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn touch<P: Provider>(&mut self, p: &mut P, peer: Rank) -> Result<()> {
         match self.peers.get(peer as usize) {
             Some(s) if s.connected => self.check_peer(peer),

@@ -109,7 +109,7 @@ impl P2pState {
         }
         let tag = s.tag;
         if let Some(m) = s.mr.take() {
-            self.deregs.push(m);
+            self.deregs.push(*m);
         }
         // A speculative send still pumping `SDATA` is in `streams` already; it switches to
         // `DATA` (the receiver dropped what it got before its receive matched).
@@ -212,7 +212,7 @@ impl P2pState {
             return Some(());
         }
         if let Some(m) = s.mr.take() {
-            self.deregs.push(m);
+            self.deregs.push(*m);
         }
         let (tag, len) = (s.tag, s.buf.len);
         self.finish(sreq, Ok(status(src, tag, len)));

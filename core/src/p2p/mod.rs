@@ -112,15 +112,29 @@ struct SendReq {
     ctx: u32,
     tag: i32,
     buf: SendBuf,
-    sync: bool,
+    /// Bit 31: a synchronous send. Bits 0..31: zero-copy pieces (`am_isend`) the provider
+    /// has not reported complete; until they are, it may still read the buffer, so the request
+    /// cannot end (its result waits in `P2pState::parked`). One word, so that a request stays
+    /// within the 128 bytes the compiler moves without a `memcpy` call.
+    flags: u32,
     phase: SendPhase,
-    /// Registration of the send buffer for a receiver-side RMA read.
-    mr: Option<SendMr>,
-    /// Zero-copy pieces (`am_isend`) the provider has not reported complete: until they are,
-    /// it may still read the buffer, so the request cannot end.
-    inflight: u32,
-    /// The request's result, decided while pieces were in flight.
-    then: Option<Result<Status>>,
+    /// Registration of the send buffer for a receiver-side RMA read (rare: boxed, to keep
+    /// requests small).
+    mr: Option<Box<SendMr>>,
+}
+
+impl SendReq {
+    const SYNC: u32 = 1 << 31;
+
+    #[inline]
+    fn sync(&self) -> bool {
+        self.flags & Self::SYNC != 0
+    }
+
+    #[inline]
+    fn inflight(&self) -> u32 {
+        self.flags & !Self::SYNC
+    }
 }
 
 #[derive(Debug)]
@@ -173,9 +187,6 @@ struct Req {
     scope: u64,
     done: Option<Result<Status>>,
     kind: Kind,
-    /// The registration that describes the request's buffer to a provider that needs local
-    /// descriptors (`Caps::mr_local`), released when the request is removed.
-    local: Option<(MrDesc, MrRef)>,
 }
 
 impl Req {
@@ -184,7 +195,6 @@ impl Req {
             scope,
             done: None,
             kind,
-            local: None,
         }
     }
 }
@@ -269,6 +279,12 @@ pub(crate) struct P2pState {
     reads: Vec<ReqId>,
     /// Registrations to release once `progress` returns.
     deregs: Vec<SendMr>,
+    /// Results of sends finished while zero-copy pieces were still in flight (rare).
+    parked: hashbrown::HashMap<ReqId, Result<Status>>,
+    /// Registrations describing request buffers to a provider that needs local descriptors
+    /// (`Caps::mr_local`), released when the request is removed. Kept beside the requests, not
+    /// in them, so that requests stay small for every other provider.
+    locals: hashbrown::HashMap<ReqId, (MrDesc, MrRef)>,
 }
 
 #[inline]
@@ -324,6 +340,8 @@ impl P2pState {
             streams: Vec::new(),
             reads: Vec::new(),
             deregs: Vec::new(),
+            parked: Default::default(),
+            locals: Default::default(),
         }
     }
 
@@ -388,8 +406,13 @@ impl P2pState {
     #[inline]
     fn remove(&mut self, am: &mut AmState, id: ReqId) -> Option<Req> {
         let r = self.reqs.remove(id)?;
-        if let Some((_, m)) = r.local {
-            am.mr.release(m);
+        if !self.locals.is_empty() {
+            if let Some((_, m)) = self.locals.remove(&id) {
+                am.mr.release(m);
+            }
+        }
+        if !self.parked.is_empty() {
+            self.parked.remove(&id);
         }
         Some(r)
     }
@@ -408,14 +431,14 @@ impl P2pState {
         if !am.caps.mr_local {
             return Ok(0);
         }
-        let Some(r) = self.reqs.get_mut(id) else {
+        if self.reqs.get(id).is_none() {
             return Ok(0);
-        };
-        if let Some((d, _)) = r.local {
-            return Ok(d);
+        }
+        if let Some((d, _)) = self.locals.get(&id) {
+            return Ok(*d);
         }
         let (d, m) = am.mr.acquire(p, ptr, len, access)?;
-        r.local = Some((d, m));
+        self.locals.insert(id, (d, m));
         Ok(d)
     }
 
@@ -434,9 +457,9 @@ impl P2pState {
             if r.done.is_some() {
                 return;
             }
-            if let Kind::Send(s) = &mut r.kind {
-                if s.inflight > 0 {
-                    s.then.get_or_insert(res);
+            if let Kind::Send(s) = &r.kind {
+                if s.inflight() > 0 {
+                    self.parked.entry(id).or_insert(res);
                     return;
                 }
             }
@@ -505,7 +528,7 @@ impl P2pState {
             }
             Some(Req { kind, .. }) => match kind {
                 Kind::NSend { .. } => Some("a send whose buffer the provider may still read"),
-                Kind::Send(SendReq { inflight: 1.., .. }) => {
+                Kind::Send(s) if s.inflight() > 0 => {
                     Some("a send whose zero-copy data the provider may still read")
                 }
                 Kind::NRecv { .. } => match p.tagged_cancel(id) {
@@ -535,7 +558,7 @@ impl P2pState {
             },
             Kind::Send(s) => {
                 // The receiver may hold the key for a read: revoke it now.
-                match s.mr {
+                match s.mr.map(|b| *b) {
                     Some(SendMr::Own(m)) => {
                         if let Err(e) = p.mr_deregister(&m) {
                             tracing::warn!("deregistration failed: {e}");
@@ -561,16 +584,16 @@ impl P2pState {
             return;
         };
         match &mut req.kind {
-            Kind::Send(s) if s.inflight > 0 => {
-                s.inflight -= 1;
+            Kind::Send(s) if s.inflight() > 0 => {
+                s.flags -= 1;
                 let dest = s.dest;
                 if let Err(e) = result {
                     // A piece of the message is lost: the receiver would wait for it forever.
-                    s.then = Some(Err(e.clone()));
+                    self.parked.insert(token, Err(e.clone()));
                     am.fail_peer(dest, &crate::am::outbox::failure_reason(&e));
                 }
-                if s.inflight == 0 {
-                    if let Some(res) = s.then.take() {
+                if s.inflight() == 0 {
+                    if let Some(res) = self.parked.remove(&token) {
                         req.done = Some(res);
                     }
                 }
@@ -700,7 +723,7 @@ impl P2pState {
                 }
                 Kind::Send(s) => {
                     if let Some(m) = s.mr.take() {
-                        self.deregs.push(m);
+                        self.deregs.push(*m);
                     }
                 }
                 _ => {}
@@ -750,11 +773,9 @@ impl P2pState {
                 ctx,
                 tag,
                 buf,
-                sync,
+                flags: if sync { SendReq::SYNC } else { 0 },
                 phase,
-                mr,
-                inflight: 0,
-                then: None,
+                mr: mr.map(Box::new),
             }),
         ))
     }

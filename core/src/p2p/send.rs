@@ -3,8 +3,8 @@
 
 use super::buf::{gather, Layout, SendBuf};
 use super::{
-    status, Kind, P2pState, Posted, Req, SendMr, SendPhase, EAGER_OVERHEAD, F_REMOTE, F_SYNC,
-    H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
+    status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq, EAGER_OVERHEAD, F_REMOTE,
+    F_SYNC, H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
 };
 use crate::am::outbox::failure_reason;
 use crate::am::{AmState, Hdr, Out, Rd, ReqId};
@@ -174,13 +174,13 @@ impl P2pState {
             return Ok(SendOutcome::Sent);
         };
         let mut h = Hdr::new(H_EAGER);
-        h.u8(if r.sync { F_SYNC } else { 0 })
+        h.u8(if r.sync() { F_SYNC } else { 0 })
             .u32(r.ctx)
             .u32(r.tag as u32);
-        if r.sync {
+        if r.sync() {
             h.u64(id);
         }
-        let (sync, dest, tag, len) = (r.sync, r.dest, r.tag, r.buf.len);
+        let (sync, dest, tag, len) = (r.sync(), r.dest, r.tag, r.buf.len);
         let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
         r.buf.pieces(0, len, &mut pieces);
         let o = self.send_req_pieces(p, am, id, dest, &h, &pieces);
@@ -423,7 +423,9 @@ impl P2pState {
                 ..
             }) = self.reqs.get_mut(id)
             {
-                s.inflight += 1;
+                // 2^31 - 1 pieces in flight at most (far beyond any provider's queue).
+                debug_assert!(s.inflight() < !SendReq::SYNC);
+                s.flags += 1;
             }
         }
         Ok(o)

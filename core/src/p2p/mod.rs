@@ -25,6 +25,11 @@
 //!
 //! Everything here takes the active-message layer ([`AmState`]) as an argument: handlers queue
 //! what they send in its outbox and report protocol errors to it; nothing here knows RMA.
+//!
+//! Size (over 800 lines): the request table and every step of a request's life — completion, zero-
+//! copy pieces in flight, quarantine, peer failure, native dispatch — keep one set of invariants
+//! about who may still touch a buffer; the protocols themselves are in send.rs, recv.rs,
+//! handlers.rs and spec.rs.
 
 pub(crate) mod buf;
 mod handlers;

@@ -5,6 +5,9 @@
 //!
 //! `weft test --provider NAME [--provider-path DIR] [-n RANKS]` runs it across processes and
 //! prints a table; `weft_testing::world_dyn` runs it in-process.
+//!
+//! Size (over 800 lines): the suite is one list of checks run in the same order on every rank; its
+//! groups share the agreement and reporting code.
 
 use weft::{
     Assert, Comm, Datatype, DynProvider, Element, ErrorKind, LockKind, Op, SharedBuf, WinInfo,

@@ -379,15 +379,14 @@ pub(crate) fn compose(
         return Ok(net);
     }
     // Judge locally, agree across the job (every rank takes the same branch).
-    let local = LocalBoot::new(boot);
+    let here = nodes.local_ranks().len() as u32;
     let ctx = ProbeContext {
-        rank: local.rank(),
-        size: local.size(),
+        rank: nodes.local_index(boot.rank()).unwrap_or(0) as Rank,
+        size: here,
         in_process: false,
         hosts: 1,
-        local_ranks: local.size(),
+        local_ranks: here,
     };
-    drop(local);
     let verdict = match all.iter().find(|f| f.name() == want) {
         None => "\x1dunknown".to_string(),
         Some(f) => match f.probe(&ctx) {

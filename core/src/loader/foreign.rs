@@ -170,6 +170,47 @@ fn descs_ptr(mr_local: bool, d: &[u64]) -> *const u64 {
     }
 }
 
+/// Local pieces as the C ABI's iovec, and their descriptors (parallel arrays).
+fn c_iov(local: &[RawIov]) -> (SmallVec<[WeftIov; 8]>, SmallVec<[u64; 8]>) {
+    local
+        .iter()
+        .map(|d| {
+            (
+                WeftIov {
+                    base: d.ptr,
+                    len: d.len,
+                },
+                d.desc,
+            )
+        })
+        .unzip()
+}
+
+/// Writable local pieces as the C ABI's iovec, and their descriptors.
+fn c_iov_mut(local: &[RawIovMut]) -> (SmallVec<[WeftIovMut; 8]>, SmallVec<[u64; 8]>) {
+    local
+        .iter()
+        .map(|d| {
+            (
+                WeftIovMut {
+                    base: d.ptr,
+                    len: d.len,
+                },
+                d.desc,
+            )
+        })
+        .unzip()
+}
+
+/// The `WEFT_OP_*` flags of a completion.
+fn op_flags(done: &Completion) -> u32 {
+    if done.fence {
+        WEFT_OP_FENCE
+    } else {
+        0
+    }
+}
+
 unsafe extern "C" fn sink_peer_failed(ctx: *mut c_void, rank: u32, reason: *const c_char) {
     // SAFETY: see sink_am.
     let c = &mut *(ctx as *mut SinkCtx<'_>);
@@ -282,13 +323,7 @@ impl Provider for Foreign {
         let t = self
             .tagged
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("tagged".into())))?;
-        let iov: Vec<WeftIov> = data
-            .iter()
-            .map(|d| WeftIov {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
+        let (iov, _) = c_iov(data);
         let r = (t.send.expect("checked"))(
             self.handle,
             dest,
@@ -313,13 +348,7 @@ impl Provider for Foreign {
         let t = self
             .tagged
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("tagged".into())))?;
-        let iov: Vec<WeftIovMut> = buf
-            .iter()
-            .map(|d| WeftIovMut {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
+        let (iov, _) = c_iov_mut(buf);
         let r = (t.recv.expect("checked"))(
             self.handle,
             src.map_or(-1, |s| s as i64),
@@ -427,16 +456,9 @@ impl Provider for Foreign {
         let t = self
             .rma
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("RMA".into())))?;
-        let iov: SmallVec<[WeftIovMut; 8]> = local
-            .iter()
-            .map(|d| WeftIovMut {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
+        let (iov, d) = c_iov_mut(local);
         if self.caps.mr_local || done.fence {
             let x = self.ext("RMA read with descriptors or a fence")?;
-            let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
             let r = (x.read.expect("checked by caps"))(
                 self.handle,
                 src,
@@ -447,7 +469,7 @@ impl Provider for Foreign {
                 remote.key,
                 done.cq.unwrap_or(0),
                 done.cntr.unwrap_or(0),
-                if done.fence { WEFT_OP_FENCE } else { 0 },
+                op_flags(&done),
             );
             return self.check(r, "RMA read", Some(src));
         }
@@ -474,16 +496,9 @@ impl Provider for Foreign {
         let t = self
             .rma
             .ok_or_else(|| Error::from(ErrorDetail::Unsupported("RMA".into())))?;
-        let iov: SmallVec<[WeftIov; 8]> = local
-            .iter()
-            .map(|d| WeftIov {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
+        let (iov, d) = c_iov(local);
         if self.caps.mr_local || done.fence {
             let x = self.ext("RMA write with descriptors or a fence")?;
-            let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
             let r = (x.write.expect("checked by caps"))(
                 self.handle,
                 dest,
@@ -494,7 +509,7 @@ impl Provider for Foreign {
                 remote.key,
                 done.cq.unwrap_or(0),
                 done.cntr.unwrap_or(0),
-                if done.fence { WEFT_OP_FENCE } else { 0 },
+                op_flags(&done),
             );
             return self.check(r, "RMA write", Some(dest));
         }
@@ -537,7 +552,7 @@ impl Provider for Foreign {
                     remote.key,
                     done.cq.unwrap_or(0),
                     done.cntr.unwrap_or(0),
-                    if done.fence { WEFT_OP_FENCE } else { 0 },
+                    op_flags(&done),
                 );
                 return self.check(r, "atomic", Some(dest));
             }
@@ -612,14 +627,7 @@ impl Provider for Foreign {
                 self.name
             )))
         })?;
-        let iov: SmallVec<[WeftIov; 8]> = payload
-            .iter()
-            .map(|d| WeftIov {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
-        let d: SmallVec<[u64; 8]> = payload.iter().map(|l| l.desc).collect();
+        let (iov, d) = c_iov(payload);
         let r = f(
             self.handle,
             dest,
@@ -654,14 +662,7 @@ impl Provider for Foreign {
                     self.name
                 )))
             })?;
-        let iov: SmallVec<[WeftIov; 8]> = local
-            .iter()
-            .map(|d| WeftIov {
-                base: d.ptr,
-                len: d.len,
-            })
-            .collect();
-        let d: SmallVec<[u64; 8]> = local.iter().map(|l| l.desc).collect();
+        let (iov, d) = c_iov(local);
         let r = f(
             self.handle,
             dest,
@@ -673,7 +674,7 @@ impl Provider for Foreign {
             data,
             done.cq.unwrap_or(0),
             done.cntr.unwrap_or(0),
-            if done.fence { WEFT_OP_FENCE } else { 0 },
+            op_flags(&done),
         );
         self.check(r, "RMA write with data", Some(dest))
     }

@@ -87,16 +87,7 @@ pub unsafe extern "C" fn ext_am_isend<P: StaticProvider>(
         } else {
             std::slice::from_raw_parts(hdr, hdr_len)
         };
-        let pieces: Vec<RawIov> = (0..iovcnt)
-            .map(|i| {
-                let v = *iov.add(i);
-                RawIov {
-                    ptr: v.base,
-                    len: v.len,
-                    desc: desc_at(descs, i),
-                }
-            })
-            .collect();
+        let pieces = raw_iovs(iov, descs, iovcnt);
         Ok(match p.am_isend(dest, header, &pieces, token)? {
             SendOutcome::Sent => WEFT_OK,
             SendOutcome::Busy => WEFT_BUSY,
@@ -120,16 +111,7 @@ pub unsafe extern "C" fn ext_read<P: StaticProvider>(
     flags: u32,
 ) -> i32 {
     with::<P, _>(h, |p| {
-        let l: Vec<RawIovMut> = (0..cnt)
-            .map(|i| {
-                let v = *local.add(i);
-                RawIovMut {
-                    ptr: v.base,
-                    len: v.len,
-                    desc: desc_at(descs, i),
-                }
-            })
-            .collect();
+        let l = raw_iovs_mut(local, descs, cnt);
         p.rma_read(
             src,
             &l,
@@ -140,7 +122,21 @@ pub unsafe extern "C" fn ext_read<P: StaticProvider>(
     })
 }
 
-/// The local pieces of a 1.1 write.
+/// The local pieces of a 1.1 read (`descs` null: none).
+unsafe fn raw_iovs_mut(local: *const WeftIovMut, descs: *const u64, cnt: usize) -> Vec<RawIovMut> {
+    (0..cnt)
+        .map(|i| {
+            let v = *local.add(i);
+            RawIovMut {
+                ptr: v.base,
+                len: v.len,
+                desc: desc_at(descs, i),
+            }
+        })
+        .collect()
+}
+
+/// The local pieces of a 1.1 write or zero-copy send (`descs` null: none).
 unsafe fn raw_iovs(local: *const WeftIov, descs: *const u64, cnt: usize) -> Vec<RawIov> {
     (0..cnt)
         .map(|i| {

@@ -11,10 +11,9 @@
 //! from `last_error`): a panic never crosses into the host.
 
 use crate::provider::{
-    Access, Caps, Completion, CompletionLevel, ProbeContext, RawIov, RawIovMut, RemoteAddr,
-    SendOutcome, StaticProvider,
+    Access, Caps, Completion, CompletionLevel, ProbeContext, SendOutcome, StaticProvider,
 };
-use crate::types::{BasicType, Op};
+use crate::types::Op;
 use crate::{Error, ErrorKind, Result};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CString};
@@ -381,14 +380,19 @@ pub unsafe extern "C" fn rma_read<P: StaticProvider>(
     token: u64,
     cntr: u64,
 ) -> i32 {
-    with::<P, _>(h, |p| {
-        let l: Vec<RawIovMut> = std::slice::from_raw_parts(local, cnt)
-            .iter()
-            .map(|v| RawIovMut::new(v.base, v.len))
-            .collect();
-        p.rma_read(src, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
-        Ok(WEFT_OK)
-    })
+    // The 1.0 entry is the 1.1 one without descriptors or flags.
+    ext_read::<P>(
+        h,
+        src,
+        local,
+        std::ptr::null(),
+        cnt,
+        addr,
+        key,
+        token,
+        cntr,
+        0,
+    )
 }
 
 /// # Safety
@@ -403,14 +407,18 @@ pub unsafe extern "C" fn rma_write<P: StaticProvider>(
     token: u64,
     cntr: u64,
 ) -> i32 {
-    with::<P, _>(h, |p| {
-        let l: Vec<RawIov> = std::slice::from_raw_parts(local, cnt)
-            .iter()
-            .map(|v| RawIov::new(v.base, v.len))
-            .collect();
-        p.rma_write(dest, &l, RemoteAddr { addr, key }, completion(token, cntr))?;
-        Ok(WEFT_OK)
-    })
+    ext_write::<P>(
+        h,
+        dest,
+        local,
+        std::ptr::null(),
+        cnt,
+        addr,
+        key,
+        token,
+        cntr,
+        0,
+    )
 }
 
 /// # Safety
@@ -430,21 +438,22 @@ pub unsafe extern "C" fn atomic<P: StaticProvider>(
     token: u64,
     cntr: u64,
 ) -> i32 {
-    with::<P, _>(h, |p| {
-        let op = Op::from_u8(op as u8).ok_or_else(|| Error::invalid("unknown atomic operation"))?;
-        let ty = BasicType::from_u8(ty as u8).ok_or_else(|| Error::invalid("unknown type"))?;
-        let a = crate::provider::AtomicOp {
-            op,
-            ty,
-            count,
-            origin,
-            compare,
-            result,
-            desc: [0; 3],
-        };
-        p.atomic(dest, &a, RemoteAddr { addr, key }, completion(token, cntr))?;
-        Ok(WEFT_OK)
-    })
+    ext_atomic::<P>(
+        h,
+        dest,
+        op,
+        ty,
+        count,
+        origin,
+        compare,
+        result,
+        std::ptr::null(),
+        addr,
+        key,
+        token,
+        cntr,
+        0,
+    )
 }
 
 /// The ABI's (token, counter) pair, 0 meaning "none", as a [`Completion`].

@@ -199,7 +199,16 @@ impl<'w, P: Provider> Window<'w, P> {
 
     pub(super) fn complete(&self, targets: &[u32]) -> Result<()> {
         let fold: SmallVec<[(u32, u64); 4]> = targets.iter().map(|t| (*t, 0)).collect();
-        let folded = if self.sched.aggregates() {
+        // Folding COMPLETE into the last batch would let it overtake native writes that
+        // complete at transmission (they are proven delivered below, before COMPLETE goes).
+        let delivery = self
+            .engine()
+            .st
+            .am
+            .caps
+            .rma
+            .is_none_or(|r| r.delivery_complete());
+        let folded = if self.sched.aggregates() && delivery {
             self.drain_pending(Some((rma::B_COMPLETE, &fold)))?
         } else {
             self.drain_pending(None)?;

@@ -150,7 +150,53 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
     for f in failures {
         writeln!(s, "not loaded: {}: {}", f.path.display(), f.error).unwrap();
     }
+    s.push_str(&verbs_report());
     Ok(s)
+}
+
+/// The RDMA devices the verbs layer sees, with the attributes of those it can open.
+pub fn verbs_report() -> String {
+    let mut s = String::new();
+    writeln!(s).unwrap();
+    writeln!(
+        s,
+        "RDMA devices (WEFT_VERBS_DEVICE={}):",
+        weft_verbs::soft::model::DEVICE.raw()
+    )
+    .unwrap();
+    for d in weft_verbs::devices() {
+        if !d.usable {
+            writeln!(s, "  {} ({}): unusable: {}", d.name, d.backend, d.note).unwrap();
+            continue;
+        }
+        match weft_verbs::open_device(&d.name) {
+            Ok(h) => {
+                let a = h.attr();
+                writeln!(
+                    s,
+                    "  {} ({}): max_qp {} max_qp_wr {} max_sge {} max_cq {} max_cqe {} max_mr {} \
+                     max_srq {} max_qp_rd_atom {} max_inline {} atomics {:?} mtu {} dm {} MiB",
+                    d.name,
+                    d.note,
+                    a.max_qp,
+                    a.max_qp_wr,
+                    a.max_sge,
+                    a.max_cq,
+                    a.max_cqe,
+                    a.max_mr,
+                    a.max_srq,
+                    a.max_qp_rd_atom,
+                    a.max_inline_data,
+                    a.atomic_cap,
+                    a.active_mtu.bytes(),
+                    a.max_dm_size >> 20
+                )
+                .unwrap();
+            }
+            Err(e) => writeln!(s, "  {}: cannot open: {e}", d.name).unwrap(),
+        }
+    }
+    s
 }
 
 /// Render every parameter with its current value, default, type and doc.

@@ -165,3 +165,39 @@ fn one_buffer_ping_pong_runs_and_says_so() {
         .collect();
     assert!(rows.len() == 2 && rows.iter().all(|v| *v > 0.0), "{out}");
 }
+
+/// The raw verbs tests run between two processes of the embedded launcher on the soft HCA
+/// (the requester of one process reaching into the other's segment and memory), every one of
+/// them, with the Cross-Memory Attach references beside them.
+#[test]
+fn raw_verbs_tests_run_across_processes_on_the_soft_hca() {
+    let tests =
+        "verbs_send_lat,verbs_write_lat,verbs_write_lat_dm,verbs_read_lat,verbs_atomic_lat,\
+                 verbs_write_bw,verbs_send_bw,cma_write_lat,cma_write_bw";
+    let o = bench(&[
+        tests,
+        "--providers",
+        "shm",
+        "--sizes",
+        "8,64K",
+        "--reps",
+        "1",
+        "--iters",
+        "100",
+        "--warmup",
+        "5",
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    for t in tests.split(',') {
+        assert!(out.contains(&format!("# {t}:")), "{t} missing:\n{out}");
+    }
+    let rows: Vec<f64> = out
+        .lines()
+        .filter(|l| l.starts_with("8 ") || l.starts_with("64K"))
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert!(rows.len() == 18 && rows.iter().all(|v| *v > 0.0), "{out}");
+}

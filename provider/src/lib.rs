@@ -20,6 +20,7 @@
 //! `docs/writing-a-provider.md`.
 
 pub mod bootstrap;
+pub mod cma;
 mod error;
 pub mod param;
 pub mod pool;

@@ -10,6 +10,7 @@ pub mod baseline;
 pub mod plot;
 pub mod rank;
 pub mod tests;
+pub mod verbs;
 
 use crate::launch;
 use baseline::Baseline;

@@ -285,6 +285,15 @@ pub fn run(a: &RankArgs) -> Result<()> {
             a.test.min_ranks()
         )));
     }
+    if a.test.is_verbs() {
+        let r = super::verbs::measure(c, a.test, &a.sizes, a.iters, a.warmup, a.window)?;
+        if c.rank() == 0 {
+            for (size, v) in r {
+                println!("RESULT {size} {v}");
+            }
+        }
+        return world.finalize();
+    }
     for &size in &a.sizes {
         let v = match a.test {
             Test::Latency => {
@@ -316,6 +325,17 @@ pub fn run(a: &RankArgs) -> Result<()> {
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => {
                 let it = scaled(a.iters, size, 256 << 20, 20);
                 rma_pingpong(c, size, it, scaled(a.warmup, size, 32 << 20, 2), a.test)?
+            }
+            Test::VerbsSendLat
+            | Test::VerbsWriteLat
+            | Test::VerbsWriteLatDm
+            | Test::VerbsReadLat
+            | Test::VerbsAtomicLat
+            | Test::VerbsWriteBw
+            | Test::VerbsSendBw
+            | Test::CmaWriteLat
+            | Test::CmaWriteBw => {
+                return Err(weft::Error::invalid("raw verbs tests are measured above"))
             }
             Test::PutBw | Test::GetBw | Test::EpochMix => {
                 let per = size * effective_window(a.window, size).max(32);

@@ -15,6 +15,15 @@ pub enum Test {
     GetBw,
     EpochMix,
     EpochPingpong,
+    VerbsSendLat,
+    VerbsWriteLat,
+    VerbsWriteLatDm,
+    VerbsReadLat,
+    VerbsAtomicLat,
+    VerbsWriteBw,
+    VerbsSendBw,
+    CmaWriteLat,
+    CmaWriteBw,
 }
 
 /// Every test name the command knows, with what it measures.
@@ -58,6 +67,42 @@ pub const ALL: &[(&str, &str)] = &[
         "epoch_pingpong",
         "RMA ping-pong, one put and one get per access epoch; half the iteration, µs",
     ),
+    (
+        "verbs_send_lat",
+        "raw verbs (WEFT_VERBS_DEVICE): RC send/receive ping-pong, half the round trip, µs (perftest ib_send_lat)",
+    ),
+    (
+        "verbs_write_lat",
+        "raw verbs: RDMA-write ping-pong into user memory, each side polls the last byte; half the round trip, µs (ib_write_lat)",
+    ),
+    (
+        "verbs_write_lat_dm",
+        "raw verbs: as verbs_write_lat, into device memory (alloc_dm), µs",
+    ),
+    (
+        "verbs_read_lat",
+        "raw verbs: one RDMA read, the full round trip, µs (ib_read_lat)",
+    ),
+    (
+        "verbs_atomic_lat",
+        "raw verbs: one 8-byte fetch-and-add, the full round trip, µs (ib_atomic_lat)",
+    ),
+    (
+        "verbs_write_bw",
+        "raw verbs: a window of W RDMA writes, the last signaled, MB/s (ib_write_bw)",
+    ),
+    (
+        "verbs_send_bw",
+        "raw verbs: a window of W sends into posted receives, MB/s (ib_send_bw)",
+    ),
+    (
+        "cma_write_lat",
+        "reference: process_vm_writev ping-pong, each side polls the last byte; half the round trip, µs",
+    ),
+    (
+        "cma_write_bw",
+        "reference: process_vm_writev of SIZE bytes into the peer, back to back, MB/s",
+    ),
 ];
 
 impl Test {
@@ -75,6 +120,15 @@ impl Test {
             "get_bw" => Test::GetBw,
             "epoch_mix" => Test::EpochMix,
             "epoch_pingpong" => Test::EpochPingpong,
+            "verbs_send_lat" => Test::VerbsSendLat,
+            "verbs_write_lat" => Test::VerbsWriteLat,
+            "verbs_write_lat_dm" => Test::VerbsWriteLatDm,
+            "verbs_read_lat" => Test::VerbsReadLat,
+            "verbs_atomic_lat" => Test::VerbsAtomicLat,
+            "verbs_write_bw" => Test::VerbsWriteBw,
+            "verbs_send_bw" => Test::VerbsSendBw,
+            "cma_write_lat" => Test::CmaWriteLat,
+            "cma_write_bw" => Test::CmaWriteBw,
             other => {
                 return Err(format!(
                     "unknown test '{other}'; tests: {}",
@@ -98,6 +152,15 @@ impl Test {
             Test::GetBw => "get_bw",
             Test::EpochMix => "epoch_mix",
             Test::EpochPingpong => "epoch_pingpong",
+            Test::VerbsSendLat => "verbs_send_lat",
+            Test::VerbsWriteLat => "verbs_write_lat",
+            Test::VerbsWriteLatDm => "verbs_write_lat_dm",
+            Test::VerbsReadLat => "verbs_read_lat",
+            Test::VerbsAtomicLat => "verbs_atomic_lat",
+            Test::VerbsWriteBw => "verbs_write_bw",
+            Test::VerbsSendBw => "verbs_send_bw",
+            Test::CmaWriteLat => "cma_write_lat",
+            Test::CmaWriteBw => "cma_write_bw",
         }
     }
 
@@ -110,6 +173,13 @@ impl Test {
             | Test::AccLat
             | Test::EpochPingpong => "us",
             Test::Bw | Test::Bibw | Test::PutBw | Test::GetBw | Test::EpochMix => "MB/s",
+            Test::VerbsWriteBw | Test::VerbsSendBw | Test::CmaWriteBw => "MB/s",
+            Test::VerbsSendLat
+            | Test::VerbsWriteLat
+            | Test::VerbsWriteLatDm
+            | Test::VerbsReadLat
+            | Test::VerbsAtomicLat
+            | Test::CmaWriteLat => "us",
             Test::Mr => "msg/s",
         }
     }
@@ -124,7 +194,32 @@ impl Test {
     pub fn higher_is_better(self) -> bool {
         matches!(
             self,
-            Test::Bw | Test::Bibw | Test::Mr | Test::PutBw | Test::GetBw | Test::EpochMix
+            Test::Bw
+                | Test::Bibw
+                | Test::Mr
+                | Test::PutBw
+                | Test::GetBw
+                | Test::EpochMix
+                | Test::VerbsWriteBw
+                | Test::VerbsSendBw
+                | Test::CmaWriteBw
+        )
+    }
+
+    /// Raw verbs and their Cross-Memory Attach reference: run on the HCA, the job's provider
+    /// only carries the set-up exchange.
+    pub fn is_verbs(self) -> bool {
+        matches!(
+            self,
+            Test::VerbsSendLat
+                | Test::VerbsWriteLat
+                | Test::VerbsWriteLatDm
+                | Test::VerbsReadLat
+                | Test::VerbsAtomicLat
+                | Test::VerbsWriteBw
+                | Test::VerbsSendBw
+                | Test::CmaWriteLat
+                | Test::CmaWriteBw
         )
     }
 
@@ -150,6 +245,15 @@ impl Test {
             Test::AccLat => vec![8, 64, 256, 4096],
             Test::PutBw | Test::GetBw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20],
             Test::EpochMix => vec![8, 64, 256, 4096, 65536],
+            Test::VerbsSendLat
+            | Test::VerbsWriteLat
+            | Test::VerbsWriteLatDm
+            | Test::VerbsReadLat
+            | Test::CmaWriteLat => vec![8, 64, 1024, 4096, 65536],
+            Test::VerbsAtomicLat => vec![8],
+            Test::VerbsWriteBw | Test::VerbsSendBw | Test::CmaWriteBw => {
+                vec![1 << 12, 1 << 16, 1 << 20, 1 << 22]
+            }
         }
     }
 
@@ -161,6 +265,13 @@ impl Test {
             Test::Alltoall => 1000,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => 5000,
             Test::PutBw | Test::GetBw | Test::EpochMix => 500,
+            Test::VerbsSendLat
+            | Test::VerbsWriteLat
+            | Test::VerbsWriteLatDm
+            | Test::VerbsReadLat
+            | Test::VerbsAtomicLat
+            | Test::CmaWriteLat => 20_000,
+            Test::VerbsWriteBw | Test::VerbsSendBw | Test::CmaWriteBw => 200,
         }
     }
 }

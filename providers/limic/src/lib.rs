@@ -26,10 +26,8 @@
 //! set of invariants over the shared segment; its layout (`seg.rs`) and the kernel copies
 //! (`cma.rs`) are separate modules. About 150 of the lines are tests.
 
-mod cma;
 mod seg;
 
-use cma::{CopyError, Dir, Range};
 use seg::*;
 use smallvec::SmallVec;
 use std::collections::VecDeque;
@@ -37,6 +35,7 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::Bootstrap;
+use weft_provider::cma::{self, CopyError, Dir, Range};
 use weft_provider::provider::{
     Access, Caps, CntrId, CntrValue, Completed, Completion, CompletionLevel, CompletionTable,
     MemRegion, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,

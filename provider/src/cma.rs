@@ -1,6 +1,7 @@
 //! Cross-Memory Attach: one `process_vm_readv`/`process_vm_writev` per message (both iovec
 //! lists go to the kernel as they are, up to `IOV_MAX` entries each), continued when the kernel
 //! copies less than asked, with failures classified as a dead peer, a bad address or a denial.
+//! Shared by the providers that copy between processes of one host (limic, the soft HCA).
 
 use std::io;
 

@@ -1,0 +1,703 @@
+//! The soft HCA: a user-space emulation of an InfiniBand HCA, faithful in what providers can
+//! observe (key, range and rights checks; reliable in-order RC with RNR and transport retries;
+//! unreliable UD with a GRH; last byte last; HCA-level atomics executed once; flushing on
+//! error), for machines without InfiniBand.
+//!
+//! Between processes of one host the requester does the responder's work itself, in the
+//! peer's shared segment (`exec`): the target process takes no part, as with a real HCA.
+//! The requester runs inside `post_send`, `poll_cq` and `progress` of the initiating process;
+//! a request waiting for an RNR or transport retry timer moves on at the next such call.
+//!
+//! Size: the object tables and the verbs calls are one state machine under one lock; the
+//! data path is in `exec`, the layout in `seg`, the models in `model`.
+
+pub(crate) mod exec;
+pub mod model;
+pub(crate) mod ring;
+pub(crate) mod seg;
+
+use crate::hca::{Accounting, Counters, Hca};
+use crate::types::*;
+use exec::{Outcome, Peer, Request};
+use model::{Config, Rng, Timing};
+use seg::{Layout, Seg, CQE_WORDS, MAX_SGE, WQE_WORDS};
+use smallvec::SmallVec;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use weft_cma::Range;
+use weft_provider::{Error, Result};
+
+use weft_provider::cma as weft_cma;
+
+const SC: Ordering = Ordering::SeqCst;
+const RLX: Ordering = Ordering::Relaxed;
+
+fn inval(what: impl Into<String>) -> Error {
+    Error::invalid(what.into())
+}
+
+fn exhausted(what: &str) -> Error {
+    Error::invalid(format!(
+        "soft HCA: no {what} left (raise WEFT_VERBS_SOFT_*)"
+    ))
+}
+
+/// First-fit allocator of the segment's heap (owner only).
+#[derive(Debug)]
+struct Heap {
+    free: Vec<(u64, u64)>,
+}
+
+impl Heap {
+    fn new(len: u64) -> Heap {
+        Heap {
+            free: vec![(0, len)],
+        }
+    }
+
+    fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
+        let len = len.max(1).div_ceil(128) * 128;
+        for i in 0..self.free.len() {
+            let (o, l) = self.free[i];
+            let a = o.div_ceil(align) * align;
+            if a + len <= o + l {
+                self.free.remove(i);
+                if a > o {
+                    self.free.push((o, a - o));
+                }
+                if a + len < o + l {
+                    self.free.push((a + len, o + l - a - len));
+                }
+                self.free.sort_unstable();
+                return Some(a);
+            }
+        }
+        None
+    }
+
+    fn free(&mut self, off: u64, len: u64) {
+        let len = len.max(1).div_ceil(128) * 128;
+        self.free.push((off, len));
+        self.free.sort_unstable();
+        let mut m: Vec<(u64, u64)> = Vec::with_capacity(self.free.len());
+        for (o, l) in self.free.drain(..) {
+            match m.last_mut() {
+                Some(last) if last.0 + last.1 == o => last.1 += l,
+                _ => m.push((o, l)),
+            }
+        }
+        self.free = m;
+    }
+}
+
+struct MrLocal {
+    key: u32,
+    pd: u32,
+    access: Access,
+    addr: u64,
+    len: usize,
+    dm: Option<u32>,
+}
+
+struct CqLocal {
+    cap: u32,
+    off: u64,
+    asked: u32,
+}
+
+struct SrqLocal {
+    pd: u32,
+    cap: u32,
+    off: u64,
+    max_sge: u32,
+    asked: u32,
+}
+
+struct Pending {
+    wr: SendWr,
+    data: Option<Vec<u8>>,
+    psn: u32,
+    due: Option<Instant>,
+    /// Fault injection: the ACK of the first execution was lost; the retry is a duplicate.
+    acked_lost: bool,
+    counted: bool,
+}
+
+struct Held {
+    peer: Arc<Peer>,
+    dest_qpn: u32,
+    qkey: u32,
+    op: WrOpcode,
+    imm: u32,
+    data: Vec<u8>,
+    since: Instant,
+}
+
+struct QpLocal {
+    qpn: u32,
+    ty: QpType,
+    pd: u32,
+    send_cq: u32,
+    recv_cq: u32,
+    srq: Option<u32>,
+    cap: QpCap,
+    sig_all: bool,
+    state: QpState,
+    mtu: Mtu,
+    timeout: u8,
+    retry_cnt: u8,
+    rnr_retry: u8,
+    sq_psn: u32,
+    dest: Option<(Arc<Peer>, u32, Gid)>,
+    rq_off: u64,
+    rq_cap: u32,
+    sq: VecDeque<Pending>,
+    wait_until: Option<Instant>,
+    rnr_tries: u8,
+    retries: u8,
+    held: Option<Held>,
+}
+
+#[derive(Default)]
+struct Inner {
+    pds: Vec<u32>,
+    next_pd: u32,
+    mrs: Vec<Option<MrLocal>>,
+    mr_gen: Vec<u16>,
+    qps: Vec<Option<QpLocal>>,
+    qp_gen: Vec<u8>,
+    cqs: Vec<Option<CqLocal>>,
+    srqs: Vec<Option<SrqLocal>>,
+    ahs: Vec<Option<(Arc<Peer>, AhAttr)>>,
+    dms: Vec<Option<(u64, usize)>>,
+    heap: Option<Heap>,
+    peers: HashMap<Gid, Arc<Peer>>,
+    acct: Accounting,
+    ctr: Counters,
+    rng: Option<Rng>,
+    timing: Option<Timing>,
+    served: u64,
+}
+
+/// One process's soft HCA.
+pub struct SoftHca {
+    seg: Seg,
+    attr: DeviceAttr,
+    cfg: Config,
+    inner: Mutex<Inner>,
+}
+
+fn slot<T>(v: &mut Vec<Option<T>>, max: usize) -> Option<usize> {
+    if let Some(i) = v.iter().position(|x| x.is_none()) {
+        return Some(i);
+    }
+    (v.len() < max).then(|| {
+        v.push(None);
+        v.len() - 1
+    })
+}
+
+impl SoftHca {
+    /// Open with the configuration of the environment (`WEFT_VERBS_SOFT_*`).
+    pub fn open() -> Result<SoftHca> {
+        SoftHca::with_config(Config::from_env()?)
+    }
+
+    pub fn with_config(cfg: Config) -> Result<SoftHca> {
+        let lay = Layout::new(cfg.max_mr, cfg.max_qp, cfg.max_cq, cfg.max_srq, cfg.heap);
+        let seg = Seg::create(lay)?;
+        let attr = DeviceAttr {
+            name: "soft".into(),
+            kind: "soft",
+            max_qp: cfg.max_qp,
+            max_qp_wr: 16_384,
+            max_sge: MAX_SGE as u32,
+            max_cq: cfg.max_cq,
+            max_cqe: 1 << 20,
+            max_mr: cfg.max_mr,
+            max_mr_size: 1 << 40,
+            max_pd: 1 << 16,
+            max_srq: cfg.max_srq,
+            max_srq_wr: 16_384,
+            max_qp_rd_atom: 16,
+            max_inline_data: 1024,
+            atomic_cap: AtomicCap::Hca,
+            active_mtu: cfg.mtu,
+            max_dm_size: seg.lay.heap_len as u64,
+        };
+        let inner = Inner {
+            heap: Some(Heap::new(seg.lay.heap_len as u64)),
+            rng: Some(Rng::new(cfg.seed)),
+            timing: cfg.timing().then(Timing::new),
+            next_pd: 1,
+            ..Inner::default()
+        };
+        Ok(SoftHca {
+            seg,
+            attr,
+            cfg,
+            inner: Mutex::new(inner),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Fault injection: stop (or resume) answering peers, as a hung node would.
+    pub fn set_mute(&self, mute: bool) {
+        self.seg.header().mute.store(mute as u32, SC);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn peer(&self, inner: &mut Inner, gid: &Gid) -> Result<Arc<Peer>> {
+        if let Some(p) = inner.peers.get(gid) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(Peer::attach(gid)?);
+        inner.peers.insert(*gid, p.clone());
+        Ok(p)
+    }
+
+    /// Wait until no live attached process holds hazard `tag` in our segment.
+    fn wait_unused(&self, tag: u64) {
+        let me = std::process::id() as u64;
+        for i in 0..seg::ATTACH_SLOTS {
+            let s = self.seg.attach_slot(i);
+            let t0 = Instant::now();
+            loop {
+                let pid = s.pid.load(SC);
+                if pid == 0 || !s.hz.iter().any(|h| h.load(SC) == tag) {
+                    break;
+                }
+                // A process in the middle of a copy finishes it; a dead one never will.
+                // SAFETY: signal 0 only checks for existence.
+                let dead = pid != me
+                    && unsafe { libc::kill(pid as i32, 0) } != 0
+                    && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+                if dead {
+                    break;
+                }
+                if t0.elapsed() > Duration::from_micros(50) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+
+    fn push_own(&self, cq: u32, wc: &Wc) {
+        if let Some(e) = self.seg.cq(cq as usize) {
+            let ok = self
+                .seg
+                .ring(e.off.load(RLX), e.cap.load(RLX), CQE_WORDS)
+                .is_some_and(|r| r.push(&seg::cqe_record(wc)));
+            if !ok {
+                e.overrun.store(1, SC);
+            }
+        }
+    }
+
+    fn qp_mut(inner: &mut Inner, qp: Qp) -> Result<&mut QpLocal> {
+        inner
+            .qps
+            .get_mut(qp.handle as usize)
+            .and_then(|q| q.as_mut())
+            .filter(|q| q.qpn == qp.qpn)
+            .ok_or_else(|| inval(format!("no QP {:#x}", qp.qpn)))
+    }
+
+    /// Pick up an error state a peer set on our QP (remote access or length error): flush.
+    fn sync_state(&self, q: &mut QpLocal) {
+        if q.state != QpState::Err {
+            if let Some(e) = self.seg.qp((q.qpn & 0xffff) as usize) {
+                if e.state.load(SC) == QpState::Err as u32 {
+                    self.to_error(q);
+                }
+            }
+        }
+    }
+
+    fn to_error(&self, q: &mut QpLocal) {
+        q.state = QpState::Err;
+        let qi = (q.qpn & 0xffff) as usize;
+        if let Some(e) = self.seg.qp(qi) {
+            e.state.store(QpState::Err as u32, SC);
+        }
+        while let Some(p) = q.sq.pop_front() {
+            self.push_own(q.send_cq, &flush_wc(&p.wr, q.qpn));
+        }
+        q.held = None;
+        exec::flush_rq(&self.seg, qi, |cq, wc| self.push_own(cq, wc));
+    }
+
+    /// Local SGEs as ranges of this process, checked against our registrations.
+    fn local(inner: &Inner, sg: &[Sge], need: Access) -> Option<SmallVec<[Range; 4]>> {
+        let mut v = SmallVec::new();
+        for s in sg {
+            if s.length == 0 {
+                continue;
+            }
+            let m = inner.mrs.get((s.lkey & 0xffff) as usize)?.as_ref()?;
+            let end = s.addr.checked_add(s.length as u64)?;
+            if m.key != s.lkey
+                || !m.access.contains(need)
+                || s.addr < m.addr
+                || end > m.addr + m.len as u64
+            {
+                return None;
+            }
+            v.push(Range {
+                base: s.addr,
+                len: s.length as usize,
+            });
+        }
+        Some(v)
+    }
+
+    fn complete(&self, q: &QpLocal, p: &Pending, status: WcStatus, byte_len: u32) {
+        if status != WcStatus::Success || p.wr.signaled || q.sig_all {
+            self.push_own(
+                q.send_cq,
+                &Wc {
+                    wr_id: p.wr.wr_id,
+                    status,
+                    opcode: p.wr.opcode.wc(),
+                    byte_len,
+                    imm: None,
+                    qp_num: q.qpn,
+                    src_qp: 0,
+                    grh: false,
+                },
+            );
+        }
+    }
+
+    /// Run QP `qi`'s send queue as far as it goes now.
+    fn drive(&self, inner: &mut Inner, qi: usize) {
+        let Some(mut q) = inner.qps.get_mut(qi).and_then(|q| q.take()) else {
+            return;
+        };
+        self.sync_state(&mut q);
+        if let Some(h) = &q.held {
+            if h.since.elapsed() > Duration::from_millis(1) {
+                let h = q.held.take();
+                if let Some(h) = h {
+                    self.deliver_ud(inner, &q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &h.data);
+                }
+            }
+        }
+        while q.state == QpState::Rts {
+            let Some(mut p) = q.sq.pop_front() else { break };
+            match self.step(inner, &mut q, &mut p) {
+                Some((st, len)) => {
+                    q.rnr_tries = 0;
+                    q.retries = 0;
+                    q.wait_until = None;
+                    self.complete(&q, &p, st, len);
+                    if st != WcStatus::Success && q.ty == QpType::Rc {
+                        self.to_error(&mut q);
+                    }
+                }
+                None => {
+                    q.sq.push_front(p);
+                    break;
+                }
+            }
+        }
+        inner.qps[qi] = Some(q);
+    }
+
+    /// One attempt at the request at the head of the send queue: its completion status and
+    /// length, or `None` to wait (a timer, or the timing model).
+    fn step(&self, inner: &mut Inner, q: &mut QpLocal, p: &mut Pending) -> Option<(WcStatus, u32)> {
+        let now = Instant::now();
+        if q.wait_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        let len = p.wr.len();
+        if let Some(t) = inner.timing.as_mut() {
+            if p.due.is_none() {
+                let ctx = (q.qpn as u64) << 32 | p.wr.ud.map_or(0, |u| u.remote_qpn as u64);
+                let (due, miss) = t.due(&self.cfg, ctx, len);
+                inner.ctr.qp_cache_misses += miss as u64;
+                p.due = Some(due);
+            }
+            if p.due.is_some_and(|d| now < d) {
+                return None;
+            }
+        }
+        // Local checks: the HCA reads the payload (or writes the result) through our keys.
+        let need = match p.wr.opcode {
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                Access::LOCAL_WRITE
+            }
+            _ => Access(0),
+        };
+        let local: SmallVec<[Range; 4]> = match &p.data {
+            Some(d) => smallvec::smallvec![Range {
+                base: d.as_ptr() as u64,
+                len: d.len(),
+            }],
+            None => match Self::local(inner, &p.wr.sg_list, need) {
+                Some(v) => v,
+                None => return Some((WcStatus::LocProtErr, 0)),
+            },
+        };
+        if !p.counted {
+            p.counted = true;
+            let i = WR_OPCODES
+                .iter()
+                .position(|o| *o == p.wr.opcode)
+                .unwrap_or(0);
+            inner.ctr.ops[i] += 1;
+            inner.ctr.payload_bytes += len as u64;
+            let (pk, b) = model::wire(p.wr.opcode, len, q.mtu.bytes(), q.ty == QpType::Ud);
+            inner.ctr.packets += pk;
+            inner.ctr.wire_bytes += b;
+        }
+        if q.ty == QpType::Ud {
+            return Some(self.step_ud(inner, q, p, &local));
+        }
+        let (peer, dest_qpn, _) = q.dest.clone()?;
+        let rng = inner.rng.as_mut();
+        let lost = rng.is_some_and(|r| r.chance(self.cfg.rc_loss));
+        let request_lost =
+            lost && !p.acked_lost && inner.rng.as_mut().is_some_and(|r| r.chance(0.5));
+        let out = if request_lost || !peer.responsive(q.retries > 0) {
+            Outcome::NoResponse
+        } else {
+            let req = Request {
+                op: p.wr.opcode,
+                src_qpn: q.qpn,
+                src_gid: self.seg.gid(),
+                dest_qpn,
+                psn: p.psn,
+                local: &local,
+                remote_addr: p.wr.remote_addr,
+                rkey: p.wr.rkey,
+                imm: p.wr.imm,
+                compare_add: p.wr.compare_add,
+                swap: p.wr.swap,
+                len,
+                qkey: 0,
+                grh: None,
+            };
+            let o = exec::rc(&peer, &req);
+            if p.acked_lost && matches!(o, Outcome::Done { .. }) {
+                inner.ctr.duplicates += 1;
+            }
+            o
+        };
+        if matches!(out, Outcome::Done { .. } | Outcome::Fail(_)) {
+            inner.served += 1;
+            self.maybe_mute(inner);
+        }
+        match out {
+            Outcome::Done { .. } if lost && !request_lost && !p.acked_lost => {
+                // Executed, but the acknowledgement never arrives: retry after the timeout;
+                // the responder will see a duplicate.
+                p.acked_lost = true;
+                self.no_response(inner, q)
+            }
+            Outcome::Done { byte_len, .. } => Some((WcStatus::Success, byte_len)),
+            Outcome::Fail(st) => Some((st, 0)),
+            Outcome::Rnr(code) => {
+                inner.ctr.rnr_naks += 1;
+                q.rnr_tries = q.rnr_tries.saturating_add(1);
+                if q.rnr_retry != 7 && q.rnr_tries > q.rnr_retry {
+                    return Some((WcStatus::RnrRetryExcErr, 0));
+                }
+                q.wait_until =
+                    Some(now + Duration::from_micros(RNR_TIMER_US[code as usize & 31] as u64));
+                None
+            }
+            Outcome::NoResponse => self.no_response(inner, q),
+        }
+    }
+
+    fn no_response(&self, inner: &mut Inner, q: &mut QpLocal) -> Option<(WcStatus, u32)> {
+        inner.ctr.retries += 1;
+        q.retries = q.retries.saturating_add(1);
+        if q.retries > q.retry_cnt {
+            return Some((WcStatus::RetryExcErr, 0));
+        }
+        // Timeout 0 is "infinite": keep trying, looking again every millisecond.
+        let t = ack_timeout(q.timeout).unwrap_or(Duration::from_millis(1));
+        if q.timeout == 0 {
+            q.retries = 0;
+        }
+        q.wait_until = Some(Instant::now() + t);
+        None
+    }
+
+    fn maybe_mute(&self, inner: &Inner) {
+        if self.cfg.mute_after > 0 && inner.served >= self.cfg.mute_after {
+            self.set_mute(true);
+        }
+    }
+
+    fn step_ud(
+        &self,
+        inner: &mut Inner,
+        q: &mut QpLocal,
+        p: &Pending,
+        local: &[Range],
+    ) -> (WcStatus, u32) {
+        let len = p.wr.len();
+        if len > q.mtu.bytes() {
+            return (WcStatus::LocLenErr, 0);
+        }
+        let Some(ud) = p.wr.ud else {
+            return (WcStatus::LocQpOpErr, 0);
+        };
+        let Some(Some((peer, _))) = inner.ahs.get(ud.ah.0 as usize).cloned() else {
+            return (WcStatus::LocQpOpErr, 0);
+        };
+        let mut data = vec![0u8; len];
+        let mut off = 0;
+        for r in local {
+            // SAFETY: validated local memory of this process (or the inline copy).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    r.base as *const u8,
+                    data.as_mut_ptr().add(off),
+                    r.len,
+                )
+            };
+            off += r.len;
+        }
+        let rng = inner.rng.as_mut();
+        let (drop, dup, hold) = match rng {
+            Some(r) => (
+                r.chance(self.cfg.ud_drop),
+                r.chance(self.cfg.ud_dup),
+                r.chance(self.cfg.ud_reorder),
+            ),
+            None => (false, false, false),
+        };
+        if drop || !peer.responsive(false) {
+            inner.ctr.ud_dropped += 1;
+        } else if hold && q.held.is_none() {
+            q.held = Some(Held {
+                peer,
+                dest_qpn: ud.remote_qpn,
+                qkey: ud.remote_qkey,
+                op: p.wr.opcode,
+                imm: p.wr.imm,
+                data,
+                since: Instant::now(),
+            });
+        } else {
+            let n = if dup { 2 } else { 1 };
+            for _ in 0..n {
+                self.deliver_ud(
+                    inner,
+                    q,
+                    &peer,
+                    ud.remote_qpn,
+                    ud.remote_qkey,
+                    p.wr.opcode,
+                    p.wr.imm,
+                    &data,
+                );
+            }
+            inner.ctr.ud_duplicated += dup as u64;
+            if let Some(h) = q.held.take() {
+                self.deliver_ud(inner, q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &h.data);
+            }
+        }
+        inner.served += 1;
+        self.maybe_mute(inner);
+        (WcStatus::Success, len as u32)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn deliver_ud(
+        &self,
+        inner: &mut Inner,
+        q: &QpLocal,
+        peer: &Peer,
+        dest_qpn: u32,
+        qkey: u32,
+        op: WrOpcode,
+        imm: u32,
+        data: &[u8],
+    ) {
+        let mut grh = [0u8; GRH_LEN];
+        grh[0] = 0x60; // IPv6-style version nibble, as a routed header carries
+        grh[4..6].copy_from_slice(&(data.len() as u16).to_be_bytes());
+        grh[6] = 0x1b; // next header: IB transport
+        grh[7] = 64;
+        grh[8..24].copy_from_slice(&self.seg.gid().0);
+        let local = [Range {
+            base: data.as_ptr() as u64,
+            len: data.len(),
+        }];
+        let req = Request {
+            op,
+            src_qpn: q.qpn,
+            src_gid: self.seg.gid(),
+            dest_qpn,
+            psn: 0,
+            local: &local,
+            remote_addr: 0,
+            rkey: 0,
+            imm,
+            compare_add: 0,
+            swap: 0,
+            len: data.len(),
+            qkey,
+            grh: Some(grh),
+        };
+        if !exec::ud(peer, &req) {
+            inner.ctr.ud_dropped += 1;
+        }
+    }
+
+    fn progress_all(&self, inner: &mut Inner) {
+        for qi in 0..inner.qps.len() {
+            let busy = inner.qps[qi]
+                .as_ref()
+                .is_some_and(|q| !q.sq.is_empty() || q.held.is_some());
+            if busy {
+                self.drive(inner, qi);
+            }
+        }
+    }
+}
+
+fn flush_wc(wr: &SendWr, qpn: u32) -> Wc {
+    Wc {
+        wr_id: wr.wr_id,
+        status: WcStatus::WrFlushErr,
+        opcode: wr.opcode.wc(),
+        byte_len: 0,
+        imm: None,
+        qp_num: qpn,
+        src_qp: 0,
+        grh: false,
+    }
+}
+
+fn gid_words(g: &Gid) -> [u64; 2] {
+    let mut a = [0u8; 8];
+    let mut b = [0u8; 8];
+    a.copy_from_slice(&g.0[..8]);
+    b.copy_from_slice(&g.0[8..]);
+    [u64::from_le_bytes(a), u64::from_le_bytes(b)]
+}
+
+impl Drop for SoftHca {
+    fn drop(&mut self) {
+        self.seg.header().closed.store(1, SC);
+    }
+}
+
+mod verbs;

@@ -1,0 +1,870 @@
+//! The verbs calls of the soft HCA: object creation and destruction, the QP state machine,
+//! posting and polling.
+
+use super::*;
+
+impl Hca for SoftHca {
+    fn attr(&self) -> &DeviceAttr {
+        &self.attr
+    }
+
+    fn gid(&self) -> Gid {
+        self.seg.gid()
+    }
+
+    fn alloc_pd(&self) -> Result<Pd> {
+        let mut g = self.lock();
+        let id = g.next_pd;
+        g.next_pd += 1;
+        g.pds.push(id);
+        Ok(Pd(id))
+    }
+
+    fn dealloc_pd(&self, pd: Pd) -> Result<()> {
+        let mut g = self.lock();
+        let used = g.mrs.iter().flatten().any(|m| m.pd == pd.0)
+            || g.qps.iter().flatten().any(|q| q.pd == pd.0)
+            || g.srqs.iter().flatten().any(|s| s.pd == pd.0);
+        if used {
+            return Err(inval(
+                "dealloc_pd: the PD still has MRs, QPs or SRQs (EBUSY)",
+            ));
+        }
+        let i = g
+            .pds
+            .iter()
+            .position(|p| *p == pd.0)
+            .ok_or_else(|| inval("no such PD"))?;
+        g.pds.swap_remove(i);
+        Ok(())
+    }
+
+    unsafe fn reg_mr(&self, pd: Pd, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
+        let mut g = self.lock();
+        if !g.pds.contains(&pd.0) {
+            return Err(inval("reg_mr: no such PD"));
+        }
+        if (access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC))
+            && !access.contains(Access::LOCAL_WRITE)
+        {
+            // ibv_reg_mr: remote write or atomic rights need local write (EINVAL).
+            return Err(inval(
+                "reg_mr: REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
+            ));
+        }
+        let a = addr as u64;
+        if len == 0 || a.checked_add(len as u64).is_none() {
+            return Err(inval("reg_mr: empty or wrapping range"));
+        }
+        // Device memory: the region lies in our heap, and peers write it directly.
+        let hb = self.seg.heap_base() as u64;
+        let dm = g.dms.iter().enumerate().find_map(|(i, d)| {
+            d.and_then(|(off, l)| {
+                let b = hb + off;
+                (a >= b && a + len as u64 <= b + l as u64).then_some((i as u32, off + (a - b)))
+            })
+        });
+        let i = slot(&mut g.mrs, self.cfg.max_mr as usize).ok_or_else(|| exhausted("MRs"))?;
+        if g.mr_gen.len() <= i {
+            g.mr_gen.resize(i + 1, 0);
+        }
+        g.mr_gen[i] = g.mr_gen[i].wrapping_add(1).max(1);
+        let key = (g.mr_gen[i] as u32) << 16 | i as u32;
+        let e = self.seg.mr(i).ok_or_else(|| exhausted("MRs"))?;
+        e.pd.store(pd.0, RLX);
+        e.access.store(access.0, RLX);
+        e.addr.store(a, RLX);
+        e.len.store(len as u64, RLX);
+        e.kind.store(
+            if dm.is_some() {
+                seg::MR_DM
+            } else {
+                seg::MR_USER
+            },
+            RLX,
+        );
+        e.off.store(dm.map_or(0, |d| d.1), RLX);
+        e.key.store(key, SC);
+        g.mrs[i] = Some(MrLocal {
+            key,
+            pd: pd.0,
+            access,
+            addr: a,
+            len,
+            dm: dm.map(|d| d.0),
+        });
+        g.acct.mrs += 1;
+        g.acct.mr_bytes += model::mr_bytes(a, len);
+        Ok(Mr {
+            handle: i as u32,
+            lkey: key,
+            rkey: key,
+            addr: a,
+            len,
+        })
+    }
+
+    fn dereg_mr(&self, mr: Mr) -> Result<()> {
+        let mut g = self.lock();
+        let i = mr.handle as usize;
+        match g.mrs.get(i) {
+            Some(Some(m)) if m.key == mr.lkey => {}
+            _ => return Err(inval("dereg_mr: no such MR")),
+        }
+        if let Some(e) = self.seg.mr(i) {
+            e.key.store(0, SC);
+        }
+        // Remote copies under way into the region finish before we return.
+        self.wait_unused(mr.lkey as u64);
+        if let Some(m) = g.mrs[i].take() {
+            g.acct.mrs -= 1;
+            g.acct.mr_bytes -= model::mr_bytes(m.addr, m.len);
+        }
+        Ok(())
+    }
+
+    fn alloc_dm(&self, len: usize) -> Result<Dm> {
+        let mut g = self.lock();
+        if len == 0 {
+            return Err(inval("alloc_dm: zero length"));
+        }
+        let off = g
+            .heap
+            .as_mut()
+            .and_then(|h| h.alloc(len as u64, 4096))
+            .ok_or_else(|| exhausted("device memory"))?;
+        let p = self
+            .seg
+            .heap(off, len)
+            .ok_or_else(|| exhausted("device memory"))?;
+        // SAFETY: fresh heap memory nobody else can reach yet (no MR covers it).
+        unsafe { std::ptr::write_bytes(p, 0, len) };
+        let i = slot(&mut g.dms, usize::MAX).unwrap_or(0);
+        g.dms[i] = Some((off, len));
+        g.acct.dm_bytes += len as u64;
+        Ok(Dm {
+            handle: i as u32,
+            ptr: p,
+            len,
+        })
+    }
+
+    fn free_dm(&self, dm: Dm) -> Result<()> {
+        let mut g = self.lock();
+        if g.mrs.iter().flatten().any(|m| m.dm == Some(dm.handle)) {
+            return Err(inval("free_dm: an MR still covers it (EBUSY)"));
+        }
+        let (off, len) = g
+            .dms
+            .get_mut(dm.handle as usize)
+            .and_then(|d| d.take())
+            .ok_or_else(|| inval("free_dm: no such device memory"))?;
+        if let Some(h) = g.heap.as_mut() {
+            h.free(off, len as u64);
+        }
+        g.acct.dm_bytes -= len as u64;
+        Ok(())
+    }
+
+    fn create_cq(&self, cqe: u32) -> Result<Cq> {
+        let mut g = self.lock();
+        if cqe == 0 || cqe > self.attr.max_cqe {
+            return Err(inval(format!(
+                "create_cq: cqe must be 1..={}",
+                self.attr.max_cqe
+            )));
+        }
+        let cap = (cqe + 1).next_power_of_two();
+        let i = slot(&mut g.cqs, self.cfg.max_cq as usize).ok_or_else(|| exhausted("CQs"))?;
+        let bytes = ring::ring_bytes(cap as usize, CQE_WORDS) as u64;
+        let off = g
+            .heap
+            .as_mut()
+            .and_then(|h| h.alloc(bytes, 128))
+            .ok_or_else(|| exhausted("heap"))?;
+        let r = self
+            .seg
+            .ring(off, cap, CQE_WORDS)
+            .ok_or_else(|| exhausted("heap"))?;
+        r.init();
+        let e = self.seg.cq(i).ok_or_else(|| exhausted("CQs"))?;
+        e.cap.store(cap, RLX);
+        e.off.store(off, RLX);
+        e.overrun.store(0, RLX);
+        e.live.store(1, SC);
+        g.cqs[i] = Some(CqLocal {
+            cap,
+            off,
+            asked: cqe,
+        });
+        g.acct.cqs += 1;
+        g.acct.cq_bytes += model::cq_bytes(cqe);
+        Ok(Cq(i as u32))
+    }
+
+    fn destroy_cq(&self, cq: Cq) -> Result<()> {
+        let mut g = self.lock();
+        if g.cqs.get(cq.0 as usize).is_none_or(|c| c.is_none()) {
+            return Err(inval("destroy_cq: no such CQ"));
+        }
+        if g.qps
+            .iter()
+            .flatten()
+            .any(|q| q.send_cq == cq.0 || q.recv_cq == cq.0)
+        {
+            return Err(inval("destroy_cq: QPs still use it (EBUSY)"));
+        }
+        if let Some(e) = self.seg.cq(cq.0 as usize) {
+            e.live.store(0, SC);
+        }
+        self.wait_unused(seg::TAG_CQ | cq.0 as u64);
+        if let Some(c) = g.cqs[cq.0 as usize].take() {
+            let bytes = ring::ring_bytes(c.cap as usize, CQE_WORDS) as u64;
+            if let Some(h) = g.heap.as_mut() {
+                h.free(c.off, bytes);
+            }
+            g.acct.cqs -= 1;
+            g.acct.cq_bytes -= model::cq_bytes(c.asked);
+        }
+        Ok(())
+    }
+
+    fn poll_cq(&self, cq: Cq, out: &mut [Wc]) -> Result<usize> {
+        let mut g = self.lock();
+        self.progress_all(&mut g);
+        let c = g
+            .cqs
+            .get(cq.0 as usize)
+            .and_then(|c| c.as_ref())
+            .ok_or_else(|| inval("poll_cq: no such CQ"))?;
+        let e = self
+            .seg
+            .cq(cq.0 as usize)
+            .ok_or_else(|| inval("poll_cq: no such CQ"))?;
+        if e.overrun.load(SC) != 0 {
+            return Err(inval(format!(
+                "CQ {} overrun: more completions than its {} entries (IBV_EVENT_CQ_ERR)",
+                cq.0, c.asked
+            )));
+        }
+        let r = self
+            .seg
+            .ring(c.off, c.cap, CQE_WORDS)
+            .ok_or_else(|| inval("CQ ring"))?;
+        let mut n = 0;
+        let mut rec = [0u64; CQE_WORDS];
+        while n < out.len() && r.pop(&mut rec) {
+            if let Some(wc) = seg::cqe_parse(&rec) {
+                out[n] = wc;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    fn create_srq(&self, pd: Pd, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        let mut g = self.lock();
+        if !g.pds.contains(&pd.0) {
+            return Err(inval("create_srq: no such PD"));
+        }
+        if max_wr == 0 || max_wr > self.attr.max_srq_wr || max_sge == 0 || max_sge > MAX_SGE as u32
+        {
+            return Err(inval(format!(
+                "create_srq: max_wr must be 1..={} and max_sge 1..={MAX_SGE}",
+                self.attr.max_srq_wr
+            )));
+        }
+        let cap = max_wr.next_power_of_two();
+        let i = slot(&mut g.srqs, self.cfg.max_srq as usize).ok_or_else(|| exhausted("SRQs"))?;
+        let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
+        let off = g
+            .heap
+            .as_mut()
+            .and_then(|h| h.alloc(bytes, 128))
+            .ok_or_else(|| exhausted("heap"))?;
+        self.seg
+            .ring(off, cap, WQE_WORDS)
+            .ok_or_else(|| exhausted("heap"))?
+            .init();
+        let e = self.seg.srq(i).ok_or_else(|| exhausted("SRQs"))?;
+        e.cap.store(cap, RLX);
+        e.off.store(off, RLX);
+        e.pd.store(pd.0, RLX);
+        e.limit.store(0, RLX);
+        e.event.store(0, RLX);
+        e.bytes.store(0, RLX);
+        e.live.store(1, SC);
+        g.srqs[i] = Some(SrqLocal {
+            pd: pd.0,
+            cap,
+            off,
+            max_sge,
+            asked: max_wr,
+        });
+        g.acct.srqs += 1;
+        g.acct.srq_bytes += model::srq_bytes(max_wr, max_sge);
+        Ok(Srq(i as u32))
+    }
+
+    fn destroy_srq(&self, srq: Srq) -> Result<()> {
+        let mut g = self.lock();
+        if g.srqs.get(srq.0 as usize).is_none_or(|s| s.is_none()) {
+            return Err(inval("destroy_srq: no such SRQ"));
+        }
+        if g.qps.iter().flatten().any(|q| q.srq == Some(srq.0)) {
+            return Err(inval("destroy_srq: QPs still use it (EBUSY)"));
+        }
+        if let Some(e) = self.seg.srq(srq.0 as usize) {
+            e.live.store(0, SC);
+        }
+        self.wait_unused(seg::TAG_SRQ | srq.0 as u64);
+        if let Some(s) = g.srqs[srq.0 as usize].take() {
+            let bytes = ring::ring_bytes(s.cap as usize, WQE_WORDS) as u64;
+            if let Some(h) = g.heap.as_mut() {
+                h.free(s.off, bytes);
+            }
+            g.acct.srqs -= 1;
+            g.acct.srq_bytes -= model::srq_bytes(s.asked, s.max_sge);
+        }
+        Ok(())
+    }
+
+    fn arm_srq_limit(&self, srq: Srq, limit: u32) -> Result<()> {
+        let g = self.lock();
+        let s = g
+            .srqs
+            .get(srq.0 as usize)
+            .and_then(|s| s.as_ref())
+            .ok_or_else(|| inval("no such SRQ"))?;
+        if limit > s.cap {
+            return Err(inval("arm_srq_limit: limit above the SRQ's size"));
+        }
+        let e = self
+            .seg
+            .srq(srq.0 as usize)
+            .ok_or_else(|| inval("no such SRQ"))?;
+        e.event.store(0, RLX);
+        e.limit.store(limit, SC);
+        Ok(())
+    }
+
+    fn srq_limit_reached(&self, srq: Srq) -> Result<bool> {
+        let e = self
+            .seg
+            .srq(srq.0 as usize)
+            .filter(|e| e.live.load(RLX) != 0)
+            .ok_or_else(|| inval("no such SRQ"))?;
+        Ok(e.event.swap(0, SC) != 0)
+    }
+
+    fn post_srq_recv(&self, srq: Srq, wrs: &[RecvWr]) -> Result<()> {
+        let g = self.lock();
+        let s = g
+            .srqs
+            .get(srq.0 as usize)
+            .and_then(|s| s.as_ref())
+            .ok_or_else(|| inval("no such SRQ"))?;
+        let e = self
+            .seg
+            .srq(srq.0 as usize)
+            .ok_or_else(|| inval("no such SRQ"))?;
+        let r = self
+            .seg
+            .ring(s.off, s.cap, WQE_WORDS)
+            .ok_or_else(|| inval("SRQ ring"))?;
+        for (k, wr) in wrs.iter().enumerate() {
+            if wr.sg_list.len() > s.max_sge as usize {
+                return Err(inval(format!(
+                    "post_srq_recv: request {k} has more than {} SGEs",
+                    s.max_sge
+                )));
+            }
+            let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
+            e.bytes.fetch_add(b, RLX);
+            if !r.push(&seg::wqe_record(wr.wr_id, &wr.sg_list)) {
+                e.bytes.fetch_sub(b, RLX);
+                return Err(inval(format!(
+                    "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn create_qp(&self, pd: Pd, init: &QpInitAttr) -> Result<Qp> {
+        let mut g = self.lock();
+        if !g.pds.contains(&pd.0) {
+            return Err(inval("create_qp: no such PD"));
+        }
+        let has =
+            |v: &Vec<Option<CqLocal>>, c: Cq| v.get(c.0 as usize).is_some_and(|x| x.is_some());
+        if !has(&g.cqs, init.send_cq) || !has(&g.cqs, init.recv_cq) {
+            return Err(inval("create_qp: no such CQ"));
+        }
+        if let Some(s) = init.srq {
+            if g.srqs.get(s.0 as usize).is_none_or(|x| x.is_none()) {
+                return Err(inval("create_qp: no such SRQ"));
+            }
+        }
+        let c = init.cap;
+        let a = &self.attr;
+        if c.max_send_wr == 0
+            || c.max_send_wr > a.max_qp_wr
+            || c.max_recv_wr > a.max_qp_wr
+            || (init.srq.is_none() && c.max_recv_wr == 0)
+            || c.max_send_sge > a.max_sge
+            || c.max_recv_sge > a.max_sge
+            || c.max_inline_data > a.max_inline_data
+        {
+            return Err(inval(format!(
+                "create_qp: capabilities {c:?} exceed the device's (wr {}, sge {}, inline {})",
+                a.max_qp_wr, a.max_sge, a.max_inline_data
+            )));
+        }
+        let i = slot(&mut g.qps, self.cfg.max_qp as usize).ok_or_else(|| exhausted("QPs"))?;
+        if g.qp_gen.len() <= i {
+            g.qp_gen.resize(i + 1, 0);
+        }
+        g.qp_gen[i] = g.qp_gen[i].wrapping_add(1).max(1);
+        let qpn = (g.qp_gen[i] as u32) << 16 | i as u32;
+        let (rq_off, rq_cap) = if init.srq.is_none() {
+            let cap = c.max_recv_wr.next_power_of_two();
+            let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
+            let off = g
+                .heap
+                .as_mut()
+                .and_then(|h| h.alloc(bytes, 128))
+                .ok_or_else(|| exhausted("heap"))?;
+            self.seg
+                .ring(off, cap, WQE_WORDS)
+                .ok_or_else(|| exhausted("heap"))?
+                .init();
+            (off, cap)
+        } else {
+            (0, 0)
+        };
+        let e = self.seg.qp(i).ok_or_else(|| exhausted("QPs"))?;
+        e.state.store(QpState::Reset as u32, RLX);
+        e.qp_type.store(init.qp_type as u32, RLX);
+        e.pd.store(pd.0, RLX);
+        e.recv_cq.store(init.recv_cq.0, RLX);
+        e.srq.store(init.srq.map_or(0, |s| s.0 + 1), RLX);
+        e.rq_off.store(rq_off, RLX);
+        e.rq_cap.store(rq_cap, RLX);
+        e.rq_bytes.store(0, RLX);
+        e.dest_qpn.store(0, RLX);
+        e.access.store(0, RLX);
+        for k in 0..seg::REPLAY {
+            e.replay_psn[k].store(0, RLX);
+        }
+        e.qpn.store(qpn, SC);
+        let ud = init.qp_type == QpType::Ud;
+        let bytes = model::qp_bytes(ud, &c, init.srq.is_some());
+        if ud {
+            g.acct.ud_qps += 1;
+            g.acct.ud_qp_bytes += bytes;
+        } else {
+            g.acct.rc_qps += 1;
+            g.acct.rc_qp_bytes += bytes;
+        }
+        g.qps[i] = Some(QpLocal {
+            qpn,
+            ty: init.qp_type,
+            pd: pd.0,
+            send_cq: init.send_cq.0,
+            recv_cq: init.recv_cq.0,
+            srq: init.srq.map(|s| s.0),
+            cap: c,
+            sig_all: init.sq_sig_all,
+            state: QpState::Reset,
+            mtu: self.cfg.mtu,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            sq_psn: 0,
+            dest: None,
+            rq_off,
+            rq_cap,
+            sq: VecDeque::new(),
+            wait_until: None,
+            rnr_tries: 0,
+            retries: 0,
+            held: None,
+        });
+        Ok(Qp {
+            handle: i as u32,
+            qpn,
+        })
+    }
+
+    fn modify_qp(&self, qp: Qp, at: &QpAttr) -> Result<()> {
+        let mut g = self.lock();
+        let (cur, ty) = {
+            let q = Self::qp_mut(&mut g, qp)?;
+            self.sync_state(q);
+            (q.state, q.ty)
+        };
+        let to = at.qp_state.unwrap_or(cur);
+        if !cur.can_go(to) {
+            return Err(inval(format!(
+                "modify_qp: {cur:?} -> {to:?} is not a legal transition"
+            )));
+        }
+        let need = |ok: bool, what: &str| -> Result<()> {
+            if ok {
+                Ok(())
+            } else {
+                Err(inval(format!(
+                    "modify_qp: {cur:?} -> {to:?} on a {ty:?} QP needs {what}"
+                )))
+            }
+        };
+        let rc = ty == QpType::Rc;
+        let entering = cur != to;
+        match to {
+            QpState::Init if entering => {
+                if rc {
+                    need(at.qp_access_flags.is_some(), "qp_access_flags")?;
+                } else {
+                    need(at.qkey.is_some(), "qkey")?;
+                }
+            }
+            QpState::Rtr if entering && rc => {
+                need(at.ah_attr.is_some(), "ah_attr")?;
+                need(at.path_mtu.is_some(), "path_mtu")?;
+                need(at.dest_qp_num.is_some(), "dest_qp_num")?;
+                need(at.rq_psn.is_some(), "rq_psn")?;
+                need(at.max_dest_rd_atomic.is_some(), "max_dest_rd_atomic")?;
+                need(at.min_rnr_timer.is_some(), "min_rnr_timer")?;
+            }
+            QpState::Rts if entering => {
+                need(at.sq_psn.is_some(), "sq_psn")?;
+                if rc {
+                    need(at.timeout.is_some(), "timeout")?;
+                    need(at.retry_cnt.is_some(), "retry_cnt")?;
+                    need(at.rnr_retry.is_some(), "rnr_retry")?;
+                    need(at.max_rd_atomic.is_some(), "max_rd_atomic")?;
+                }
+            }
+            _ => {}
+        }
+        if at.retry_cnt.is_some_and(|v| v > 7) || at.rnr_retry.is_some_and(|v| v > 7) {
+            return Err(inval("modify_qp: retry_cnt and rnr_retry are 0..=7"));
+        }
+        if at.timeout.is_some_and(|v| v > 31) || at.min_rnr_timer.is_some_and(|v| v > 31) {
+            return Err(inval("modify_qp: timeout and min_rnr_timer are 0..=31"));
+        }
+        if at
+            .max_dest_rd_atomic
+            .is_some_and(|v| v as u32 > self.attr.max_qp_rd_atom)
+            || at
+                .max_rd_atomic
+                .is_some_and(|v| v as u32 > self.attr.max_qp_rd_atom)
+        {
+            return Err(inval(format!(
+                "modify_qp: read/atomic depth above {}",
+                self.attr.max_qp_rd_atom
+            )));
+        }
+        if at
+            .path_mtu
+            .is_some_and(|m| m.bytes() > self.attr.active_mtu.bytes())
+        {
+            return Err(inval("modify_qp: path_mtu above the port's active MTU"));
+        }
+        let peer = match (&at.ah_attr, rc) {
+            (Some(ah), true) => Some(self.peer(&mut g, &ah.dgid)?),
+            _ => None,
+        };
+        let qi = qp.handle as usize;
+        let e = self.seg.qp(qi).ok_or_else(|| inval("no such QP"))?;
+        let q = Self::qp_mut(&mut g, qp)?;
+        if let Some(a) = at.qp_access_flags {
+            e.access.store(a.0, RLX);
+        }
+        if let Some(k) = at.qkey {
+            e.qkey.store(k, RLX);
+        }
+        if let Some(m) = at.path_mtu {
+            q.mtu = m;
+        }
+        if let Some(t) = at.min_rnr_timer {
+            e.min_rnr_timer.store(t as u32, RLX);
+        }
+        if let Some(v) = at.max_dest_rd_atomic {
+            e.max_dest_rd_atomic.store(v as u32, RLX);
+        }
+        if let Some(p) = at.rq_psn {
+            e.epsn.store(p & 0xff_ffff, RLX);
+        }
+        if let Some(p) = at.sq_psn {
+            q.sq_psn = p & 0xff_ffff;
+        }
+        if let Some(t) = at.timeout {
+            q.timeout = t;
+        }
+        if let Some(t) = at.retry_cnt {
+            q.retry_cnt = t;
+        }
+        if let Some(t) = at.rnr_retry {
+            q.rnr_retry = t;
+        }
+        if let (Some(peer), Some(ah), Some(dq)) = (peer, at.ah_attr, at.dest_qp_num) {
+            let w = gid_words(&ah.dgid);
+            e.dest_gid[0].store(w[0], RLX);
+            e.dest_gid[1].store(w[1], RLX);
+            e.dest_qpn.store(dq, RLX);
+            q.dest = Some((peer, dq, ah.dgid));
+        }
+        match to {
+            QpState::Err if entering => self.to_error(q),
+            QpState::Reset if entering => {
+                // Back to a fresh QP: queues emptied without completions.
+                q.sq.clear();
+                q.held = None;
+                q.dest = None;
+                e.dest_qpn.store(0, RLX);
+                if let Some(r) = self.seg.ring(q.rq_off, q.rq_cap, WQE_WORDS) {
+                    let mut w = [0u64; WQE_WORDS];
+                    while r.pop(&mut w) {}
+                }
+                e.rq_bytes.store(0, RLX);
+                q.state = QpState::Reset;
+                e.state.store(QpState::Reset as u32, SC);
+            }
+            _ => {
+                q.state = to;
+                e.state.store(to as u32, SC);
+            }
+        }
+        Ok(())
+    }
+
+    fn query_qp_state(&self, qp: Qp) -> Result<QpState> {
+        let mut g = self.lock();
+        let q = Self::qp_mut(&mut g, qp)?;
+        self.sync_state(q);
+        Ok(q.state)
+    }
+
+    fn query_qp_cap(&self, qp: Qp) -> Result<QpCap> {
+        let mut g = self.lock();
+        Ok(Self::qp_mut(&mut g, qp)?.cap)
+    }
+
+    fn destroy_qp(&self, qp: Qp) -> Result<()> {
+        let mut g = self.lock();
+        Self::qp_mut(&mut g, qp)?;
+        let qi = qp.handle as usize;
+        if let Some(e) = self.seg.qp(qi) {
+            e.state.store(QpState::Err as u32, SC);
+            e.qpn.store(0, SC);
+        }
+        self.wait_unused(seg::TAG_QP | qp.qpn as u64);
+        if let Some(q) = g.qps[qi].take() {
+            if q.rq_cap > 0 {
+                let bytes = ring::ring_bytes(q.rq_cap as usize, WQE_WORDS) as u64;
+                if let Some(h) = g.heap.as_mut() {
+                    h.free(q.rq_off, bytes);
+                }
+            }
+            let bytes = model::qp_bytes(q.ty == QpType::Ud, &q.cap, q.srq.is_some());
+            if q.ty == QpType::Ud {
+                g.acct.ud_qps -= 1;
+                g.acct.ud_qp_bytes -= bytes;
+            } else {
+                g.acct.rc_qps -= 1;
+                g.acct.rc_qp_bytes -= bytes;
+            }
+        }
+        Ok(())
+    }
+
+    fn create_ah(&self, pd: Pd, attr: &AhAttr) -> Result<Ah> {
+        let mut g = self.lock();
+        if !g.pds.contains(&pd.0) {
+            return Err(inval("create_ah: no such PD"));
+        }
+        let peer = self.peer(&mut g, &attr.dgid)?;
+        let i = slot(&mut g.ahs, usize::MAX).unwrap_or(0);
+        g.ahs[i] = Some((peer, *attr));
+        Ok(Ah(i as u32))
+    }
+
+    fn destroy_ah(&self, ah: Ah) -> Result<()> {
+        let mut g = self.lock();
+        g.ahs
+            .get_mut(ah.0 as usize)
+            .and_then(|a| a.take())
+            .map(|_| ())
+            .ok_or_else(|| inval("destroy_ah: no such AH"))
+    }
+
+    fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> Result<()> {
+        let mut g = self.lock();
+        let q = Self::qp_mut(&mut g, qp)?;
+        self.sync_state(q);
+        if q.state == QpState::Err {
+            // Posting to a QP in error is allowed; the requests complete flushed.
+            for wr in wrs {
+                self.push_own(q.send_cq, &flush_wc(wr, q.qpn));
+            }
+            return Ok(());
+        }
+        if q.state != QpState::Rts {
+            return Err(inval(format!(
+                "post_send: QP {:#x} is in {:?}, not RTS",
+                q.qpn, q.state
+            )));
+        }
+        let mut bad = None;
+        for (k, wr) in wrs.iter().enumerate() {
+            let why = if q.sq.len() >= q.cap.max_send_wr as usize {
+                Some(format!(
+                    "the send queue is full ({} requests, ENOMEM)",
+                    q.cap.max_send_wr
+                ))
+            } else if wr.sg_list.len() > q.cap.max_send_sge as usize {
+                Some(format!(
+                    "{} SGEs, the QP allows {}",
+                    wr.sg_list.len(),
+                    q.cap.max_send_sge
+                ))
+            } else if wr.inline
+                && (wr.len() > q.cap.max_inline_data as usize
+                    || !matches!(
+                        wr.opcode,
+                        WrOpcode::Send
+                            | WrOpcode::SendWithImm
+                            | WrOpcode::RdmaWrite
+                            | WrOpcode::RdmaWriteWithImm
+                    ))
+            {
+                Some(format!(
+                    "inline data of {} bytes (QP allows {}, sends and writes only)",
+                    wr.len(),
+                    q.cap.max_inline_data
+                ))
+            } else if q.ty == QpType::Ud
+                && (!matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) || wr.ud.is_none())
+            {
+                Some("a UD QP takes sends with a destination (SendWr::to) only".to_string())
+            } else if wr.opcode.is_atomic() && (wr.sg_list.len() != 1 || wr.sg_list[0].length != 8)
+            {
+                Some("an atomic needs one 8-byte SGE".to_string())
+            } else if wr.len() > u32::MAX as usize {
+                Some("message longer than 4 GiB".to_string())
+            } else {
+                None
+            };
+            if let Some(w) = why {
+                bad = Some(format!("post_send: request {k} (wr_id {}): {w}", wr.wr_id));
+                break;
+            }
+            let data = wr.inline.then(|| {
+                let mut d = Vec::with_capacity(wr.len());
+                for s in &wr.sg_list {
+                    // SAFETY: inline payload is read at post time from memory the caller
+                    // passed; ibverbs' contract (valid for the call) is the caller's.
+                    d.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
+                    });
+                }
+                d
+            });
+            let psn = q.sq_psn;
+            q.sq_psn = (q.sq_psn + 1) & 0xff_ffff;
+            q.sq.push_back(Pending {
+                wr: wr.clone(),
+                data,
+                psn,
+                due: None,
+                acked_lost: false,
+                counted: false,
+            });
+        }
+        self.drive(&mut g, qp.handle as usize);
+        match bad {
+            Some(b) => Err(inval(b)),
+            None => Ok(()),
+        }
+    }
+
+    fn post_recv(&self, qp: Qp, wrs: &[RecvWr]) -> Result<()> {
+        let mut g = self.lock();
+        let q = Self::qp_mut(&mut g, qp)?;
+        self.sync_state(q);
+        if q.srq.is_some() {
+            return Err(inval("post_recv: the QP receives through its SRQ"));
+        }
+        if q.state == QpState::Reset {
+            return Err(inval("post_recv: QP in RESET"));
+        }
+        let e = self
+            .seg
+            .qp(qp.handle as usize)
+            .ok_or_else(|| inval("no such QP"))?;
+        let r = self
+            .seg
+            .ring(q.rq_off, q.rq_cap, WQE_WORDS)
+            .ok_or_else(|| inval("RQ ring"))?;
+        for (k, wr) in wrs.iter().enumerate() {
+            if wr.sg_list.len() > q.cap.max_recv_sge as usize {
+                return Err(inval(format!(
+                    "post_recv: request {k} has more than {} SGEs",
+                    q.cap.max_recv_sge
+                )));
+            }
+            if r.len() >= q.cap.max_recv_wr as usize {
+                return Err(inval(format!(
+                    "post_recv: request {k}: the receive queue is full (ENOMEM)"
+                )));
+            }
+            let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
+            e.rq_bytes.fetch_add(b, RLX);
+            if !r.push(&seg::wqe_record(wr.wr_id, &wr.sg_list)) {
+                e.rq_bytes.fetch_sub(b, RLX);
+                return Err(inval(format!(
+                    "post_recv: request {k}: the receive queue is full (ENOMEM)"
+                )));
+            }
+        }
+        // A peer may have failed the QP meanwhile: what we queued is flushed too.
+        if q.state == QpState::Err || e.state.load(SC) == QpState::Err as u32 {
+            let qi = qp.handle as usize;
+            exec::flush_rq(&self.seg, qi, |cq, wc| self.push_own(cq, wc));
+        }
+        Ok(())
+    }
+
+    fn progress(&self) {
+        let mut g = self.lock();
+        self.progress_all(&mut g);
+    }
+
+    fn accounting(&self) -> Accounting {
+        let g = self.lock();
+        let mut a = g.acct;
+        for (i, q) in g.qps.iter().enumerate() {
+            if let (Some(q), Some(e)) = (q, self.seg.qp(i)) {
+                if let Some(r) = self.seg.ring(q.rq_off, q.rq_cap, WQE_WORDS) {
+                    a.posted_recvs += r.len() as u64;
+                    a.posted_recv_bytes += e.rq_bytes.load(RLX);
+                }
+            }
+        }
+        for (i, s) in g.srqs.iter().enumerate() {
+            if let (Some(s), Some(e)) = (s, self.seg.srq(i)) {
+                if let Some(r) = self.seg.ring(s.off, s.cap, WQE_WORDS) {
+                    a.posted_recvs += r.len() as u64;
+                    a.posted_recv_bytes += e.bytes.load(RLX);
+                }
+            }
+        }
+        a
+    }
+
+    fn counters(&self) -> Counters {
+        self.lock().ctr.clone()
+    }
+}

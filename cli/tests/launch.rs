@@ -363,14 +363,19 @@ fn limic_unavailable_without_cross_memory_attach() {
 }
 
 /// The leftover check of these tests skips only objects of jobs whose launcher still runs
-/// (tests run in parallel); objects of ended jobs, or named otherwise, count.
+/// (tests run in parallel), under weft's launcher or Hydra; objects of ended jobs, or named
+/// otherwise, count.
 #[test]
 fn leftover_check_skips_only_running_jobs() {
     let me = std::process::id();
     assert!(launcher_running(&format!("weft-weft-{me}-123-h0-limic")));
     assert!(!launcher_running("weft-weft-4000000000-123-h0-limic"));
-    assert!(!launcher_running("weft-kvs_77_0-h0"));
+    // Hydra's job names: `kvs_<mpiexec pid>_<pgid>_<random>_<host>`.
+    assert!(launcher_running(&format!("weft-kvs_{me}_0_2105_vm-h0-w")));
+    assert!(!launcher_running("weft-kvs_4000000000_0_2105_vm-h0"));
+    assert!(!launcher_running("weft-kvs_x_0-h0"));
     assert!(!launcher_running("weft-weft-x-h0"));
+    assert!(!launcher_running("weft-other-1-h0"));
 }
 
 /// `--provider` naming a library found only through `--env WEFT_PROVIDER_PATH=...`: the

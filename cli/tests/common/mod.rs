@@ -123,15 +123,19 @@ pub fn shm_leftovers() -> Vec<String> {
         .collect()
 }
 
-/// Objects are named `weft-weft-<launcher pid>-<suffix>-...`; while that launcher still runs
-/// (another test's job, in parallel with this one), its objects are not leftovers: it removes
-/// them when its job ends.
+/// Objects are named `weft-<job name>-...`. The job name is `weft-<launcher pid>-<suffix>`
+/// under weft's launcher and `kvs_<mpiexec pid>_...` under Hydra; while that launcher still
+/// runs (another test's job, in parallel with this one), its objects are not leftovers: its
+/// ranks remove them when the job ends.
 pub fn launcher_running(name: &str) -> bool {
-    let Some(pid) = name
-        .strip_prefix("weft-weft-")
-        .and_then(|r| r.split('-').next())
-        .and_then(|p| p.parse::<u32>().ok())
-    else {
+    let pid = if let Some(r) = name.strip_prefix("weft-weft-") {
+        r.split('-').next()
+    } else if let Some(r) = name.strip_prefix("weft-kvs_") {
+        r.split('_').next()
+    } else {
+        None
+    };
+    let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) else {
         return false;
     };
     // A zombie has already cleaned up and exited.

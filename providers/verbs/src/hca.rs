@@ -59,6 +59,9 @@ pub struct Counters {
     pub ud_duplicated: u64,
     /// QP-context cache misses (timing model).
     pub qp_cache_misses: u64,
+    /// Requests from other hosts this context's soft-HCA wire service executed (RC requests
+    /// answered, UD datagrams delivered); peers on this host do not pass through it.
+    pub remote_served: u64,
 }
 
 impl Counters {

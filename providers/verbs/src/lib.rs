@@ -73,7 +73,7 @@ pub fn devices() -> Vec<DeviceInfo> {
         name: "soft".into(),
         backend: "soft",
         usable: true,
-        note: "user-space HCA between the processes of one host".into(),
+        note: "user-space HCA: shared memory on this host, UDP to others".into(),
     });
     v
 }

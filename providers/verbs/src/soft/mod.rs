@@ -5,6 +5,8 @@
 //!
 //! Between processes of one host the requester does the responder's work itself, in the
 //! peer's shared segment (`exec`): the target process takes no part, as with a real HCA.
+//! Peers on other hosts (another network namespace counts as another host) are reached over
+//! UDP (`wire`): each HCA's service thread runs the same responder for them.
 //! The requester runs inside `post_send`, `poll_cq` and `progress` of the initiating process;
 //! a request waiting for an RNR or transport retry timer moves on at the next such call.
 //!
@@ -15,6 +17,7 @@ pub(crate) mod exec;
 pub mod model;
 pub(crate) mod ring;
 pub(crate) mod seg;
+pub mod wire;
 
 use crate::hca::{Accounting, Counters, Hca};
 use crate::types::*;
@@ -125,8 +128,25 @@ struct Pending {
     counted: bool,
 }
 
+/// Where a QP or address handle sends: a process of this host, whose segment we map, or the
+/// wire service of an HCA on another host.
+pub(crate) enum Target {
+    Local(Peer),
+    Remote(std::net::SocketAddrV4),
+}
+
+impl Target {
+    fn responsive(&self, now_check: bool) -> bool {
+        match self {
+            Target::Local(p) => p.responsive(now_check),
+            // Only the absence of answers tells (the requester's timeout).
+            Target::Remote(_) => true,
+        }
+    }
+}
+
 struct Held {
-    peer: Arc<Peer>,
+    peer: Arc<Target>,
     dest_qpn: u32,
     qkey: u32,
     op: WrOpcode,
@@ -150,7 +170,7 @@ struct QpLocal {
     retry_cnt: u8,
     rnr_retry: u8,
     sq_psn: u32,
-    dest: Option<(Arc<Peer>, u32, Gid)>,
+    dest: Option<(Arc<Target>, u32, Gid)>,
     rq_off: u64,
     rq_cap: u32,
     sq: VecDeque<Pending>,
@@ -170,10 +190,10 @@ struct Inner {
     qp_gen: Vec<u8>,
     cqs: Vec<Option<CqLocal>>,
     srqs: Vec<Option<SrqLocal>>,
-    ahs: Vec<Option<(Arc<Peer>, AhAttr)>>,
+    ahs: Vec<Option<(Arc<Target>, AhAttr)>>,
     dms: Vec<Option<(u64, usize)>>,
     heap: Option<Heap>,
-    peers: HashMap<Gid, Arc<Peer>>,
+    peers: HashMap<Gid, Arc<Target>>,
     acct: Accounting,
     ctr: Counters,
     rng: Option<Rng>,
@@ -183,10 +203,13 @@ struct Inner {
 
 /// One process's soft HCA.
 pub struct SoftHca {
+    inner: Mutex<Inner>,
+    /// Dropped before the segment: the service thread maps it.
+    wire: wire::Wire,
     seg: Seg,
     attr: DeviceAttr,
     cfg: Config,
-    inner: Mutex<Inner>,
+    host: u16,
 }
 
 fn slot<T>(v: &mut Vec<Option<T>>, max: usize) -> Option<usize> {
@@ -207,7 +230,10 @@ impl SoftHca {
 
     pub fn with_config(cfg: Config) -> Result<SoftHca> {
         let lay = Layout::new(cfg.max_mr, cfg.max_qp, cfg.max_cq, cfg.max_srq, cfg.heap);
-        let seg = Seg::create(lay)?;
+        let bound = wire::bind(&cfg.addr)?;
+        let net = bound.net;
+        let seg = Seg::create(lay, net)?;
+        let wire = wire::Wire::start(bound, seg.gid())?;
         let attr = DeviceAttr {
             name: "soft".into(),
             kind: "soft",
@@ -235,10 +261,12 @@ impl SoftHca {
             ..Inner::default()
         };
         Ok(SoftHca {
+            inner: Mutex::new(inner),
+            wire,
             seg,
             attr,
             cfg,
-            inner: Mutex::new(inner),
+            host: net.host,
         })
     }
 
@@ -255,11 +283,34 @@ impl SoftHca {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn peer(&self, inner: &mut Inner, gid: &Gid) -> Result<Arc<Peer>> {
+    /// How this context reaches other hosts: the UDP address of its wire service (`None` with
+    /// `WEFT_VERBS_SOFT_ADDR=off`).
+    pub fn wire_addr(&self) -> Option<std::net::SocketAddrV4> {
+        seg::gid_net(&self.seg.gid()).addr
+    }
+
+    fn peer(&self, inner: &mut Inner, gid: &Gid) -> Result<Arc<Target>> {
         if let Some(p) = inner.peers.get(gid) {
             return Ok(p.clone());
         }
-        let p = Arc::new(Peer::attach(gid)?);
+        let net = seg::gid_net(gid);
+        let p =
+            Arc::new(if net.host == self.host {
+                Target::Local(Peer::attach(gid)?)
+            } else {
+                match (net.addr, self.wire_addr()) {
+                    (Some(a), Some(_)) => Target::Remote(a),
+                    (None, _) => {
+                        return Err(inval(
+                            "soft HCA: the peer is on another host and its HCA takes no requests \
+                         from other hosts (WEFT_VERBS_SOFT_ADDR=off there, or not a soft-HCA GID)",
+                        ))
+                    }
+                    (_, None) => return Err(inval(
+                        "soft HCA: the peer is on another host and WEFT_VERBS_SOFT_ADDR=off here",
+                    )),
+                }
+            });
         inner.peers.insert(*gid, p.clone());
         Ok(p)
     }
@@ -470,6 +521,7 @@ impl SoftHca {
         let lost = rng.is_some_and(|r| r.chance(self.cfg.rc_loss));
         let request_lost =
             lost && !p.acked_lost && inner.rng.as_mut().is_some_and(|r| r.chance(0.5));
+        let mut waited = false;
         let out = if request_lost || !peer.responsive(q.retries > 0) {
             Outcome::NoResponse
         } else {
@@ -489,7 +541,13 @@ impl SoftHca {
                 qkey: 0,
                 grh: None,
             };
-            let o = exec::rc(&peer, &req);
+            let o = match &*peer {
+                Target::Local(peer) => exec::rc(peer, &req),
+                Target::Remote(to) => {
+                    waited = true;
+                    self.remote_rc(*to, &req, wire::wait_for(q.timeout))
+                }
+            };
             if p.acked_lost && matches!(o, Outcome::Done { .. }) {
                 inner.ctr.duplicates += 1;
             }
@@ -504,7 +562,7 @@ impl SoftHca {
                 // Executed, but the acknowledgement never arrives: retry after the timeout;
                 // the responder will see a duplicate.
                 p.acked_lost = true;
-                self.no_response(inner, q)
+                self.no_response(inner, q, false)
             }
             Outcome::Done { byte_len, .. } => Some((WcStatus::Success, byte_len)),
             Outcome::Fail(st) => Some((st, 0)),
@@ -518,11 +576,61 @@ impl SoftHca {
                     Some(now + Duration::from_micros(RNR_TIMER_US[code as usize & 31] as u64));
                 None
             }
-            Outcome::NoResponse => self.no_response(inner, q),
+            Outcome::NoResponse => self.no_response(inner, q, waited),
         }
     }
 
-    fn no_response(&self, inner: &mut Inner, q: &mut QpLocal) -> Option<(WcStatus, u32)> {
+    /// Execute `req` at a responder on another host; a read's data and an atomic's original
+    /// value land in `req.local` (our validated memory), as the local responder does it.
+    fn remote_rc(&self, to: std::net::SocketAddrV4, req: &Request, wait: Duration) -> Outcome {
+        let hdr = wire::ReqHdr {
+            ud: false,
+            op: req.op,
+            src_qpn: req.src_qpn,
+            src_gid: req.src_gid,
+            dest_qpn: req.dest_qpn,
+            psn: req.psn,
+            remote_addr: req.remote_addr,
+            rkey: req.rkey,
+            imm: req.imm,
+            compare_add: req.compare_add,
+            swap: req.swap,
+            len: req.len as u32,
+            qkey: 0,
+        };
+        if req.len > wire::MAX_MSG {
+            return Outcome::Fail(WcStatus::LocLenErr);
+        }
+        let carries = !matches!(
+            req.op,
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        );
+        let payload = if carries {
+            gather(req.local, req.len)
+        } else {
+            Vec::new()
+        };
+        let mut result = Vec::new();
+        let o = self.wire.rc(to, &hdr, &payload, wait, &mut result);
+        if let Outcome::Done { value, .. } = o {
+            if req.op == WrOpcode::RdmaRead {
+                if result.len() != req.len {
+                    return Outcome::NoResponse;
+                }
+                scatter(&result, req.local);
+            } else if req.op.is_atomic() {
+                scatter(&value.to_ne_bytes(), req.local);
+            }
+        }
+        o
+    }
+
+    fn no_response(
+        &self,
+        inner: &mut Inner,
+        q: &mut QpLocal,
+        waited: bool,
+    ) -> Option<(WcStatus, u32)> {
         inner.ctr.retries += 1;
         q.retries = q.retries.saturating_add(1);
         if q.retries > q.retry_cnt {
@@ -533,7 +641,8 @@ impl SoftHca {
         if q.timeout == 0 {
             q.retries = 0;
         }
-        q.wait_until = Some(Instant::now() + t);
+        // Over the wire the timeout already ran out waiting for the answer.
+        q.wait_until = (!waited).then(|| Instant::now() + t);
         None
     }
 
@@ -623,19 +732,36 @@ impl SoftHca {
         &self,
         inner: &mut Inner,
         q: &QpLocal,
-        peer: &Peer,
+        peer: &Target,
         dest_qpn: u32,
         qkey: u32,
         op: WrOpcode,
         imm: u32,
         data: &[u8],
     ) {
-        let mut grh = [0u8; GRH_LEN];
-        grh[0] = 0x60; // IPv6-style version nibble, as a routed header carries
-        grh[4..6].copy_from_slice(&(data.len() as u16).to_be_bytes());
-        grh[6] = 0x1b; // next header: IB transport
-        grh[7] = 64;
-        grh[8..24].copy_from_slice(&self.seg.gid().0);
+        let peer = match peer {
+            Target::Local(p) => p,
+            Target::Remote(to) => {
+                let hdr = wire::ReqHdr {
+                    ud: true,
+                    op,
+                    src_qpn: q.qpn,
+                    src_gid: self.seg.gid(),
+                    dest_qpn,
+                    psn: 0,
+                    remote_addr: 0,
+                    rkey: 0,
+                    imm,
+                    compare_add: 0,
+                    swap: 0,
+                    len: data.len() as u32,
+                    qkey,
+                };
+                self.wire.ud(*to, &hdr, data);
+                return;
+            }
+        };
+        let grh = wire::grh(&self.seg.gid(), data.len());
         let local = [Range {
             base: data.as_ptr() as u64,
             len: data.len(),
@@ -683,6 +809,30 @@ fn flush_wc(wr: &SendWr, qpn: u32) -> Wc {
         qp_num: qpn,
         src_qp: 0,
         grh: false,
+    }
+}
+
+/// The first `len` bytes of our local ranges, in one buffer.
+fn gather(local: &[Range], len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    for r in local {
+        let n = r.len.min(len - v.len());
+        // SAFETY: `local` are ranges of this process validated against our registrations (or
+        // the inline copy), alive for the duration of the call.
+        v.extend_from_slice(unsafe { std::slice::from_raw_parts(r.base as *const u8, n) });
+    }
+    v
+}
+
+/// Spread `data` over our local ranges in order.
+fn scatter(data: &[u8], local: &[Range]) {
+    let mut off = 0;
+    for r in local {
+        let n = r.len.min(data.len() - off);
+        // SAFETY: `local` are ranges of this process validated with LOCAL_WRITE rights against
+        // our registrations; `data` is a separate buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data[off..].as_ptr(), r.base as *mut u8, n) };
+        off += n;
     }
 }
 

@@ -15,6 +15,8 @@ weft_provider::param!(MAX_CQ: Uint = "verbs", "SOFT_MAX_CQ", "1024", "soft HCA: 
 weft_provider::param!(MAX_SRQ: Uint = "verbs", "SOFT_MAX_SRQ", "256", "soft HCA: shared receive queues per process");
 weft_provider::param!(HEAP: Size = "verbs", "SOFT_HEAP", "1G",
     "soft HCA: shared memory for queues and device memory per process (sparse: only what is used is backed)");
+weft_provider::param!(ADDR: Str = "verbs", "SOFT_ADDR", "auto",
+    "soft HCA: IPv4 address peers on other hosts reach this HCA's UDP wire service at (auto: the first non-loopback address; off: this host only)");
 weft_provider::param!(MTU: Uint = "verbs", "SOFT_MTU", "2048", "soft HCA: active path MTU (256..4096, a power of two)");
 weft_provider::param!(UD_DROP: Float = "verbs", "SOFT_UD_DROP", "0", "soft HCA fault injection: probability that a UD datagram is dropped");
 weft_provider::param!(UD_DUP: Float = "verbs", "SOFT_UD_DUP", "0", "soft HCA fault injection: probability that a UD datagram is delivered twice");
@@ -50,6 +52,8 @@ pub struct Config {
     pub bandwidth: f64,
     pub qp_cache: usize,
     pub qp_miss: Duration,
+    /// `WEFT_VERBS_SOFT_ADDR`: `auto`, `off` or an IPv4 address.
+    pub addr: String,
 }
 
 impl Default for Config {
@@ -71,6 +75,7 @@ impl Default for Config {
             bandwidth: 0.0,
             qp_cache: 0,
             qp_miss: Duration::from_nanos(500),
+            addr: "auto".into(),
         }
     }
 }
@@ -137,6 +142,7 @@ impl Config {
             bandwidth: bw * 1e6,
             qp_cache: QP_CACHE.get_u64()?.min(1 << 20) as usize,
             qp_miss: micros(&QP_MISS)?,
+            addr: ADDR.get_str(),
         })
     }
 

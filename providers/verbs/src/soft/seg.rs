@@ -6,7 +6,8 @@
 //! The segment is an anonymous `memfd`: there is no name in `/dev/shm` to leak. A peer maps it
 //! by duplicating the descriptor out of the owner with `pidfd_getfd` (Linux 5.6; the same
 //! ptrace permission Cross-Memory Attach already needs), so the first contact needs nothing
-//! but the owner's GID, which carries its pid, the descriptor number and a nonce.
+//! but the owner's GID, which carries its pid, the descriptor number and a nonce (and, for
+//! peers on other hosts, the UDP address of its wire service and a host tag; see `wire`).
 //!
 //! Everything a peer reads or writes in here is an atomic (or a ring record published through
 //! one); a peer's header is validated before use, so a stray or malicious GID is an error, not
@@ -192,6 +193,14 @@ impl Layout {
     }
 }
 
+/// How a soft HCA is reached from other hosts: the address of its wire service (none when
+/// `WEFT_VERBS_SOFT_ADDR=off`) and the tag of its host (boot and network namespace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Net {
+    pub addr: Option<std::net::SocketAddrV4>,
+    pub host: u16,
+}
+
 /// A mapping of some process's segment (our own, or a peer's).
 pub struct Seg {
     base: *mut u8,
@@ -212,8 +221,8 @@ fn os(what: &str) -> Error {
 }
 
 impl Seg {
-    /// Create this process's segment.
-    pub fn create(lay: Layout) -> Result<Seg> {
+    /// Create this process's segment; `net` goes into its GID.
+    pub fn create(lay: Layout, net: Net) -> Result<Seg> {
         // SAFETY: FFI with a valid C string; returns a new descriptor or -1.
         let fd = unsafe { libc::memfd_create(c"weft-soft-hca".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -248,7 +257,10 @@ impl Seg {
         h.heap_len.store(lay.heap_len as u64, Ordering::Relaxed);
         h.nonce.store(nonce(), Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
-        s.own = Some(s.make_gid());
+        let fd16 = u16::try_from(fd).map_err(|_| {
+            Error::invalid("soft HCA: the segment's descriptor number does not fit a GID")
+        })?;
+        s.own = Some(make_gid(net, fd16, h_nonce(&s)));
         Ok(s)
     }
 
@@ -302,7 +314,7 @@ impl Seg {
         let h = s.header();
         if h.magic.load(Ordering::Acquire) != MAGIC
             || h.version.load(Ordering::Relaxed) != VERSION
-            || h.nonce.load(Ordering::Relaxed) as u32 != nonce
+            || h.nonce.load(Ordering::Relaxed) as u16 != nonce
             || h.pid.load(Ordering::Relaxed) != pid
             || h.len.load(Ordering::Relaxed) as usize != size
         {
@@ -328,17 +340,7 @@ impl Seg {
 
     /// The GID of our own segment.
     pub fn gid(&self) -> Gid {
-        self.own.unwrap_or_else(|| self.make_gid())
-    }
-
-    fn make_gid(&self) -> Gid {
-        let mut g = [0u8; 16];
-        g[..4].copy_from_slice(b"wsft");
-        g[4..8].copy_from_slice(&std::process::id().to_le_bytes());
-        g[8..12].copy_from_slice(&(self.fd as u32).to_le_bytes());
-        g[12..]
-            .copy_from_slice(&(self.header().nonce.load(Ordering::Relaxed) as u32).to_le_bytes());
-        Gid(g)
+        self.own.unwrap_or(Gid([0; 16]))
     }
 
     pub fn header(&self) -> &Header {
@@ -438,7 +440,7 @@ fn map(fd: i32, len: usize) -> Result<*mut u8> {
     Ok(p as *mut u8)
 }
 
-fn nonce() -> u64 {
+pub(crate) fn nonce() -> u64 {
     let mut b = [0u8; 8];
     // SAFETY: getrandom into our buffer.
     let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 8, 0) };
@@ -454,16 +456,44 @@ fn nonce() -> u64 {
     }
 }
 
-/// (pid, descriptor, nonce) of a soft-HCA GID.
-pub fn parse_gid(g: &Gid) -> Result<(u32, u32, u32)> {
-    if &g.0[..4] != b"wsft" {
-        return Err(Error::invalid("not a soft-HCA GID"));
+fn h_nonce(s: &Seg) -> u16 {
+    s.header().nonce.load(Ordering::Relaxed) as u16
+}
+
+/// A soft-HCA GID: `[0..4]` IPv4 address and `[4..6]` UDP port of the wire service (big
+/// endian, as on the wire; zero when it has none), `[6..8]` host tag, `[8..12]` pid,
+/// `[12..14]` segment descriptor, `[14..16]` nonce (little endian).
+pub fn make_gid(net: Net, fd: u16, nonce: u16) -> Gid {
+    let mut g = [0u8; 16];
+    if let Some(a) = net.addr {
+        g[..4].copy_from_slice(&a.ip().octets());
+        g[4..6].copy_from_slice(&a.port().to_be_bytes());
     }
-    let w = |i: usize| u32::from_le_bytes([g.0[i], g.0[i + 1], g.0[i + 2], g.0[i + 3]]);
-    let (pid, fd, n) = (w(4), w(8), w(12));
-    if pid == 0 || pid > i32::MAX as u32 || fd > i32::MAX as u32 {
+    g[6..8].copy_from_slice(&net.host.to_le_bytes());
+    g[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    g[12..14].copy_from_slice(&fd.to_le_bytes());
+    g[14..].copy_from_slice(&nonce.to_le_bytes());
+    Gid(g)
+}
+
+/// How the owner of GID `g` is reached from another host.
+pub fn gid_net(g: &Gid) -> Net {
+    let ip = std::net::Ipv4Addr::new(g.0[0], g.0[1], g.0[2], g.0[3]);
+    let port = u16::from_be_bytes([g.0[4], g.0[5]]);
+    Net {
+        addr: (port != 0 && !ip.is_unspecified()).then(|| std::net::SocketAddrV4::new(ip, port)),
+        host: u16::from_le_bytes([g.0[6], g.0[7]]),
+    }
+}
+
+/// (pid, descriptor, nonce) of a soft-HCA GID.
+pub fn parse_gid(g: &Gid) -> Result<(u32, u32, u16)> {
+    let pid = u32::from_le_bytes([g.0[8], g.0[9], g.0[10], g.0[11]]);
+    let fd = u16::from_le_bytes([g.0[12], g.0[13]]) as u32;
+    let n = u16::from_le_bytes([g.0[14], g.0[15]]);
+    if pid == 0 || pid > i32::MAX as u32 || gid_net(g).host == 0 {
         return Err(Error::invalid(
-            "soft-HCA GID with an impossible pid or descriptor",
+            "not a soft-HCA GID (no host tag, or an impossible pid)",
         ));
     }
     Ok((pid, fd, n))
@@ -523,7 +553,11 @@ mod tests {
 
     #[test]
     fn attach_to_own_segment_and_refuse_strangers() {
-        let s = Seg::create(Layout::new(16, 16, 4, 4, 1 << 20)).unwrap();
+        let net = Net {
+            addr: None,
+            host: 7,
+        };
+        let s = Seg::create(Layout::new(16, 16, 4, 4, 1 << 20), net).unwrap();
         let g = s.gid();
         let p = Seg::attach(&g).unwrap();
         assert_eq!(p.lay, s.lay);
@@ -531,12 +565,19 @@ mod tests {
         assert_eq!(p.mr(3).unwrap().key.load(Ordering::Acquire), 77);
         assert!(p.mr(16).is_none() && p.heap((1 << 20) - 8, 16).is_none());
         let mut wrong = g;
-        wrong.0[12] ^= 1;
+        wrong.0[14] ^= 1;
         assert!(Seg::attach(&wrong).is_err(), "nonce mismatch");
         let mut fd0 = g;
-        fd0.0[8..12].copy_from_slice(&0u32.to_le_bytes());
+        fd0.0[12..14].copy_from_slice(&0u16.to_le_bytes());
         assert!(Seg::attach(&fd0).is_err(), "stdin is not a segment");
         assert!(Seg::attach(&Gid([0; 16])).is_err());
+        assert_eq!(gid_net(&g), net);
+        let a = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(10, 1, 2, 3), 4791);
+        let n2 = Net {
+            addr: Some(a),
+            host: 9,
+        };
+        assert_eq!(gid_net(&make_gid(n2, 3, 4)), n2);
     }
 
     #[test]

@@ -865,6 +865,9 @@ impl Hca for SoftHca {
     }
 
     fn counters(&self) -> Counters {
-        self.lock().ctr.clone()
+        let mut c = self.lock().ctr.clone();
+        c.ud_dropped += self.wire.ud_dropped();
+        c.remote_served = self.wire.served();
+        c
     }
 }

@@ -1,0 +1,1072 @@
+//! The soft HCA's semantics, one test per promise, on two HCA contexts of this process, each
+//! with its own shared segment. `soft.rs` runs the suite with both on this host (the data path
+//! is the same Cross-Memory Attach and shared mappings as between processes); `two_hosts.rs`
+//! with the second context in another network namespace, reached over UDP. Cross-process runs
+//! are in `weft bench verbs_*` and the CLI tests.
+
+use super::open;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use weft_verbs::soft::model::Config;
+use weft_verbs::soft::SoftHca;
+use weft_verbs::*;
+
+const T: Duration = Duration::from_secs(20);
+
+fn small(cfg: Config) -> Config {
+    Config {
+        heap: 64 << 20,
+        max_qp: 64,
+        max_mr: 256,
+        ..cfg
+    }
+}
+
+/// A context on the first host (the initiators of the tests).
+fn hca(cfg: Config) -> Arc<SoftHca> {
+    Arc::new(open(0, small(cfg)))
+}
+
+/// A context on the second host (the targets).
+fn hca_b(cfg: Config) -> Arc<SoftHca> {
+    Arc::new(open(1, small(cfg)))
+}
+
+/// Wait until `n` UD datagrams were dropped, wherever that is counted (by the sender on one
+/// host; by the receiver across hosts, where the datagram arrives after the send completed).
+fn wait_dropped(a: &Side, b: &Side, n: u64) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let d = a.h.counters().ud_dropped + b.h.counters().ud_dropped;
+        if d >= n {
+            assert_eq!(d, n, "more datagrams dropped than expected");
+            return;
+        }
+        assert!(t0.elapsed() < T, "only {d} of {n} drops within {T:?}");
+        std::thread::yield_now();
+    }
+}
+
+struct Side {
+    h: Arc<SoftHca>,
+    pd: Pd,
+    cq: Cq,
+    qp: Qp,
+}
+
+fn side(h: Arc<SoftHca>, ty: QpType, srq: Option<Srq>, pd: Option<Pd>) -> Side {
+    let pd = pd.unwrap_or_else(|| h.alloc_pd().unwrap());
+    let cq = h.create_cq(256).unwrap();
+    let qp = h
+        .create_qp(
+            pd,
+            &QpInitAttr {
+                qp_type: ty,
+                send_cq: cq,
+                recv_cq: cq,
+                srq,
+                cap: QpCap::default(),
+                sq_sig_all: false,
+            },
+        )
+        .unwrap();
+    Side { h, pd, cq, qp }
+}
+
+fn fast() -> RcParams {
+    RcParams {
+        timeout: 1,
+        retry_cnt: 3,
+        rnr_retry: 7,
+        min_rnr_timer: 1,
+        ..RcParams::default()
+    }
+}
+
+/// Two connected RC QPs on two HCAs.
+fn rc_pair_with(ca: Config, cb: Config, p: RcParams) -> (Side, Side) {
+    let a = side(hca(ca), QpType::Rc, None, None);
+    let b = side(hca_b(cb), QpType::Rc, None, None);
+    let ea = Endpoint::of(&*a.h, a.qp, 100);
+    let eb = Endpoint::of(&*b.h, b.qp, 200);
+    connect_rc(&*a.h, a.qp, 100, &eb, &p).unwrap();
+    connect_rc(&*b.h, b.qp, 200, &ea, &p).unwrap();
+    (a, b)
+}
+
+fn rc_pair() -> (Side, Side) {
+    rc_pair_with(Config::default(), Config::default(), fast())
+}
+
+/// A heap buffer registered with `access`; the Box stays alive as long as the MR.
+fn buf(s: &Side, len: usize, fill: u8, access: Access) -> (Box<[u8]>, Mr) {
+    let mut b = vec![fill; len].into_boxed_slice();
+    // SAFETY: the box outlives every use of the MR in these tests (deregistered or leaked with
+    // the HCA at the end), and the tests read it only once no request can write it.
+    let mr = unsafe { s.h.reg_mr(s.pd, b.as_mut_ptr(), len, access) }.unwrap();
+    (b, mr)
+}
+
+fn one(s: &Side) -> Wc {
+    wait_cq(&*s.h, s.cq, 1, T).unwrap()[0]
+}
+
+fn no_completion(s: &Side) {
+    let mut w = [one_dummy(); 4];
+    for _ in 0..50 {
+        assert_eq!(
+            s.h.poll_cq(s.cq, &mut w).unwrap(),
+            0,
+            "unexpected {:?}",
+            w[0]
+        );
+    }
+}
+
+fn one_dummy() -> Wc {
+    Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: 0,
+        src_qp: 0,
+        grh: false,
+    }
+}
+
+#[test]
+fn write_read_send_and_immediate_data() {
+    let (a, b) = rc_pair();
+    let (src, smr) = buf(&a, 10_000, 0, Access::ALL);
+    let _ = src;
+    // SAFETY: filling our own registered buffer while no request uses it.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (0..10_000u32)
+                .map(|i| (i * 7) as u8)
+                .collect::<Vec<_>>()
+                .as_ptr(),
+            smr.addr as *mut u8,
+            10_000,
+        )
+    };
+    let (dst, dmr) = buf(&b, 10_000, 0, Access::ALL);
+    // Two SGEs gathered into one write.
+    let wr = SendWr::write(
+        1,
+        &[smr.sge(0, 3000), smr.sge(3000, 7000)],
+        dmr.addr,
+        dmr.rkey,
+    );
+    a.h.post_send(a.qp, &[wr]).unwrap();
+    let wc = one(&a);
+    assert_eq!(
+        (wc.status, wc.opcode, wc.byte_len),
+        (WcStatus::Success, WcOpcode::RdmaWrite, 10_000)
+    );
+    assert!(dst
+        .iter()
+        .enumerate()
+        .all(|(i, x)| *x == (i as u32 * 7) as u8));
+    // Read it back into a different place.
+    let (back, bmr) = buf(&a, 100, 0, Access::ALL);
+    a.h.post_send(
+        a.qp,
+        &[SendWr::read(
+            2,
+            &[bmr.sge(0, 100)],
+            dmr.addr + 500,
+            dmr.rkey,
+        )],
+    )
+    .unwrap();
+    assert_eq!(one(&a).opcode, WcOpcode::RdmaRead);
+    assert!(back
+        .iter()
+        .enumerate()
+        .all(|(i, x)| *x == ((i as u32 + 500) * 7) as u8));
+    // Send with immediate into two receive SGEs; write with immediate consumes a receive.
+    let (rbuf, rmr) = buf(&b, 64, 0, Access::LOCAL_WRITE);
+    b.h.post_recv(
+        b.qp,
+        &[
+            RecvWr::new(7, &[rmr.sge(0, 10), rmr.sge(10, 54)]),
+            RecvWr::new(8, &[]),
+        ],
+    )
+    .unwrap();
+    a.h.post_send(
+        a.qp,
+        &[SendWr::send_imm(3, &[smr.sge(0, 20)], 0xfeed).unsignaled()],
+    )
+    .unwrap();
+    a.h.post_send(
+        a.qp,
+        &[SendWr::write_imm(
+            4,
+            &[smr.sge(0, 8)],
+            dmr.addr,
+            dmr.rkey,
+            42,
+        )],
+    )
+    .unwrap();
+    let r = wait_cq(&*b.h, b.cq, 2, T).unwrap();
+    assert_eq!(
+        (
+            r[0].wr_id,
+            r[0].status,
+            r[0].byte_len,
+            r[0].imm,
+            r[0].opcode
+        ),
+        (7, WcStatus::Success, 20, Some(0xfeed), WcOpcode::Recv)
+    );
+    assert_eq!(r[0].src_qp, a.qp.qpn);
+    assert_eq!(
+        (r[1].wr_id, r[1].opcode, r[1].imm, r[1].byte_len),
+        (8, WcOpcode::RecvRdmaWithImm, Some(42), 8)
+    );
+    assert_eq!(
+        &rbuf[..20],
+        &(0..20u32).map(|i| (i * 7) as u8).collect::<Vec<_>>()[..]
+    );
+    // The unsignaled send completed silently; only the write-with-imm reports.
+    assert_eq!(one(&a).wr_id, 4);
+    no_completion(&a);
+    let c = a.h.counters();
+    assert_eq!(
+        (
+            c.op(WrOpcode::RdmaWrite),
+            c.op(WrOpcode::RdmaRead),
+            c.op(WrOpcode::SendWithImm)
+        ),
+        (1, 1, 1)
+    );
+    assert!(c.wire_bytes > c.payload_bytes);
+}
+
+#[test]
+fn bad_keys_ranges_and_rights_touch_nothing_and_fail_the_qp() {
+    for case in 0..4 {
+        let (a, b) = rc_pair();
+        let (_s, smr) = buf(&a, 64, 0xaa, Access::ALL);
+        let (dst, dmr) = buf(
+            &b,
+            64,
+            0x11,
+            if case == 2 {
+                Access::LOCAL_WRITE | Access::REMOTE_READ
+            } else {
+                Access::ALL
+            },
+        );
+        let (addr, key) = match case {
+            0 => (dmr.addr, dmr.rkey ^ 0x1_0000), // stale generation
+            1 => (dmr.addr + 8, dmr.rkey),        // runs past the end
+            2 => (dmr.addr, dmr.rkey),            // no REMOTE_WRITE right
+            _ => (dmr.addr, dmr.rkey + 5),        // a key nobody registered
+        };
+        let (rb, rmr) = buf(&b, 64, 0, Access::LOCAL_WRITE);
+        let _ = rb;
+        b.h.post_recv(b.qp, &[RecvWr::new(50, &[rmr.sge(0, 64)])])
+            .unwrap();
+        a.h.post_send(
+            a.qp,
+            &[
+                SendWr::write(1, &[smr.sge(0, 64)], addr, key),
+                SendWr::write(2, &[smr.sge(0, 8)], dmr.addr, dmr.rkey),
+                SendWr::send(3, &[smr.sge(0, 8)]).unsignaled(),
+            ],
+        )
+        .unwrap();
+        let w = wait_cq(&*a.h, a.cq, 3, T).unwrap();
+        assert_eq!(w[0].status, WcStatus::RemAccessErr, "case {case}");
+        assert_eq!((w[1].wr_id, w[1].status), (2, WcStatus::WrFlushErr));
+        assert_eq!(
+            (w[2].wr_id, w[2].status),
+            (3, WcStatus::WrFlushErr),
+            "flushed even unsignaled"
+        );
+        assert!(
+            dst.iter().all(|x| *x == 0x11),
+            "case {case}: target touched"
+        );
+        assert_eq!(a.h.query_qp_state(a.qp).unwrap(), QpState::Err);
+        // The responder's QP went to error too, flushing its receive.
+        assert_eq!(b.h.query_qp_state(b.qp).unwrap(), QpState::Err);
+        let r = one(&b);
+        assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
+        // Posting to a QP in error completes flushed.
+        a.h.post_send(a.qp, &[SendWr::send(9, &[smr.sge(0, 8)])])
+            .unwrap();
+        assert_eq!(one(&a).status, WcStatus::WrFlushErr);
+    }
+}
+
+#[test]
+fn deregistered_memory_is_out_of_reach() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 64, 1, Access::ALL);
+    let (dst, dmr) = buf(&b, 64, 0, Access::ALL);
+    b.h.dereg_mr(dmr).unwrap();
+    a.h.post_send(
+        a.qp,
+        &[SendWr::write(1, &[smr.sge(0, 64)], dmr.addr, dmr.rkey)],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::RemAccessErr);
+    assert!(dst.iter().all(|x| *x == 0));
+}
+
+#[test]
+fn rnr_retries_until_a_receive_is_posted_and_gives_up_when_told() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 5, Access::ALL);
+    let (rb, rmr) = buf(&b, 8, 0, Access::LOCAL_WRITE);
+    a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 8)])])
+        .unwrap();
+    // Nothing posted: the sender sees RNR NAKs and keeps trying (rnr_retry 7 = for ever).
+    let t0 = std::time::Instant::now();
+    while a.h.counters().rnr_naks < 3 {
+        a.h.progress();
+        assert!(t0.elapsed() < T, "no RNR NAK seen");
+    }
+    no_completion(&a);
+    b.h.post_recv(b.qp, &[RecvWr::new(9, &[rmr.sge(0, 8)])])
+        .unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+    assert_eq!(one(&b).wr_id, 9);
+    assert_eq!(&rb[..], &[5; 8]);
+
+    let (a, _b) = rc_pair_with(
+        Config::default(),
+        Config::default(),
+        RcParams {
+            rnr_retry: 2,
+            ..fast()
+        },
+    );
+    let (_s, smr) = buf(&a, 8, 5, Access::ALL);
+    a.h.post_send(
+        a.qp,
+        &[
+            SendWr::send(1, &[smr.sge(0, 8)]),
+            SendWr::send(2, &[smr.sge(0, 8)]),
+        ],
+    )
+    .unwrap();
+    let w = wait_cq(&*a.h, a.cq, 2, T).unwrap();
+    assert_eq!(
+        (w[0].status, w[1].status),
+        (WcStatus::RnrRetryExcErr, WcStatus::WrFlushErr)
+    );
+    assert_eq!(a.h.counters().rnr_naks, 3, "the first try and two retries");
+}
+
+#[test]
+fn rc_is_in_order_and_a_write_is_visible_when_the_following_send_arrives() {
+    let (a, b) = rc_pair();
+    let n = 500usize;
+    let (_s, smr) = buf(&a, 8 * n, 0, Access::ALL);
+    for i in 0..n {
+        // SAFETY: our registered buffer, not in use by any request yet.
+        unsafe { *(smr.addr as *mut u64).add(i) = i as u64 };
+    }
+    let (dst, dmr) = buf(&b, 8 * n, 0, Access::ALL);
+    let (rb, rmr) = buf(&b, 8 * n, 0, Access::LOCAL_WRITE);
+    let _ = rb;
+    let mut done = 0;
+    for chunk in 0..n / 50 {
+        let recvs: Vec<RecvWr> = (0..50)
+            .map(|k| {
+                let i = chunk * 50 + k;
+                RecvWr::new(i as u64, &[rmr.sge(8 * i, 8)])
+            })
+            .collect();
+        b.h.post_recv(b.qp, &recvs).unwrap();
+        for k in 0..50 {
+            let i = chunk * 50 + k;
+            a.h.post_send(
+                a.qp,
+                &[
+                    SendWr::write(0, &[smr.sge(8 * i, 8)], dmr.addr + 8 * i as u64, dmr.rkey)
+                        .unsignaled(),
+                    SendWr::send(i as u64, &[smr.sge(8 * i, 8)]).unsignaled(),
+                ],
+            )
+            .unwrap();
+        }
+        for w in wait_cq(&*b.h, b.cq, 50, T).unwrap() {
+            assert_eq!(w.wr_id as usize, done, "in order");
+            // The write posted before the send is in place when the send completes.
+            assert_eq!(
+                u64::from_ne_bytes(dst[8 * done..8 * done + 8].try_into().unwrap()),
+                done as u64
+            );
+            done += 1;
+        }
+    }
+    assert_eq!(done, n);
+}
+
+#[test]
+fn a_gone_or_mute_peer_exhausts_the_transport_retries() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 5, Access::ALL);
+    let (_d, dmr) = buf(&b, 8, 0, Access::ALL);
+    b.h.set_mute(true);
+    a.h.post_send(
+        a.qp,
+        &[SendWr::write(1, &[smr.sge(0, 8)], dmr.addr, dmr.rkey)],
+    )
+    .unwrap();
+    let w = one(&a);
+    assert_eq!(w.status, WcStatus::RetryExcErr);
+    assert!(a.h.counters().retries >= 4, "{:?}", a.h.counters());
+
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 5, Access::ALL);
+    drop(b);
+    a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 8)])])
+        .unwrap();
+    assert_eq!(one(&a).status, WcStatus::RetryExcErr);
+}
+
+#[test]
+fn a_send_longer_than_the_receive_is_a_length_error_at_the_receiver() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 100, 5, Access::ALL);
+    let (rb, rmr) = buf(&b, 100, 0, Access::LOCAL_WRITE);
+    b.h.post_recv(
+        b.qp,
+        &[
+            RecvWr::new(1, &[rmr.sge(0, 50)]),
+            RecvWr::new(2, &[rmr.sge(50, 50)]),
+        ],
+    )
+    .unwrap();
+    a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 100)])])
+        .unwrap();
+    assert_eq!(one(&a).status, WcStatus::RemInvReqErr);
+    let r = wait_cq(&*b.h, b.cq, 2, T).unwrap();
+    assert_eq!((r[0].wr_id, r[0].status), (1, WcStatus::LocLenErr));
+    assert_eq!((r[1].wr_id, r[1].status), (2, WcStatus::WrFlushErr));
+    assert!(rb.iter().all(|x| *x == 0));
+}
+
+#[test]
+fn atomics_are_atomic_aligned_and_checked() {
+    // Two initiators hammer one counter in user memory and one in device memory.
+    let b = hca_b(Config::default());
+    let pd = b.alloc_pd().unwrap();
+    let (tgt, tmr) = {
+        let s = Side {
+            h: b.clone(),
+            pd,
+            cq: b.create_cq(4).unwrap(),
+            qp: Qp { handle: 0, qpn: 0 },
+        };
+        buf(&s, 16, 0, Access::ALL)
+    };
+    let dm = b.alloc_dm(4096).unwrap();
+    // SAFETY: dm memory of this HCA, alive until free_dm, accessed only by the HCA.
+    let dmr = unsafe { b.reg_mr(pd, dm.ptr, 4096, Access::ALL) }.unwrap();
+    let n = 2000u64;
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let bh = b.clone();
+            let (tmr, dmr) = (tmr, dmr);
+            std::thread::spawn(move || {
+                let a = side(hca(Config::default()), QpType::Rc, None, None);
+                let bs = side(bh, QpType::Rc, None, Some(pd));
+                connect_rc(&*a.h, a.qp, 0, &Endpoint::of(&*bs.h, bs.qp, 0), &fast()).unwrap();
+                connect_rc(&*bs.h, bs.qp, 0, &Endpoint::of(&*a.h, a.qp, 0), &fast()).unwrap();
+                let (res, rmr) = buf(&a, 16, 0, Access::ALL);
+                let mut seen = vec![];
+                for i in 0..n {
+                    let (m, off) = if i % 2 == 0 { (tmr, 8) } else { (dmr, 0) };
+                    a.h.post_send(
+                        a.qp,
+                        &[SendWr::fetch_add(i, rmr.sge(0, 8), m.addr + off, m.rkey, 1)],
+                    )
+                    .unwrap();
+                    assert_eq!(one(&a).status, WcStatus::Success);
+                    seen.push((i % 2, u64::from_ne_bytes(res[..8].try_into().unwrap())));
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut all: Vec<(u64, u64)> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len() as u64, 2 * n, "every fetched value distinct");
+    assert_eq!(u64::from_ne_bytes(tgt[8..16].try_into().unwrap()), n);
+    // SAFETY: reading the counter in device memory after every request completed.
+    assert_eq!(unsafe { std::ptr::read_volatile(dm.ptr as *const u64) }, n);
+
+    let (a, b2) = rc_pair();
+    let (_r, rmr) = buf(&a, 8, 0, Access::ALL);
+    let (t2, t2mr) = buf(&b2, 16, 0, Access::ALL);
+    a.h.post_send(
+        a.qp,
+        &[SendWr::cas(1, rmr.sge(0, 8), t2mr.addr, t2mr.rkey, 0, 77)],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+    assert_eq!(u64::from_ne_bytes(t2[..8].try_into().unwrap()), 77);
+    assert!(a
+        .h
+        .post_send(
+            a.qp,
+            &[SendWr::cas(3, rmr.sge(0, 4), t2mr.addr, t2mr.rkey, 0, 0)]
+        )
+        .is_err());
+    a.h.post_send(
+        a.qp,
+        &[SendWr::cas(
+            2,
+            rmr.sge(0, 8),
+            t2mr.addr + 4,
+            t2mr.rkey,
+            77,
+            1,
+        )],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::RemInvReqErr, "misaligned");
+}
+
+#[test]
+fn a_retried_atomic_is_not_executed_twice() {
+    let lossy = Config {
+        rc_loss: 0.3,
+        seed: 9,
+        ..Config::default()
+    };
+    let (a, b) = rc_pair_with(
+        lossy,
+        Config::default(),
+        RcParams {
+            retry_cnt: 7,
+            ..fast()
+        },
+    );
+    let (res, rmr) = buf(&a, 8, 0, Access::ALL);
+    let (t, tmr) = buf(&b, 8, 0, Access::ALL);
+    let mut seen = vec![];
+    for i in 0..300 {
+        a.h.post_send(
+            a.qp,
+            &[SendWr::fetch_add(i, rmr.sge(0, 8), tmr.addr, tmr.rkey, 1)],
+        )
+        .unwrap();
+        assert_eq!(one(&a).status, WcStatus::Success);
+        seen.push(u64::from_ne_bytes(res[..8].try_into().unwrap()));
+    }
+    assert_eq!(seen, (0..300).collect::<Vec<u64>>());
+    assert_eq!(u64::from_ne_bytes(t[..].try_into().unwrap()), 300);
+    let c = a.h.counters();
+    assert!(c.duplicates > 20 && c.retries > c.duplicates, "{c:?}");
+}
+
+#[test]
+fn the_last_byte_of_a_write_lands_last() {
+    for dm in [false, true] {
+        let (a, b) = rc_pair();
+        let len = 256 << 10;
+        let (_s, smr) = buf(&a, len, 0, Access::ALL);
+        let (target, tmr, _keep) = if dm {
+            let d = b.h.alloc_dm(len).unwrap();
+            // SAFETY: device memory of b, alive until the HCA drops.
+            let m = unsafe { b.h.reg_mr(b.pd, d.ptr, len, Access::ALL) }.unwrap();
+            (d.ptr as usize, m, None)
+        } else {
+            let (bx, m) = buf(&b, len, 0, Access::ALL);
+            (m.addr as usize, m, Some(bx))
+        };
+        let rounds = 40u8;
+        let watcher = std::thread::spawn(move || {
+            for r in 1..=rounds {
+                // SAFETY: the last byte of registered memory that outlives the thread.
+                let last = unsafe { AtomicU8::from_ptr((target + len - 1) as *mut u8) };
+                let t0 = std::time::Instant::now();
+                while last.load(Ordering::Acquire) < r {
+                    assert!(t0.elapsed() < T, "round {r} never arrived");
+                }
+                // Everything before the last byte is from this round (or later).
+                for off in (0..len - 1).step_by(4093) {
+                    // SAFETY: as above.
+                    let v = unsafe { AtomicU8::from_ptr((target + off) as *mut u8) }
+                        .load(Ordering::Relaxed);
+                    assert!(v >= r, "dm={dm} round {r}: byte {off} is {v}");
+                }
+            }
+        });
+        for r in 1..=rounds {
+            // SAFETY: our registered source buffer; the previous write completed.
+            unsafe { std::ptr::write_bytes(smr.addr as *mut u8, r, len) };
+            a.h.post_send(
+                a.qp,
+                &[SendWr::write(
+                    r as u64,
+                    &[smr.sge(0, len)],
+                    tmr.addr,
+                    tmr.rkey,
+                )],
+            )
+            .unwrap();
+            assert_eq!(one(&a).status, WcStatus::Success);
+        }
+        watcher.join().unwrap();
+    }
+}
+
+#[test]
+fn moving_a_qp_to_error_flushes_everything_outstanding() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 0, Access::ALL);
+    let (_r, rmr) = buf(&a, 8, 0, Access::LOCAL_WRITE);
+    a.h.post_recv(a.qp, &[RecvWr::new(100, &[rmr.sge(0, 8)])])
+        .unwrap();
+    // Stuck behind RNR (b posted nothing).
+    a.h.post_send(
+        a.qp,
+        &[
+            SendWr::send(1, &[smr.sge(0, 8)]),
+            SendWr::send(2, &[smr.sge(0, 8)]).unsignaled(),
+        ],
+    )
+    .unwrap();
+    a.h.modify_qp(
+        a.qp,
+        &QpAttr {
+            qp_state: Some(QpState::Err),
+            ..QpAttr::default()
+        },
+    )
+    .unwrap();
+    let mut w = wait_cq(&*a.h, a.cq, 3, T).unwrap();
+    w.sort_by_key(|w| w.wr_id);
+    assert!(w.iter().all(|w| w.status == WcStatus::WrFlushErr), "{w:?}");
+    assert_eq!(
+        w.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        vec![1, 2, 100]
+    );
+    let _ = b;
+}
+
+#[test]
+fn the_state_machine_is_enforced() {
+    let a = side(hca(Config::default()), QpType::Rc, None, None);
+    let (_s, smr) = buf(&a, 8, 0, Access::ALL);
+    assert!(
+        a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 8)])])
+            .is_err(),
+        "RESET"
+    );
+    assert!(
+        a.h.post_recv(a.qp, &[RecvWr::new(1, &[smr.sge(0, 8)])])
+            .is_err(),
+        "RESET"
+    );
+    let e =
+        a.h.modify_qp(
+            a.qp,
+            &QpAttr {
+                qp_state: Some(QpState::Rtr),
+                ..QpAttr::default()
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("not a legal transition"), "{e}");
+    let e =
+        a.h.modify_qp(
+            a.qp,
+            &QpAttr {
+                qp_state: Some(QpState::Init),
+                ..QpAttr::default()
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("qp_access_flags"), "{e}");
+    a.h.modify_qp(
+        a.qp,
+        &QpAttr {
+            qp_state: Some(QpState::Init),
+            qp_access_flags: Some(Access::ALL),
+            ..QpAttr::default()
+        },
+    )
+    .unwrap();
+    a.h.post_recv(a.qp, &[RecvWr::new(1, &[smr.sge(0, 8)])])
+        .unwrap();
+    let e =
+        a.h.modify_qp(
+            a.qp,
+            &QpAttr {
+                qp_state: Some(QpState::Rtr),
+                dest_qp_num: Some(1),
+                ..QpAttr::default()
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("ah_attr"), "{e}");
+    assert!(
+        a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 8)])])
+            .is_err(),
+        "INIT"
+    );
+    let too_many: Vec<Sge> = (0..5).map(|_| smr.sge(0, 1)).collect();
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 0, Access::ALL);
+    let (tb, tmr) = buf(&b, 16, 0, Access::ALL);
+    let e =
+        a.h.post_send(a.qp, &[SendWr::send(1, &too_many)])
+            .unwrap_err();
+    assert!(
+        e.to_string().contains("request 0") && e.to_string().contains("SGEs"),
+        "{e}"
+    );
+    let big = vec![smr.sge(0, 8); 1];
+    let mut w = SendWr::send(1, &big).inlined();
+    w.sg_list[0].length = 4000;
+    assert!(
+        a.h.post_send(a.qp, &[w]).is_err(),
+        "inline above max_inline_data"
+    );
+    // Inline data needs no key: it is copied at post time.
+    let mut local = [3u8; 16];
+    let wr = SendWr::write(
+        5,
+        &[Sge {
+            addr: local.as_mut_ptr() as u64,
+            length: 16,
+            lkey: 0,
+        }],
+        tmr.addr,
+        tmr.rkey,
+    )
+    .inlined();
+    a.h.post_send(a.qp, &[wr]).unwrap();
+    local = [0; 16];
+    assert_eq!(one(&a).status, WcStatus::Success);
+    assert_eq!(&tb[..], &[3u8; 16], "the payload was taken at post time");
+    let _ = local;
+    // A zero-length write needs no valid key.
+    a.h.post_send(a.qp, &[SendWr::write(6, &[], 0, 0)]).unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+}
+
+#[test]
+fn ud_delivers_one_mtu_behind_a_grh_and_drops_silently() {
+    let a = side(hca(Config::default()), QpType::Ud, None, None);
+    let b = side(hca_b(Config::default()), QpType::Ud, None, None);
+    activate_ud(&*a.h, a.qp, 0x1111).unwrap();
+    activate_ud(&*b.h, b.qp, 0x1111).unwrap();
+    let ah =
+        a.h.create_ah(
+            a.pd,
+            &AhAttr {
+                dgid: b.h.gid(),
+                ..AhAttr::default()
+            },
+        )
+        .unwrap();
+    let (_s, smr) = buf(&a, 4096, 9, Access::ALL);
+    let (rb, rmr) = buf(&b, 4096, 0, Access::LOCAL_WRITE);
+    // No receive posted: dropped, yet the send completes (UD has no RNR).
+    a.h.post_send(
+        a.qp,
+        &[SendWr::send(1, &[smr.sge(0, 100)]).to(ah, b.qp.qpn, 0x1111)],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+    wait_dropped(&a, &b, 1);
+    b.h.post_recv(b.qp, &[RecvWr::new(1, &[rmr.sge(0, 2048 + 40)])])
+        .unwrap();
+    // Wrong qkey: dropped.
+    a.h.post_send(
+        a.qp,
+        &[SendWr::send(2, &[smr.sge(0, 100)]).to(ah, b.qp.qpn, 0x2222)],
+    )
+    .unwrap();
+    one(&a);
+    wait_dropped(&a, &b, 2);
+    no_completion(&b);
+    // One MTU fits; the GRH comes first and counts in byte_len.
+    a.h.post_send(
+        a.qp,
+        &[SendWr::send_imm(3, &[smr.sge(0, 2048)], 5).to(ah, b.qp.qpn, 0x1111)],
+    )
+    .unwrap();
+    one(&a);
+    let r = one(&b);
+    assert_eq!(
+        (r.status, r.byte_len, r.grh, r.src_qp, r.imm),
+        (WcStatus::Success, 2088, true, a.qp.qpn, Some(5))
+    );
+    assert_eq!(rb[0] >> 4, 6, "GRH version");
+    assert!(rb[40..2088].iter().all(|x| *x == 9));
+    // Above the MTU: a local length error at the sender.
+    a.h.post_send(
+        a.qp,
+        &[SendWr::send(4, &[smr.sge(0, 2049)]).to(ah, b.qp.qpn, 0x1111)],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::LocLenErr);
+    // A receive without room for GRH + payload completes with a length error; the QP lives on.
+    b.h.post_recv(
+        b.qp,
+        &[
+            RecvWr::new(5, &[rmr.sge(0, 100)]),
+            RecvWr::new(6, &[rmr.sge(0, 200)]),
+        ],
+    )
+    .unwrap();
+    a.h.post_send(
+        a.qp,
+        &[
+            SendWr::send(5, &[smr.sge(0, 100)]).to(ah, b.qp.qpn, 0x1111),
+            SendWr::send(6, &[smr.sge(0, 100)]).to(ah, b.qp.qpn, 0x1111),
+        ],
+    )
+    .unwrap();
+    let r = wait_cq(&*b.h, b.cq, 2, T).unwrap();
+    assert_eq!((r[0].wr_id, r[0].status), (5, WcStatus::LocLenErr));
+    assert_eq!(
+        (r[1].wr_id, r[1].status, r[1].byte_len),
+        (6, WcStatus::Success, 140)
+    );
+    assert_eq!(a.h.counters().ud_dropped + b.h.counters().ud_dropped, 2);
+}
+
+/// Seeded loss, duplication and reordering: the same seed gives the same story.
+#[test]
+fn ud_faults_are_seeded() {
+    let run = |seed: u64| {
+        let cfg = Config {
+            ud_drop: 0.1,
+            ud_dup: 0.1,
+            ud_reorder: 0.1,
+            seed,
+            ..Config::default()
+        };
+        let a = side(hca(cfg), QpType::Ud, None, None);
+        let b = side(hca_b(Config::default()), QpType::Ud, None, None);
+        activate_ud(&*a.h, a.qp, 1).unwrap();
+        activate_ud(&*b.h, b.qp, 1).unwrap();
+        let ah =
+            a.h.create_ah(
+                a.pd,
+                &AhAttr {
+                    dgid: b.h.gid(),
+                    ..AhAttr::default()
+                },
+            )
+            .unwrap();
+        let (_s, smr) = buf(&a, 8 * 100, 0, Access::ALL);
+        let (rb, rmr) = buf(&b, 48 * 128, 0, Access::LOCAL_WRITE);
+        let recvs: Vec<RecvWr> = (0..128)
+            .map(|i| RecvWr::new(i, &[rmr.sge(48 * i as usize, 48)]))
+            .collect();
+        b.h.post_recv(b.qp, &recvs).unwrap();
+        for i in 0..100u64 {
+            // SAFETY: our registered buffer, not in use by a request.
+            unsafe { *(smr.addr as *mut u64).add(i as usize) = i };
+            a.h.post_send(
+                a.qp,
+                &[SendWr::send(i, &[smr.sge(8 * i as usize, 8)])
+                    .to(ah, b.qp.qpn, 1)
+                    .unsignaled()],
+            )
+            .unwrap();
+        }
+        // A datagram held back for reordering leaves at the next progress after 1 ms.
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_millis(5) {
+            a.h.progress();
+        }
+        // What arrives: every datagram not dropped, the duplicated ones twice (across hosts
+        // they arrive after the sends completed).
+        let c = a.h.counters();
+        let want = (100 - c.ud_dropped + c.ud_duplicated) as usize;
+        let mut got = vec![];
+        let mut w = [one_dummy(); 64];
+        while got.len() < want {
+            assert!(
+                t0.elapsed() < T,
+                "{} of {want} datagrams arrived",
+                got.len()
+            );
+            let n = b.h.poll_cq(b.cq, &mut w).unwrap();
+            for x in &w[..n] {
+                let o = 48 * x.wr_id as usize + 40;
+                got.push(u64::from_ne_bytes(rb[o..o + 8].try_into().unwrap()));
+            }
+        }
+        no_completion(&b);
+        (got, c)
+    };
+    let (g1, c1) = run(3);
+    let (g2, _) = run(3);
+    let (g3, _) = run(4);
+    assert_eq!(g1, g2, "same seed, same deliveries");
+    assert_ne!(g1, g3);
+    assert!(c1.ud_dropped > 3 && c1.ud_duplicated > 3, "{c1:?}");
+    let mut sorted = g1.clone();
+    sorted.sort();
+    assert_ne!(sorted, g1, "some reordering");
+    assert!(g1.windows(2).any(|w| w[0] == w[1]), "some duplicates");
+}
+
+#[test]
+fn srq_serves_many_qps_and_fires_its_limit_event_once() {
+    let b = hca_b(Config::default());
+    let pd = b.alloc_pd().unwrap();
+    let srq = b.create_srq(pd, 16, 1).unwrap();
+    let bs1 = side(b.clone(), QpType::Rc, Some(srq), Some(pd));
+    let bs2 = side(b.clone(), QpType::Rc, Some(srq), Some(pd));
+    let a1 = side(hca(Config::default()), QpType::Rc, None, None);
+    let a2 = side(hca(Config::default()), QpType::Rc, None, None);
+    for (a, bs) in [(&a1, &bs1), (&a2, &bs2)] {
+        connect_rc(&*a.h, a.qp, 0, &Endpoint::of(&*bs.h, bs.qp, 0), &fast()).unwrap();
+        connect_rc(&*bs.h, bs.qp, 0, &Endpoint::of(&*a.h, a.qp, 0), &fast()).unwrap();
+    }
+    let (_r, rmr) = buf(&bs1, 16 * 8, 0, Access::LOCAL_WRITE);
+    let recvs: Vec<RecvWr> = (0..10)
+        .map(|i| RecvWr::new(i, &[rmr.sge(8 * i as usize, 8)]))
+        .collect();
+    b.post_srq_recv(srq, &recvs).unwrap();
+    assert!(
+        b.post_recv(bs1.qp, &recvs[..1]).is_err(),
+        "receives go to the SRQ"
+    );
+    b.arm_srq_limit(srq, 5).unwrap();
+    assert_eq!(b.accounting().posted_recvs, 10);
+    assert_eq!(b.accounting().posted_recv_bytes, 80);
+    for (i, a) in [&a1, &a2, &a1, &a2, &a1, &a2].into_iter().enumerate() {
+        let (_s, smr) = buf(a, 8, i as u8, Access::ALL);
+        a.h.post_send(a.qp, &[SendWr::send(i as u64, &[smr.sge(0, 8)])])
+            .unwrap();
+        assert_eq!(one(a).status, WcStatus::Success);
+        // Fires when fewer than 5 remain: after the sixth receive is taken.
+        assert_eq!(b.srq_limit_reached(srq).unwrap(), i == 5, "after send {i}");
+    }
+    let w = wait_cq(&*b, bs1.cq, 3, T).unwrap();
+    assert_eq!(w.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![0, 2, 4]);
+    assert_eq!(wait_cq(&*b, bs2.cq, 3, T).unwrap().len(), 3);
+    assert!(!b.srq_limit_reached(srq).unwrap(), "fires once");
+}
+
+#[test]
+fn a_full_cq_is_an_overrun_error() {
+    let (a, b) = rc_pair();
+    let (_s, smr) = buf(&a, 8, 0, Access::ALL);
+    let (_d, dmr) = buf(&b, 8, 0, Access::ALL);
+    let cq = a.h.create_cq(3).unwrap(); // 4 entries
+    let qp =
+        a.h.create_qp(
+            a.pd,
+            &QpInitAttr {
+                qp_type: QpType::Rc,
+                send_cq: cq,
+                recv_cq: cq,
+                srq: None,
+                cap: QpCap::default(),
+                sq_sig_all: true,
+            },
+        )
+        .unwrap();
+    let bq =
+        b.h.create_qp(
+            b.pd,
+            &QpInitAttr {
+                qp_type: QpType::Rc,
+                send_cq: b.cq,
+                recv_cq: b.cq,
+                srq: None,
+                cap: QpCap::default(),
+                sq_sig_all: false,
+            },
+        )
+        .unwrap();
+    connect_rc(&*a.h, qp, 0, &Endpoint::of(&*b.h, bq, 0), &fast()).unwrap();
+    connect_rc(&*b.h, bq, 0, &Endpoint::of(&*a.h, qp, 0), &fast()).unwrap();
+    let wrs: Vec<SendWr> = (0..6)
+        .map(|i| SendWr::write(i, &[smr.sge(0, 8)], dmr.addr, dmr.rkey).unsignaled())
+        .collect();
+    a.h.post_send(qp, &wrs).unwrap();
+    let mut w = [one_dummy(); 8];
+    let e = a.h.poll_cq(cq, &mut w).unwrap_err();
+    assert!(e.to_string().contains("overrun"), "{e}");
+}
+
+#[test]
+fn accounting_follows_the_documented_model() {
+    let h = hca(Config::default());
+    let pd = h.alloc_pd().unwrap();
+    let cq = h.create_cq(255).unwrap();
+    let base = h.accounting();
+    assert_eq!((base.cqs, base.cq_bytes), (1, 64 + 64 + 256 * 64));
+    let init = |ty| QpInitAttr {
+        qp_type: ty,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: QpCap::default(),
+        sq_sig_all: false,
+    };
+    let rcs: Vec<Qp> = (0..10)
+        .map(|_| h.create_qp(pd, &init(QpType::Rc)).unwrap())
+        .collect();
+    let ud = h.create_qp(pd, &init(QpType::Ud)).unwrap();
+    let a = h.accounting();
+    let per_rc = weft_verbs::soft::model::qp_bytes(false, &QpCap::default(), false);
+    assert_eq!((a.rc_qps, a.rc_qp_bytes), (10, 10 * per_rc));
+    assert_eq!(
+        (a.ud_qps, a.ud_qp_bytes),
+        (
+            1,
+            weft_verbs::soft::model::qp_bytes(true, &QpCap::default(), false)
+        )
+    );
+    let mut b = vec![0u8; 3 * 4096];
+    // SAFETY: `b` outlives the registration (deregistered below).
+    let mr = unsafe { h.reg_mr(pd, b.as_mut_ptr(), b.len(), Access::LOCAL_WRITE) }.unwrap();
+    assert_eq!(h.accounting().mrs, 1);
+    h.modify_qp(
+        ud,
+        &QpAttr {
+            qp_state: Some(QpState::Init),
+            qkey: Some(1),
+            ..QpAttr::default()
+        },
+    )
+    .unwrap();
+    h.post_recv(
+        ud,
+        &[
+            RecvWr::new(1, &[mr.sge(0, 1000)]),
+            RecvWr::new(2, &[mr.sge(0, 24)]),
+        ],
+    )
+    .unwrap();
+    let a = h.accounting();
+    assert_eq!((a.posted_recvs, a.posted_recv_bytes), (2, 1024));
+    assert!(a.total() > a.rc_qp_bytes + a.ud_qp_bytes);
+    for q in rcs {
+        h.destroy_qp(q).unwrap();
+    }
+    h.destroy_qp(ud).unwrap();
+    h.dereg_mr(mr).unwrap();
+    assert_eq!(h.accounting(), base);
+    assert!(h.destroy_cq(cq).is_ok() && h.dealloc_pd(pd).is_ok());
+}

@@ -6,12 +6,21 @@
 #   iproute2   ip, for the two-network-namespace tests
 #   valgrind   memcheck runs of the soundness tests in .ci/run
 #   fonts-dejavu-core   the font `weft bench --plot` draws with
+#   libibverbs-dev cmake libclang-dev libnl-3-dev libnl-route-3-dev pkg-config
+#              the rdma-core backend of weft-verbs (cargo feature `rdma-core`): the ibverbs-sys
+#              crate configures rdma-core's headers with cmake and generates bindings with clang
 set -euo pipefail
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
 command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
+[ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
+[ -f /usr/include/libnl3/netlink/netlink.h ] || need+=(libnl-3-dev)
+[ -f /usr/include/libnl3/netlink/route/link.h ] || need+=(libnl-route-3-dev)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

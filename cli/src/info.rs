@@ -196,6 +196,9 @@ pub fn verbs_report() -> String {
             Err(e) => writeln!(s, "  {}: cannot open: {e}", d.name).unwrap(),
         }
     }
+    if let Some(why) = weft_verbs::no_hardware_reason() {
+        writeln!(s, "  real HCAs: {why}; `auto` opens the soft HCA").unwrap();
+    }
     s
 }
 

@@ -76,6 +76,10 @@ pub trait Hca: Send + Sync {
     fn attr(&self) -> &DeviceAttr;
     /// The port's GID: what peers put in their address vectors to reach this context.
     fn gid(&self) -> Gid;
+    /// The port's LID on an InfiniBand fabric (0: none, as on RoCE and the soft HCA).
+    fn lid(&self) -> u16 {
+        0
+    }
 
     fn alloc_pd(&self) -> Result<Pd>;
     /// Fails while MRs, QPs or SRQs of the PD exist.

@@ -1,6 +1,7 @@
 //! weft's InfiniBand layer: an interface shaped like ibverbs ([`Hca`]) with two backends —
 //! the **soft HCA** ([`soft::SoftHca`]), a faithful user-space emulation for machines without
-//! InfiniBand, and real HCAs through rdma-core (not built yet; see `docs/verbs.md`).
+//! InfiniBand, and real HCAs through rdma-core (`rdma::RdmaHca`, with the `rdma-core` cargo
+//! feature; see `docs/verbs.md`).
 //!
 //! The providers `verbs-rc`, `verbs-ud` and `hybrid` are written against [`Hca`] only, so what
 //! passes on the soft HCA runs the same on hardware. `WEFT_VERBS_DEVICE` picks the device.
@@ -24,6 +25,8 @@
 //! ```
 
 pub mod hca;
+#[cfg(feature = "rdma-core")]
+pub mod rdma;
 pub mod soft;
 mod sync;
 pub mod types;
@@ -60,13 +63,32 @@ pub fn hardware_devices() -> Vec<String> {
 
 /// Every device: the real HCAs first, then the soft HCA (always there).
 pub fn devices() -> Vec<DeviceInfo> {
-    let mut v: Vec<DeviceInfo> = hardware_devices()
+    #[cfg(feature = "rdma-core")]
+    let libibverbs = rdma::device_names();
+    #[cfg(not(feature = "rdma-core"))]
+    let libibverbs: Vec<String> = Vec::new();
+    let mut names = hardware_devices();
+    names.extend(libibverbs.iter().cloned());
+    names.sort();
+    names.dedup();
+    let mut v: Vec<DeviceInfo> = names
         .into_iter()
-        .map(|name| DeviceInfo {
-            name,
-            backend: "rdma-core",
-            usable: false,
-            note: "this build has no rdma-core backend yet".into(),
+        .map(|name| {
+            let usable = libibverbs.contains(&name);
+            let note = if usable {
+                "through rdma-core".to_string()
+            } else if cfg!(feature = "rdma-core") {
+                "the kernel lists it but libibverbs has no driver for it".to_string()
+            } else {
+                "this build has no rdma-core backend (cargo feature weft-verbs/rdma-core)"
+                    .to_string()
+            };
+            DeviceInfo {
+                name,
+                backend: "rdma-core",
+                usable,
+                note,
+            }
         })
         .collect();
     v.push(DeviceInfo {
@@ -76,6 +98,18 @@ pub fn devices() -> Vec<DeviceInfo> {
         note: "user-space HCA: shared memory on this host, UDP to others".into(),
     });
     v
+}
+
+/// Why there is no real HCA to use, for an unavailable-provider reason; `None` when there is.
+pub fn no_hardware_reason() -> Option<String> {
+    let d = devices();
+    if d.iter().any(|x| x.usable && x.backend == "rdma-core") {
+        return None;
+    }
+    Some(match d.iter().find(|x| x.backend == "rdma-core") {
+        Some(x) => format!("no usable RDMA device ({}: {})", x.name, x.note),
+        None => "no RDMA device".into(),
+    })
 }
 
 /// Open `name`: `soft`, a hardware device name, or `auto` (the first usable real HCA, else
@@ -88,6 +122,8 @@ pub fn open_device(name: &str) -> Result<Arc<dyn Hca>> {
     };
     match pick {
         Some(d) if d.backend == "soft" => Ok(Arc::new(soft::SoftHca::open()?)),
+        #[cfg(feature = "rdma-core")]
+        Some(d) if d.usable => Ok(Arc::new(rdma::RdmaHca::open(&d.name)?)),
         Some(d) => Err(Error::from(ErrorDetail::Unsupported(format!(
             "RDMA device {}: {}",
             d.name, d.note
@@ -107,13 +143,15 @@ pub fn open_default() -> Result<Arc<dyn Hca>> {
     open_device(&soft::model::DEVICE.get_str())
 }
 
-/// What one side of an RC connection tells the other over the bootstrap: its GID, QP number
-/// and first PSN (`<gid hex>:<qpn hex>:<psn hex>`).
+/// What one side of an RC connection tells the other over the bootstrap: its GID, QP number,
+/// first PSN and, on an InfiniBand fabric, its port's LID (`<gid hex>:<qpn hex>:<psn hex>`,
+/// then `:<lid hex>` when the LID is not 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Endpoint {
     pub gid: Gid,
     pub qpn: u32,
     pub psn: u32,
+    pub lid: u16,
 }
 
 impl Endpoint {
@@ -122,6 +160,7 @@ impl Endpoint {
             gid: hca.gid(),
             qpn: qp.qpn,
             psn: psn & 0xff_ffff,
+            lid: hca.lid(),
         }
     }
 }
@@ -131,7 +170,11 @@ impl std::fmt::Display for Endpoint {
         for b in self.gid.0 {
             write!(f, "{b:02x}")?;
         }
-        write!(f, ":{:x}:{:x}", self.qpn, self.psn)
+        write!(f, ":{:x}:{:x}", self.qpn, self.psn)?;
+        if self.lid != 0 {
+            write!(f, ":{:x}", self.lid)?;
+        }
+        Ok(())
     }
 }
 
@@ -140,9 +183,9 @@ impl std::str::FromStr for Endpoint {
     fn from_str(s: &str) -> Result<Endpoint> {
         let bad = |why: &str| Error::invalid(format!("verbs endpoint '{s}': {why}"));
         let mut it = s.split(':');
-        let (g, q, p) = match (it.next(), it.next(), it.next(), it.next()) {
-            (Some(g), Some(q), Some(p), None) => (g, q, p),
-            _ => return Err(bad("expected GID:QPN:PSN")),
+        let (g, q, p, l) = match (it.next(), it.next(), it.next(), it.next(), it.next()) {
+            (Some(g), Some(q), Some(p), l, None) => (g, q, p, l),
+            _ => return Err(bad("expected GID:QPN:PSN[:LID]")),
         };
         if g.len() != 32 || !g.bytes().all(|c| c.is_ascii_hexdigit()) {
             return Err(bad("the GID is 32 hex digits"));
@@ -157,10 +200,18 @@ impl std::str::FromStr for Endpoint {
                 .filter(|v| *v <= 0xff_ffff && !x.is_empty() && x.len() <= 6)
                 .ok_or_else(|| bad(&format!("the {what} is a 24-bit hex number")))
         };
+        let lid = match l {
+            None => 0,
+            Some(x) => u16::from_str_radix(x, 16)
+                .ok()
+                .filter(|v| *v != 0 && !x.is_empty() && x.len() <= 4)
+                .ok_or_else(|| bad("the LID is a non-zero 16-bit hex number"))?,
+        };
         Ok(Endpoint {
             gid: Gid(gid),
             qpn: num(q, "QPN")?,
             psn: num(p, "PSN")?,
+            lid,
         })
     }
 }
@@ -223,7 +274,7 @@ pub fn connect_rc(
             path_mtu: Some(mtu),
             ah_attr: Some(AhAttr {
                 dgid: remote.gid,
-                dlid: 0,
+                dlid: remote.lid,
                 port_num: 1,
             }),
             dest_qp_num: Some(remote.qpn),
@@ -318,14 +369,22 @@ mod tests {
             gid: Gid([7; 16]),
             qpn: 0x1_0002,
             psn: 0xabcdef,
+            lid: 0,
         };
         assert_eq!(e.to_string().parse::<Endpoint>().unwrap(), e);
+        assert_eq!(e.to_string().matches(':').count(), 2, "no LID, no field");
+        let l = Endpoint { lid: 0x1f, ..e };
+        assert!(l.to_string().ends_with(":abcdef:1f"));
+        assert_eq!(l.to_string().parse::<Endpoint>().unwrap(), l);
         for bad in [
             "",
             "x",
             "07:1:2",
             &format!("{}:1", "0".repeat(32)),
             &format!("{}:1:1000000", "0".repeat(32)),
+            &format!("{}:1:2:0", "0".repeat(32)),
+            &format!("{}:1:2:10000", "0".repeat(32)),
+            &format!("{}:1:2:3:4", "0".repeat(32)),
         ] {
             assert!(bad.parse::<Endpoint>().is_err(), "{bad}");
         }
@@ -340,8 +399,9 @@ mod tests {
 
         #[test]
         #[cfg_attr(miri, ignore)]
-        fn endpoint_round_trips(g in any::<[u8; 16]>(), q in 0u32..1 << 24, p in 0u32..1 << 24) {
-            let e = Endpoint { gid: Gid(g), qpn: q, psn: p };
+        fn endpoint_round_trips(g in any::<[u8; 16]>(), q in 0u32..1 << 24, p in 0u32..1 << 24,
+                                lid in any::<u16>()) {
+            let e = Endpoint { gid: Gid(g), qpn: q, psn: p, lid };
             prop_assert_eq!(e.to_string().parse::<Endpoint>().unwrap(), e);
         }
     }
@@ -351,5 +411,10 @@ mod tests {
         let d = devices();
         assert_eq!(d.last().map(|d| d.name.as_str()), Some("soft"));
         assert!(open_device("mlx_nope").is_err());
+        // Without hardware (this machine, CI) the reason says so, and `auto` is the soft HCA.
+        if d.iter().all(|x| x.backend == "soft") {
+            assert_eq!(no_hardware_reason().as_deref(), Some("no RDMA device"));
+            assert_eq!(open_device("auto").unwrap().attr().kind, "soft");
+        }
     }
 }

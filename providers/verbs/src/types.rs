@@ -53,6 +53,9 @@ pub enum WcStatus {
     RetryExcErr = 12,
     /// The responder kept answering "receiver not ready" past `rnr_retry` retries.
     RnrRetryExcErr = 13,
+    /// A hardware HCA's other failures (bad response, local access, fatal, ...); the soft HCA
+    /// never reports it.
+    GeneralErr = 21,
 }
 
 impl WcStatus {
@@ -69,6 +72,7 @@ impl WcStatus {
             11 => RemOpErr,
             12 => RetryExcErr,
             13 => RnrRetryExcErr,
+            21 => GeneralErr,
             _ => return None,
         })
     }
@@ -87,6 +91,7 @@ impl WcStatus {
             RemOpErr => "remote operation error",
             RetryExcErr => "transport retry counter exceeded",
             RnrRetryExcErr => "RNR retry counter exceeded",
+            GeneralErr => "general error",
         }
     }
 }

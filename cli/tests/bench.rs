@@ -166,6 +166,31 @@ fn one_buffer_ping_pong_runs_and_says_so() {
     assert!(rows.len() == 2 && rows.iter().all(|v| *v > 0.0), "{out}");
 }
 
+/// The soft HCA's one-sided semantics between two processes started by the launcher, the
+/// target in no HCA call meanwhile (`examples/verbs_peers.rs`: write, read back, fetch-add,
+/// send into a posted receive, a wrong key that touches nothing and fails the target's QP).
+/// Across two hosts the same program runs in `hydra.rs`.
+#[test]
+fn verbs_semantics_hold_between_two_processes() {
+    let peers = example("weft-cli", "verbs_peers");
+    let o = run_bounded(
+        Command::new(weft())
+            .args(["run", "-n", "2", "--env", "WEFT_VERBS_DEVICE=soft", "--"])
+            .arg(&peers),
+        120,
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!(
+                "verbs_peers: rank {r} ok on host 0 device soft (requests served for other hosts: 0)"
+            )),
+            "{out}"
+        );
+    }
+}
+
 /// The raw verbs tests run between two processes of the embedded launcher on the soft HCA
 /// (the requester of one process reaching into the other's segment and memory), every one of
 /// them, with the Cross-Memory Attach references beside them.

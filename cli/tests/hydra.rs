@@ -185,7 +185,7 @@ fn two_namespaces_are_two_hosts() {
         }
     };
     let ring = example("weft-cli", "ring");
-    let launch = |extra: &[&str], program: &[&std::ffi::OsStr]| {
+    let launch_n = |ppn: &str, n: &str, extra: &[&str], program: &[&std::ffi::OsStr]| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &hosts.ns[0]])
             .arg(&mpiexec)
@@ -193,11 +193,12 @@ fn two_namespaces_are_two_hosts() {
             .arg(hosts.dir.join("launcher"))
             .args(["-localhost", &hosts.ip[0]])
             .args(["-hosts", &format!("{},{}", hosts.ip[0], hosts.ip[1])])
-            .args(["-ppn", "2", "-n", "4"])
+            .args(["-ppn", ppn, "-n", n])
             .args(extra)
             .args(program);
         run_bounded(&mut c, 300)
     };
+    let launch = |extra: &[&str], program: &[&std::ffi::OsStr]| launch_n("2", "4", extra, program);
     let run = |extra: &[&str]| launch(extra, &[ring.as_os_str()]);
     // Default selection: tcp-sim between the hosts (shared memory cannot span them), shm
     // between the two ranks of each host.
@@ -243,6 +244,24 @@ fn two_namespaces_are_two_hosts() {
     assert!(out.contains("PROVIDER tcp-sim+shm"), "{out}");
     assert_eq!(out.matches("CHECK pass").count(), 16, "{out}");
     assert!(!out.contains("CHECK fail"), "{out}");
+    // The soft HCA between the two hosts, one rank on each: every request of rank 0 crosses
+    // the veth pair to rank 1's wire service while rank 1 is in no HCA call.
+    let peers = example("weft-cli", "verbs_peers");
+    let o = launch_n(
+        "1",
+        "2",
+        &["-genv", "WEFT_VERBS_DEVICE", "soft"],
+        &[peers.as_os_str()],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("verbs_peers: rank 0 ok on host 0"), "{out}");
+    assert!(
+        out.contains(
+            "verbs_peers: rank 1 ok on host 1 device soft (requests served for other hosts: 6)"
+        ),
+        "{out}"
+    );
     // Asking for shm across hosts is a clear error, not a hang.
     let o = run(&["-genv", "WEFT_PROVIDER", "shm"]);
     assert!(!o.status.success());

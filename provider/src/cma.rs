@@ -71,8 +71,9 @@ pub unsafe fn copy(
     let mut done = 0usize;
     // Cursors: (index, offset within the range) on each side.
     let (mut li, mut lo, mut ri, mut ro) = (0usize, 0usize, 0usize, 0usize);
-    let mut lv: Vec<libc::iovec> = Vec::new();
-    let mut rv: Vec<libc::iovec> = Vec::new();
+    // On the stack for the usual few ranges: no allocation per copy.
+    let mut lv = Iovecs::new();
+    let mut rv = Iovecs::new();
     while done < want {
         lv.clear();
         rv.clear();
@@ -118,8 +119,10 @@ pub unsafe fn copy(
     Ok(done)
 }
 
+type Iovecs = smallvec::SmallVec<[libc::iovec; 8]>;
+
 /// Up to `IOV_MAX` iovecs of `ranges` from the cursor, covering at most `max` bytes.
-fn fill(out: &mut Vec<libc::iovec>, ranges: &[Range], mut i: usize, mut off: usize, max: usize) {
+fn fill(out: &mut Iovecs, ranges: &[Range], mut i: usize, mut off: usize, max: usize) {
     let mut left = max;
     while i < ranges.len() && left > 0 && out.len() < IOV_MAX {
         let r = ranges[i];

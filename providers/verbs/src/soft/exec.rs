@@ -6,9 +6,11 @@
 //! Data path: device memory (`alloc_dm`, a part of the peer's segment that is mapped here too)
 //! is written with plain stores; any other registered memory with Cross-Memory Attach. Either
 //! way the last byte of a write lands after all the others: in device memory through a release
-//! store of that byte; through CMA by giving it its own remote iovec in the same system call —
-//! the kernel copies iovecs in order, and x86 keeps the stores of one copy before those of the
-//! next, string copies included.
+//! store of that byte; through CMA by giving it its own *local* iovec in the same system call —
+//! the kernel copies each local iovec segment with a copy of its own, in order, and x86 keeps
+//! the stores of one copy before those of the next, string copies included (stores within one
+//! fast string operation may be reordered, stores across string operations are not). Splitting
+//! the local side rather than the remote one keeps the target page pinned once.
 //!
 //! Regions are protected against deregistration by hazard words: before using a key the
 //! initiator publishes it in its attach slot of the peer's segment, then checks the key is
@@ -59,7 +61,18 @@ pub struct Peer {
     pidfd: Option<OwnedFd>,
     checked: AtomicU64,
     dead: AtomicBool,
-    born: Instant,
+}
+
+/// Microseconds on the coarse monotonic clock (a few ns through the vDSO, millisecond
+/// resolution: enough to space out liveness checks).
+fn coarse_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
 }
 
 fn pid_alive(pid: u32) -> bool {
@@ -103,7 +116,6 @@ impl Peer {
             pidfd,
             checked: AtomicU64::new(0),
             dead: AtomicBool::new(false),
-            born: Instant::now(),
         })
     }
 
@@ -121,7 +133,7 @@ impl Peer {
         if self.dead.load(RLX) {
             return false;
         }
-        let t = self.born.elapsed().as_micros() as u64;
+        let t = coarse_us();
         if now_check || t >= self.checked.load(RLX) + 1000 {
             self.checked.store(t, RLX);
             let gone = match &self.pidfd {
@@ -296,8 +308,11 @@ fn copy_err(e: CopyError) -> Outcome {
     }
 }
 
+/// A few ranges, on the stack (no allocation per request).
+type Ranges = smallvec::SmallVec<[Range; 8]>;
+
 /// Local ranges `[from, from + n)` of the concatenation of `src`.
-fn sub(src: &[Range], mut from: usize, mut n: usize, out: &mut Vec<Range>) {
+fn sub(src: &[Range], mut from: usize, mut n: usize, out: &mut Ranges) {
     out.clear();
     for r in src {
         if n == 0 {
@@ -321,7 +336,7 @@ fn sub(src: &[Range], mut from: usize, mut n: usize, out: &mut Vec<Range>) {
 fn put(pid: u32, src: &[Range], dst: &[(Place, usize)]) -> std::result::Result<(), CopyError> {
     let total: usize = dst.iter().map(|d| d.1).sum();
     let mut off = 0usize;
-    let (mut lv, mut rv, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut lv, mut rv, mut tmp) = (Ranges::new(), Ranges::new(), Ranges::new());
     for (k, &(place, n)) in dst.iter().enumerate() {
         let last = k + 1 == dst.len() && off + n == total && n > 0;
         match place {
@@ -355,19 +370,25 @@ fn put(pid: u32, src: &[Range], dst: &[(Place, usize)]) -> std::result::Result<(
             }
             Place::User(a) => {
                 sub(src, off, n, &mut tmp);
-                lv.extend_from_slice(&tmp);
-                if last && n > 1 {
-                    rv.push(Range {
-                        base: a,
-                        len: n - 1,
-                    });
-                    rv.push(Range {
-                        base: a + n as u64 - 1,
-                        len: 1,
-                    });
-                } else {
-                    rv.push(Range { base: a, len: n });
+                if last {
+                    // The last byte as its own local iovec: the kernel copies it with a copy
+                    // of its own, after the others, into the same pinned target page (a
+                    // separate remote iovec would pin the page twice).
+                    if let Some(l) = tmp.pop() {
+                        if l.len > 1 {
+                            tmp.push(Range {
+                                base: l.base,
+                                len: l.len - 1,
+                            });
+                        }
+                        tmp.push(Range {
+                            base: l.base + l.len as u64 - 1,
+                            len: 1,
+                        });
+                    }
                 }
+                lv.extend_from_slice(&tmp);
+                rv.push(Range { base: a, len: n });
             }
         }
         off += n;
@@ -378,11 +399,7 @@ fn put(pid: u32, src: &[Range], dst: &[(Place, usize)]) -> std::result::Result<(
     Ok(())
 }
 
-fn cma_flush(
-    pid: u32,
-    lv: &mut Vec<Range>,
-    rv: &mut Vec<Range>,
-) -> std::result::Result<(), CopyError> {
+fn cma_flush(pid: u32, lv: &mut Ranges, rv: &mut Ranges) -> std::result::Result<(), CopyError> {
     let want: usize = rv.iter().map(|r| r.len).sum();
     // SAFETY: the local ranges are this process's registered memory (validated by the caller);
     // the remote ranges were checked against the peer's registrations under hazards; the

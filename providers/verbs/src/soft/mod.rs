@@ -186,7 +186,7 @@ struct Inner {
     next_pd: u32,
     mrs: Vec<Option<MrLocal>>,
     mr_gen: Vec<u16>,
-    qps: Vec<Option<QpLocal>>,
+    qps: Vec<Option<Box<QpLocal>>>,
     qp_gen: Vec<u8>,
     cqs: Vec<Option<CqLocal>>,
     srqs: Vec<Option<SrqLocal>>,
@@ -359,7 +359,7 @@ impl SoftHca {
         inner
             .qps
             .get_mut(qp.handle as usize)
-            .and_then(|q| q.as_mut())
+            .and_then(|q| q.as_deref_mut())
             .filter(|q| q.qpn == qp.qpn)
             .ok_or_else(|| inval(format!("no QP {:#x}", qp.qpn)))
     }
@@ -468,8 +468,8 @@ impl SoftHca {
     /// One attempt at the request at the head of the send queue: its completion status and
     /// length, or `None` to wait (a timer, or the timing model).
     fn step(&self, inner: &mut Inner, q: &mut QpLocal, p: &mut Pending) -> Option<(WcStatus, u32)> {
-        let now = Instant::now();
-        if q.wait_until.is_some_and(|t| now < t) {
+        // The clock is read only when a timer or the timing model needs it.
+        if q.wait_until.is_some_and(|t| Instant::now() < t) {
             return None;
         }
         let len = p.wr.len();
@@ -480,7 +480,7 @@ impl SoftHca {
                 inner.ctr.qp_cache_misses += miss as u64;
                 p.due = Some(due);
             }
-            if p.due.is_some_and(|d| now < d) {
+            if p.due.is_some_and(|d| Instant::now() < d) {
                 return None;
             }
         }
@@ -572,8 +572,9 @@ impl SoftHca {
                 if q.rnr_retry != 7 && q.rnr_tries > q.rnr_retry {
                     return Some((WcStatus::RnrRetryExcErr, 0));
                 }
-                q.wait_until =
-                    Some(now + Duration::from_micros(RNR_TIMER_US[code as usize & 31] as u64));
+                q.wait_until = Some(
+                    Instant::now() + Duration::from_micros(RNR_TIMER_US[code as usize & 31] as u64),
+                );
                 None
             }
             Outcome::NoResponse => self.no_response(inner, q, waited),

@@ -467,7 +467,7 @@ impl Hca for SoftHca {
             g.acct.rc_qps += 1;
             g.acct.rc_qp_bytes += bytes;
         }
-        g.qps[i] = Some(QpLocal {
+        g.qps[i] = Some(Box::new(QpLocal {
             qpn,
             ty: init.qp_type,
             pd: pd.0,
@@ -490,7 +490,7 @@ impl Hca for SoftHca {
             rnr_tries: 0,
             retries: 0,
             held: None,
-        });
+        }));
         Ok(Qp {
             handle: i as u32,
             qpn,

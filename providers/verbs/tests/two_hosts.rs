@@ -114,7 +114,8 @@ mod suite;
 
 /// The two contexts really are on two hosts: each advertises its own namespace's address,
 /// and the target's wire service, after dropping malformed packets, executes what the
-/// initiator asks (a 1 MiB write and read back, in fragments, and a fetch-and-add).
+/// initiator asks (a 1 MiB write and read back, in fragments, and a fetch-and-add); a request
+/// above the wire's 256 MiB is refused locally.
 #[test]
 fn the_contexts_are_on_two_hosts() {
     use weft_verbs::*;
@@ -189,6 +190,20 @@ fn the_contexts_are_on_two_hosts() {
     assert_eq!(u64::from_ne_bytes(back[N..].try_into().unwrap()), old);
     assert_eq!(u64::from_ne_bytes(dst[8..16].try_into().unwrap()), old + 5);
     assert_eq!(b.counters().remote_served, 3, "{:?}", b.counters());
+    // A request longer than the wire buffers (256 MiB) is a local length error at once.
+    let big = (256 << 20) + 1;
+    let mut huge = vec![0u8; big].into_boxed_slice(); // calloc: pages never touched
+                                                      // SAFETY: as above; deregistered before `huge` is dropped.
+    let mh = unsafe { a.reg_mr(pa, huge.as_mut_ptr(), big, Access::ALL).unwrap() };
+    a.post_send(qa, &[SendWr::write(4, &[mh.sge(0, big)], md.addr, md.rkey)])
+        .unwrap();
+    assert_eq!(
+        wait_cq(&a, ca, 1, t).unwrap()[0].status,
+        WcStatus::LocLenErr
+    );
+    assert_eq!(b.counters().remote_served, 3, "nothing reached the target");
+    a.dereg_mr(mh).unwrap();
+    drop(huge);
     a.dereg_mr(ms).unwrap();
     a.dereg_mr(mb).unwrap();
     b.dereg_mr(md).unwrap();

@@ -37,10 +37,12 @@ use weft_provider::{Error, Result};
 
 /// Payload bytes per packet (a UDP datagram carries up to 65,507).
 pub const CHUNK: usize = 60 * 1024;
-/// The largest message the wire carries (a read result or reassembled payload is buffered).
-pub const MAX_MSG: usize = 1 << 30;
+/// The largest request the wire carries: a read result or a reassembled payload is buffered
+/// whole at the responder. A longer request between hosts completes with a local length
+/// error at once (rather than retrying into a buffer that can never be had).
+pub const MAX_MSG: usize = 256 << 20;
 /// Buffered reassemblies and read results the service keeps at most, in bytes.
-const BUDGET: usize = 256 << 20;
+const BUDGET: usize = 2 * MAX_MSG;
 /// How long the service keeps an unfinished reassembly or an unfetched read result.
 const KEEP: Duration = Duration::from_secs(5);
 /// The shortest a requester waits for an answer from another host: a user-space service on
@@ -585,8 +587,11 @@ impl Wire {
             let mut rep = None;
             let ok = self.answer(xid, f as u16, deadline, &mut rx, |r, t, d| {
                 rep = Some(r);
-                total = t;
-                result.extend_from_slice(d);
+                // Only a read's answer carries data, and only as much as was asked.
+                if hdr.op == WrOpcode::RdmaRead && t == hdr.len && matches!(r, Reply::Done { .. }) {
+                    total = t;
+                    result.extend_from_slice(d);
+                }
             });
             if !ok {
                 return Outcome::NoResponse;
@@ -608,6 +613,9 @@ impl Wire {
         };
         // The rest of a read's data, one fragment at a time.
         let total = total as usize;
+        if hdr.op == WrOpcode::RdmaRead && (total != hdr.len as usize || result.len() > total) {
+            return Outcome::NoResponse;
+        }
         let mut f = 1u16;
         while result.len() < total {
             if !self.send(to, &Msg::More { xid, frag: f }) {
@@ -615,7 +623,9 @@ impl Wire {
             }
             let before = result.len();
             let ok = self.answer(xid, f, Instant::now() + wait, &mut rx, |_, _, d| {
-                result.extend_from_slice(d)
+                if result.len() + d.len() <= total {
+                    result.extend_from_slice(d)
+                }
             });
             if !ok || result.len() == before {
                 return Outcome::NoResponse;

@@ -217,7 +217,11 @@ fn raw_verbs_tests_run_across_processes_on_the_soft_hca() {
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
     for t in tests.split(',') {
-        assert!(out.contains(&format!("# {t}:")), "{t} missing:\n{out}");
+        assert!(
+            out.contains(&format!("# {t}:")),
+            "{t} missing:\n{out}\n{}",
+            stderr(&o)
+        );
     }
     let rows: Vec<f64> = out
         .lines()

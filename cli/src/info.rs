@@ -199,6 +199,18 @@ pub fn verbs_report() -> String {
     if let Some(why) = weft_verbs::no_hardware_reason() {
         writeln!(s, "  real HCAs: {why}; `auto` opens the soft HCA").unwrap();
     }
+    match weft_verbs_rc::footprint() {
+        Ok(f) => writeln!(
+            s,
+            "  verbs-rc memory: {} B of HCA memory per connected peer (its RC QP); per process \
+             {} B of HCA memory (CQ, SRQ, connection manager) and {} KiB of registered buffers",
+            f.per_peer,
+            f.hca_shared,
+            f.buffers >> 10
+        )
+        .unwrap(),
+        Err(e) => writeln!(s, "  verbs-rc memory: {e}").unwrap(),
+    }
     s
 }
 

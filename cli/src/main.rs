@@ -12,6 +12,7 @@ use weft_limic as _;
 use weft_loopback as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
+use weft_verbs_rc as _;
 
 mod bench;
 mod conformance;

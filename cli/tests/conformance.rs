@@ -50,6 +50,24 @@ fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "limic", "-n", "3"]);
 }
 
+/// verbs-rc on the soft HCA, with both rendezvous modes: the receiver's RDMA read of the
+/// sender's buffer, and the copy through active messages.
+#[test]
+fn verbs_rc_passes_across_processes() {
+    for rndv in ["read", "copy"] {
+        passes(&[
+            "--provider",
+            "verbs-rc",
+            "-n",
+            "3",
+            "--env",
+            "WEFT_VERBS_DEVICE=soft",
+            "--env",
+            &format!("WEFT_VERBS_RC_RNDV={rndv}"),
+        ]);
+    }
+}
+
 /// limic's paths: every message by cross-memory attach, every message inline, senders that
 /// push instead of leaving the copy to the receiver, and so few descriptor slots that
 /// operations wait for them.

@@ -244,6 +244,32 @@ fn two_namespaces_are_two_hosts() {
     assert!(out.contains("PROVIDER tcp-sim+shm"), "{out}");
     assert_eq!(out.matches("CHECK pass").count(), 16, "{out}");
     assert!(!out.contains("CHECK fail"), "{out}");
+    // verbs-rc for every pair (no host provider): RC connections made on first use, within
+    // a host through the soft HCA's shared segments, across the hosts through its wire service.
+    for rndv in ["read", "copy"] {
+        let o = launch(
+            &[
+                "-genv",
+                "WEFT_PROVIDER",
+                "verbs-rc",
+                "-genv",
+                "WEFT_SHM_PROVIDER",
+                "none",
+                "-genv",
+                "WEFT_VERBS_DEVICE",
+                "soft",
+                "-genv",
+                "WEFT_VERBS_RC_RNDV",
+                rndv,
+            ],
+            &[weft().as_os_str(), std::ffi::OsStr::new("test-rank")],
+        );
+        let out = stdout(&o);
+        assert!(o.status.success(), "{rndv}: {out}\n{}", stderr(&o));
+        assert!(out.contains("PROVIDER verbs-rc"), "{out}");
+        assert_eq!(out.matches("CHECK pass").count(), 16, "{rndv}: {out}");
+        assert!(!out.contains("CHECK fail"), "{rndv}: {out}");
+    }
     // The soft HCA between the two hosts, one rank on each: every request of rank 0 crosses
     // the veth pair to rank 1's wire service while rank 1 is in no HCA call.
     let peers = example("weft-cli", "verbs_peers");

@@ -1,0 +1,205 @@
+//! verbs-rc driven directly through the provider contract, ranks as threads of one process
+//! each with its own soft HCA (the same code path as separate processes: the HCAs reach each
+//! other through their shared segments). Every wait is bounded.
+
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+use weft_provider::bootstrap::InProcessJob;
+use weft_provider::provider::{
+    Access, Completed, Completion, ConnEvent, Provider, RawIov, RemoteAddr, SendOutcome, Sink,
+    StaticProvider, Token,
+};
+use weft_provider::{ErrorKind, Rank, Result};
+use weft_verbs_rc::VerbsRc;
+
+const T: Duration = Duration::from_secs(20);
+
+#[derive(Default)]
+struct Events {
+    am: Vec<(Rank, Vec<u8>, Vec<u8>)>,
+    done: Vec<(Token, Result<Completed>)>,
+    failed: Vec<(Rank, String)>,
+    connected: Vec<Rank>,
+}
+
+impl Sink for Events {
+    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        self.am.push((src, header.to_vec(), payload.to_vec()));
+    }
+    fn complete(&mut self, token: Token, result: Result<Completed>) {
+        self.done.push((token, result));
+    }
+    fn peer_failed(&mut self, rank: Rank, reason: &str) {
+        self.failed.push((rank, reason.to_string()));
+    }
+    fn connection(&mut self, peer: Rank, e: ConnEvent) {
+        if e == ConnEvent::Connected {
+            self.connected.push(peer);
+        }
+    }
+}
+
+/// Progress until `cond` holds, at most `T`.
+fn until(p: &mut VerbsRc, ev: &mut Events, what: &str, cond: impl Fn(&Events) -> bool) {
+    let t0 = Instant::now();
+    while !cond(ev) {
+        p.progress(ev).unwrap();
+        assert!(
+            t0.elapsed() < T,
+            "rank {}: timed out waiting for {what}",
+            p.rank()
+        );
+    }
+}
+
+/// Send one active message, progressing while the provider says `Busy`.
+fn send(p: &mut VerbsRc, ev: &mut Events, dest: Rank, h: &[u8], data: &[u8]) {
+    let t0 = Instant::now();
+    while p.am_send(dest, h, &[IoSlice::new(data)]).unwrap() == SendOutcome::Busy {
+        p.progress(ev).unwrap();
+        assert!(t0.elapsed() < T, "send to {dest} stayed busy");
+    }
+}
+
+fn counter(p: &VerbsRc, name: &str) -> u64 {
+    p.counters()
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(0, |(_, v)| *v)
+}
+
+/// Run `f` on `n` ranks, each with its own provider.
+fn world<R: Send + 'static>(
+    n: u32,
+    f: impl Fn(VerbsRc, Arc<Barrier>) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let job = InProcessJob::new(n, T);
+    let bar = Arc::new(Barrier::new(n as usize));
+    let f = Arc::new(f);
+    let hs: Vec<_> = (0..n)
+        .map(|r| {
+            let (job, bar, f) = (job.clone(), bar.clone(), f.clone());
+            std::thread::spawn(move || {
+                let p = VerbsRc::open(&mut job.rank(r)).unwrap();
+                f(p, bar)
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// A connection is made on first use only, between the two ranks that talk; the third rank
+/// never connects to anyone.
+#[test]
+fn connections_are_made_on_first_use_only() {
+    let ups = world(3, |mut p, bar| {
+        let mut ev = Events::default();
+        match p.rank() {
+            0 => send(&mut p, &mut ev, 1, b"hdr", b"hello"),
+            1 => until(&mut p, &mut ev, "the message", |e| !e.am.is_empty()),
+            _ => {}
+        }
+        if p.rank() == 1 {
+            assert_eq!(ev.am[0], (0, b"hdr".to_vec(), b"hello".to_vec()));
+            assert_eq!(ev.connected, vec![0]);
+        }
+        bar.wait();
+        counter(&p, "connections_up")
+    });
+    assert_eq!(ups, vec![1, 1, 0]);
+}
+
+/// Both sides ask at once: one connection comes up (the higher rank answers) and messages
+/// arrive complete and in order both ways.
+#[test]
+fn both_sides_connecting_at_once_get_one_connection_in_order() {
+    let n = 200u32;
+    world(2, move |mut p, bar| {
+        let mut ev = Events::default();
+        let peer = 1 - p.rank();
+        bar.wait();
+        for i in 0..n {
+            let data = vec![i as u8; (i as usize * 97) % 16384];
+            send(&mut p, &mut ev, peer, &i.to_le_bytes(), &data);
+        }
+        until(&mut p, &mut ev, "every message", |e| {
+            e.am.len() == n as usize
+        });
+        for (i, (src, h, d)) in ev.am.iter().enumerate() {
+            assert_eq!(*src, peer);
+            assert_eq!(h, &(i as u32).to_le_bytes());
+            assert_eq!(d.len(), (i * 97) % 16384);
+            assert!(d.iter().all(|b| *b == i as u8));
+        }
+        assert_eq!(counter(&p, "connections_up"), 1);
+        bar.wait();
+        // Keep answering until the peer has everything too.
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(50) {
+            p.progress(&mut ev).unwrap();
+        }
+    });
+}
+
+/// An RDMA write with a wrong key touches nothing at the target and completes with a
+/// remote-access error; the job's other pairs go on.
+#[test]
+fn a_wrong_key_touches_nothing_and_fails_the_write() {
+    let region: Arc<Mutex<Option<(u64, u64)>>> = Arc::default();
+    let seen = region.clone();
+    let finished = Arc::new(AtomicBool::new(false));
+    world(3, move |mut p, bar| {
+        let mut ev = Events::default();
+        let mut mem = vec![0x11u8; 4096];
+        if p.rank() == 1 {
+            // SAFETY: `mem` outlives the registration (deregistered below).
+            let mr = unsafe { p.mr_register(mem.as_mut_ptr(), mem.len(), Access::WRITE) }.unwrap();
+            *seen.lock().unwrap() = Some((mr.addr, mr.key));
+            bar.wait();
+            // The target answers the connection request, then does nothing with the write.
+            until(&mut p, &mut ev, "rank 0 to finish", |_| {
+                finished.load(Ordering::Acquire)
+            });
+            bar.wait();
+            assert!(
+                mem.iter().all(|b| *b == 0x11),
+                "the target's memory changed"
+            );
+            p.mr_deregister(&mr).unwrap();
+        } else if p.rank() == 0 {
+            bar.wait();
+            let (addr, key) = seen.lock().unwrap().unwrap();
+            let src = [0x22u8; 64];
+            // SAFETY: as above; `src` lives until the completion below.
+            let lmr = unsafe { p.mr_register(src.as_ptr() as *mut u8, 64, Access::LOCAL) }.unwrap();
+            let iov = [RawIov {
+                ptr: src.as_ptr(),
+                len: 64,
+                desc: lmr.desc,
+            }];
+            let bad = RemoteAddr {
+                addr,
+                key: key ^ 0x5a5a,
+            };
+            // SAFETY: `src` stays valid until the completion arrives.
+            unsafe { p.rma_write(1, &iov, bad, Completion::cq(7)) }.unwrap();
+            until(&mut p, &mut ev, "the failed write", |e| !e.done.is_empty());
+            let (t, r) = &ev.done[0];
+            assert_eq!(*t, 7);
+            let e = r.as_ref().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::RemoteAccess, "{e}");
+            // Rank 2 is unaffected.
+            send(&mut p, &mut ev, 2, b"h", b"still here");
+            finished.store(true, Ordering::Release);
+            bar.wait();
+            p.mr_deregister(&lmr).unwrap();
+        } else {
+            bar.wait();
+            until(&mut p, &mut ev, "rank 0's message", |e| !e.am.is_empty());
+            assert_eq!(ev.am[0].2, b"still here");
+            bar.wait();
+        }
+    });
+}

@@ -93,23 +93,49 @@ const K_UDS: u64 = 5 << 56;
 const K_KA: u64 = 6 << 56;
 const K_MASK: u64 = 0xff << 56;
 
+/// Where a pool's memory comes from.
+enum Backing {
+    Host(#[allow(dead_code)] Box<[u8]>),
+    /// Memory of the HCA (`alloc_dm`): on the soft HCA a peer's requester writes it with plain
+    /// stores instead of Cross-Memory Attach, which is what makes small messages cheap.
+    Device(verbs::Dm),
+}
+
 /// A registered array of equal slots.
 struct Pool {
-    mem: Box<[u8]>,
+    base: *mut u8,
+    backing: Backing,
     mr: verbs::Mr,
     slot: usize,
     free: Vec<u32>,
 }
 
 impl Pool {
-    fn new(hca: &dyn Hca, pd: verbs::Pd, n: usize, slot: usize) -> Result<Pool> {
-        let mut mem = vec![0u8; n * slot].into_boxed_slice();
-        // SAFETY: the boxed slice lives in the pool, which deregisters it (Drop of the
-        // provider, after its QPs are destroyed) before freeing it; it never moves.
-        let mr =
-            unsafe { hca.reg_mr(pd, mem.as_mut_ptr(), mem.len(), verbs::Access::LOCAL_WRITE) }?;
+    /// `n` slots of `slot` bytes; in device memory when `device` and the HCA has enough.
+    fn new(hca: &dyn Hca, pd: verbs::Pd, n: usize, slot: usize, device: bool) -> Result<Pool> {
+        let len = n * slot;
+        let backing = match device.then(|| hca.alloc_dm(len)) {
+            Some(Ok(dm)) => Backing::Device(dm),
+            _ => Backing::Host(vec![0u8; len].into_boxed_slice()),
+        };
+        let base = match &backing {
+            Backing::Host(b) => b.as_ptr() as *mut u8,
+            Backing::Device(d) => d.ptr,
+        };
+        // SAFETY: the memory lives in the pool, which deregisters it (the provider's Drop,
+        // after its QPs are destroyed) before freeing it; it never moves.
+        let mr = match unsafe { hca.reg_mr(pd, base, len, verbs::Access::LOCAL_WRITE) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                if let Backing::Device(d) = backing {
+                    let _ = hca.free_dm(d);
+                }
+                return Err(e);
+            }
+        };
         Ok(Pool {
-            mem,
+            base,
+            backing,
             mr,
             slot,
             free: (0..n as u32).rev().collect(),
@@ -121,8 +147,26 @@ impl Pool {
     }
 
     fn buf(&mut self, i: u32) -> &mut [u8] {
-        let o = i as usize * self.slot;
-        &mut self.mem[o..o + self.slot]
+        // SAFETY: slot `i` lies within the pool (indexes come from the pool's own slots, and a
+        // completion's index is masked to them). The pool is registered without remote rights,
+        // so even device memory that peers map is written only by a send into a *posted*
+        // receive slot, and slots are read or written here only while they are not posted.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(i as usize * self.slot), self.slot) }
+    }
+
+    fn bytes(&self, i: u32, n: usize) -> &[u8] {
+        // SAFETY: as in `buf`, read-only.
+        unsafe {
+            std::slice::from_raw_parts(self.base.add(i as usize * self.slot), n.min(self.slot))
+        }
+    }
+
+    /// Deregister and give device memory back (the provider's Drop, QPs already gone).
+    fn release(&self, hca: &dyn Hca) {
+        let _ = hca.dereg_mr(self.mr);
+        if let Backing::Device(d) = &self.backing {
+            let _ = hca.free_dm(*d);
+        }
     }
 }
 
@@ -363,11 +407,12 @@ impl VerbsRc {
         let cqe = (cfg.srq + cfg.send_bufs + UD_RECVS + UD_SENDS + 4096).min(attr.max_cqe as usize);
         let cq = hca.create_cq(cqe as u32)?;
         let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
-        let recv = Pool::new(&*hca, pd, cfg.srq, slot)?;
-        let send = Pool::new(&*hca, pd, cfg.send_bufs, slot)?;
-        let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT)?;
-        let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT)?;
-        let scratch = Pool::new(&*hca, pd, SCRATCH, 8)?;
+        // Receive buffers are written by peers: HCA memory where there is enough of it.
+        let recv = Pool::new(&*hca, pd, cfg.srq, slot, true)?;
+        let send = Pool::new(&*hca, pd, cfg.send_bufs, slot, false)?;
+        let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT, false)?;
+        let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT, false)?;
+        let scratch = Pool::new(&*hca, pd, SCRATCH, 8, false)?;
         let ud_qp = hca.create_qp(
             pd,
             &verbs::QpInitAttr {
@@ -901,9 +946,7 @@ impl VerbsRc {
             sink.rma_data(src, wc.imm.unwrap_or(0) as u64);
             return;
         }
-        let n = (wc.byte_len as usize).min(self.recv.slot);
-        let o = idx as usize * self.recv.slot;
-        let b = &self.recv.mem[o..o + n];
+        let b = self.recv.bytes(idx, wc.byte_len as usize);
         match Frame::read(b, MAX_HDR) {
             Some(Frame {
                 kind: FrameKind::Am,
@@ -1306,14 +1349,14 @@ impl Drop for VerbsRc {
         for m in self.mrs.drain().map(|(_, m)| m).collect::<Vec<_>>() {
             let _ = self.hca.dereg_mr(m);
         }
-        for mr in [
-            self.recv.mr,
-            self.send.mr,
-            self.ud_recv.mr,
-            self.ud_send.mr,
-            self.scratch.mr,
+        for pool in [
+            &self.recv,
+            &self.send,
+            &self.ud_recv,
+            &self.ud_send,
+            &self.scratch,
         ] {
-            let _ = self.hca.dereg_mr(mr);
+            pool.release(&*self.hca);
         }
         let _ = self.hca.destroy_cq(self.cq);
         let _ = self.hca.dealloc_pd(self.pd);

@@ -61,7 +61,7 @@ impl Hca for SoftHca {
         let dm = g.dms.iter().enumerate().find_map(|(i, d)| {
             d.and_then(|(off, l)| {
                 let b = hb + off;
-                (a >= b && a + len as u64 <= b + l as u64).then_some((i as u32, off + (a - b)))
+                (a >= b && a + len as u64 <= b + l as u64).then(|| (i as u32, off + (a - b)))
             })
         });
         let i = slot(&mut g.mrs, self.cfg.max_mr as usize).ok_or_else(|| exhausted("MRs"))?;

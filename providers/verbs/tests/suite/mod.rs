@@ -322,6 +322,35 @@ fn deregistered_memory_is_out_of_reach() {
     assert!(dst.iter().all(|x| *x == 0));
 }
 
+/// Host memory registered while device memory exists (here a static, far below the heap
+/// mapping) is host memory: registration neither confuses the two nor trips over the address
+/// arithmetic (it panicked with "attempt to subtract with overflow" in debug builds).
+#[test]
+fn host_memory_registered_beside_device_memory() {
+    struct Host(std::cell::UnsafeCell<[u8; 64]>);
+    // SAFETY: only this test touches it: the HCA writes it, then the test reads it.
+    unsafe impl Sync for Host {}
+    static HOST: Host = Host(std::cell::UnsafeCell::new([0; 64]));
+    let (a, b) = rc_pair();
+    let dm = b.h.alloc_dm(8192).unwrap();
+    let (_s, smr) = buf(&a, 64, 7, Access::ALL);
+    let p = HOST.0.get() as *mut u8;
+    assert!((p as u64) < dm.ptr as u64);
+    // SAFETY: a static, valid for the whole run.
+    let hmr = unsafe { b.h.reg_mr(b.pd, p, 64, Access::ALL) }.unwrap();
+    a.h.post_send(
+        a.qp,
+        &[SendWr::write(1, &[smr.sge(0, 64)], hmr.addr, hmr.rkey)],
+    )
+    .unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+    // SAFETY: the write completed; nothing else writes the static.
+    let got = unsafe { std::ptr::read_volatile(HOST.0.get()) };
+    assert!(got.iter().all(|x| *x == 7));
+    b.h.dereg_mr(hmr).unwrap();
+    b.h.free_dm(dm).unwrap();
+}
+
 #[test]
 fn rnr_retries_until_a_receive_is_posted_and_gives_up_when_told() {
     let (a, b) = rc_pair();

@@ -77,6 +77,9 @@ const QKEY: u32 = 0x5746_5243;
 const UD_RECVS: usize = 64;
 const UD_SENDS: usize = 16;
 const UD_SLOT: usize = 128;
+/// RMA and atomic requests posted at once, over all peers: with the receive and send buffers
+/// and one keepalive per peer, this bounds the completions the CQ must hold.
+const OPS_IN_FLIGHT: usize = 4096;
 /// Scratch words for atomics whose old value nobody asked for.
 const SCRATCH: usize = 64;
 /// Completions polled at once.
@@ -249,6 +252,8 @@ pub struct VerbsRc {
     /// The second QP of the connection to ourselves (its receives come from us).
     ops: Vec<Option<OpRec>>,
     free_ops: Vec<u32>,
+    /// RMA and atomic requests posted and not yet completed (at most `OPS_IN_FLIGHT`).
+    ops_posted: usize,
     table: CompletionTable,
     events: Vec<(Rank, ConnEvent)>,
     failures: Vec<(Rank, String)>,
@@ -404,7 +409,9 @@ impl VerbsRc {
         caps.mr_pins = attr.kind != "soft";
         let slot = FRAME_HDR + MAX_HDR + cfg.buf;
         // Every completion has a place: receives, sends of every peer's queue, the manager's.
-        let cqe = (cfg.srq + cfg.send_bufs + UD_RECVS + UD_SENDS + 4096).min(attr.max_cqe as usize);
+        let (rank, size) = (boot.rank(), boot.size());
+        let cqe = (cfg.srq + cfg.send_bufs + UD_RECVS + UD_SENDS + OPS_IN_FLIGHT + size as usize)
+            .min(attr.max_cqe as usize);
         let cq = hca.create_cq(cqe as u32)?;
         let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
         // Receive buffers are written by peers: HCA memory where there is enough of it.
@@ -431,7 +438,6 @@ impl VerbsRc {
             },
         )?;
         verbs::activate_ud(&*hca, ud_qp, QKEY)?;
-        let (rank, size) = (boot.rank(), boot.size());
         let mut me = VerbsRc {
             rank,
             size,
@@ -453,6 +459,7 @@ impl VerbsRc {
             by_qpn: HashMap::new(),
             ops: Vec::new(),
             free_ops: Vec::new(),
+            ops_posted: 0,
             table: CompletionTable::default(),
             events: Vec::new(),
             failures: Vec::new(),
@@ -758,13 +765,17 @@ impl VerbsRc {
     /// Post `r`'s queued RMA operations while its send queue has room.
     fn flush_queued(&mut self, r: Rank) -> Result<()> {
         let i = r as usize;
-        while self.peers[i].conn == Conn::Up && self.peers[i].inflight < self.sq_depth {
+        while self.peers[i].conn == Conn::Up
+            && self.peers[i].inflight < self.sq_depth
+            && self.ops_posted < OPS_IN_FLIGHT
+        {
             let Some((wr, _)) = self.peers[i].queued.pop_front() else {
                 break;
             };
             let qp = self.peers[i].qp.expect("connected peers have a QP");
             self.hca.post_send(qp, std::slice::from_ref(&wr))?;
             self.peers[i].inflight += 1;
+            self.ops_posted += 1;
         }
         Ok(())
     }
@@ -894,6 +905,7 @@ impl VerbsRc {
                     return Ok(());
                 };
                 self.free_ops.push(idx);
+                self.ops_posted = self.ops_posted.saturating_sub(1);
                 let r = rec.peer;
                 let p = &mut self.peers[r as usize];
                 p.inflight = p.inflight.saturating_sub(1);

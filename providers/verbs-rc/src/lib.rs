@@ -47,7 +47,7 @@ use weft_provider::provider::{
 };
 use weft_provider::types::{AtomicTable, BasicType, Op, Rank};
 use weft_provider::{Error, ErrorDetail, Result};
-use weft_verbs::{self as verbs, Endpoint, Hca, QpType, SendWr, WcOpcode, WcStatus};
+use weft_verbs::{self as verbs, Endpoint, Hca, QpType, SendWr, WcOpcode, WcStatus, WrOpcode};
 use wire::{CmKind, CmMsg, Frame, FrameKind, CM_LEN, FRAME_HDR};
 
 weft_provider::param!(BUF: Size = "verbs", "RC_BUF", "16K",
@@ -80,8 +80,6 @@ const UD_SLOT: usize = 128;
 /// RMA and atomic requests posted at once, over all peers: with the receive and send buffers
 /// and one keepalive per peer, this bounds the completions the CQ must hold.
 const OPS_IN_FLIGHT: usize = 4096;
-/// Scratch words for atomics whose old value nobody asked for.
-const SCRATCH: usize = 64;
 /// Completions polled at once.
 const POLL: usize = 32;
 /// First resend of an unanswered connection request; doubled each time, up to 1 s.
@@ -202,6 +200,8 @@ struct Peer {
     inflight: u32,
     /// RMA operations waiting for the connection or for room in the send queue.
     queued: VecDeque<(SendWr, u32)>,
+    /// Listed in the provider's backlog.
+    backlogged: bool,
     /// The peer's connection-manager address.
     ud: Option<(verbs::Ah, u32)>,
 }
@@ -217,6 +217,7 @@ impl Peer {
             remote_qpn: None,
             inflight: 0,
             queued: VecDeque::new(),
+            backlogged: false,
             ud: None,
         }
     }
@@ -226,7 +227,6 @@ impl Peer {
 struct OpRec {
     peer: Rank,
     done: Completion,
-    scratch: Option<u32>,
 }
 
 /// The provider.
@@ -249,7 +249,10 @@ pub struct VerbsRc {
     max_sge: usize,
     peers: Vec<Peer>,
     by_qpn: HashMap<u32, Rank>,
-    /// The second QP of the connection to ourselves (its receives come from us).
+    /// Peers with operations in their queue, to post as room frees up.
+    backlog: Vec<Rank>,
+    /// Where `poll_cq` puts completions.
+    wcs: [verbs::Wc; POLL],
     ops: Vec<Option<OpRec>>,
     free_ops: Vec<u32>,
     /// RMA and atomic requests posted and not yet completed (at most `OPS_IN_FLIGHT`).
@@ -266,7 +269,8 @@ pub struct VerbsRc {
     next_keepalive: Instant,
     polls: u32,
     mrs: HashMap<u64, verbs::Mr>,
-    dead_qps: Vec<verbs::Qp>,
+    /// The second QP of the connection to ourselves (its receives come from us).
+    self_back: Option<verbs::Qp>,
     stats: Stats,
 }
 
@@ -365,6 +369,13 @@ impl Config {
         })
     }
 
+    /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
+    /// connection manager's, the RMA requests in flight and one keepalive per peer.
+    fn cqe(&self, size: u32, attr: &verbs::DeviceAttr) -> u32 {
+        let n = self.srq + self.send_bufs + UD_RECVS + UD_SENDS + OPS_IN_FLIGHT + size as usize;
+        n.min(attr.max_cqe as usize) as u32
+    }
+
     fn caps(&self) -> Caps {
         let mut caps = Caps::am_only(MAX_HDR, self.buf, 16);
         caps.spans_hosts = true;
@@ -410,16 +421,14 @@ impl VerbsRc {
         let slot = FRAME_HDR + MAX_HDR + cfg.buf;
         // Every completion has a place: receives, sends of every peer's queue, the manager's.
         let (rank, size) = (boot.rank(), boot.size());
-        let cqe = (cfg.srq + cfg.send_bufs + UD_RECVS + UD_SENDS + OPS_IN_FLIGHT + size as usize)
-            .min(attr.max_cqe as usize);
-        let cq = hca.create_cq(cqe as u32)?;
+        let cq = hca.create_cq(cfg.cqe(size, &attr))?;
         let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
         // Receive buffers are written by peers: HCA memory where there is enough of it.
         let recv = Pool::new(&*hca, pd, cfg.srq, slot, true)?;
         let send = Pool::new(&*hca, pd, cfg.send_bufs, slot, false)?;
         let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT, false)?;
         let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT, false)?;
-        let scratch = Pool::new(&*hca, pd, SCRATCH, 8, false)?;
+        let scratch = Pool::new(&*hca, pd, 1, 8, false)?;
         let ud_qp = hca.create_qp(
             pd,
             &verbs::QpInitAttr {
@@ -457,6 +466,17 @@ impl VerbsRc {
             max_sge,
             peers: (0..size).map(|_| Peer::new()).collect(),
             by_qpn: HashMap::new(),
+            backlog: Vec::new(),
+            wcs: [verbs::Wc {
+                wr_id: 0,
+                status: WcStatus::Success,
+                opcode: WcOpcode::Send,
+                byte_len: 0,
+                imm: None,
+                qp_num: 0,
+                src_qp: 0,
+                grh: false,
+            }; POLL],
             ops: Vec::new(),
             free_ops: Vec::new(),
             ops_posted: 0,
@@ -472,7 +492,7 @@ impl VerbsRc {
             next_keepalive: Instant::now(),
             polls: 0,
             mrs: HashMap::new(),
-            dead_qps: Vec::new(),
+            self_back: None,
             stats: Stats::default(),
         };
         for i in 0..cfg.srq as u32 {
@@ -619,7 +639,7 @@ impl VerbsRc {
             let b = Endpoint::of(&*self.hca, back, psn);
             verbs::connect_rc(&*self.hca, qp, psn, &b, &p)?;
             verbs::connect_rc(&*self.hca, back, psn, &a, &p)?;
-            self.dead_qps.push(back);
+            self.self_back = Some(back);
             let me = &mut self.peers[i];
             me.qp = Some(qp);
             me.psn = psn;
@@ -799,18 +819,20 @@ impl VerbsRc {
         if self.peers[i].conn == Conn::Failed {
             return Err(self.peer_gone(dest));
         }
-        let op = self.new_op(OpRec {
-            peer: dest,
-            done,
-            scratch: None,
-        });
+        let op = self.new_op(OpRec { peer: dest, done });
         wr.wr_id = K_OP | op as u64;
         wr.signaled = true;
         self.peers[i].queued.push_back((wr, op));
         if self.peers[i].conn == Conn::Idle {
             self.start(dest)?;
         }
-        self.flush_queued(dest)
+        self.flush_queued(dest)?;
+        let p = &mut self.peers[i];
+        if !p.queued.is_empty() && !p.backlogged {
+            p.backlogged = true;
+            self.backlog.push(dest);
+        }
+        Ok(())
     }
 
     /// Local SGEs of an RMA operation (empty pieces dropped).
@@ -842,6 +864,40 @@ impl VerbsRc {
             )));
         }
         Ok(v)
+    }
+
+    /// Post (or queue) one RDMA read, write or write with immediate of `sg`; a read or write
+    /// that moves nothing completes at once.
+    fn rdma(
+        &mut self,
+        peer: Rank,
+        op: WrOpcode,
+        sg: SmallVec<[verbs::Sge; 2]>,
+        remote: RemoteAddr,
+        imm: u32,
+        done: Completion,
+    ) -> Result<()> {
+        if sg.is_empty() && op != WrOpcode::RdmaWriteWithImm {
+            self.check_rank(peer)?;
+            self.table.finish(done, Ok(()));
+            return Ok(());
+        }
+        let key = Self::rkey(remote)?;
+        let wr = match op {
+            WrOpcode::RdmaRead => {
+                self.stats.rma_read += 1;
+                SendWr::read(0, &sg, remote.addr, key)
+            }
+            WrOpcode::RdmaWriteWithImm => {
+                self.stats.rma_write += 1;
+                SendWr::write_imm(0, &sg, remote.addr, key, imm)
+            }
+            _ => {
+                self.stats.rma_write += 1;
+                SendWr::write(0, &sg, remote.addr, key)
+            }
+        };
+        self.submit(peer, wr, done)
     }
 
     fn rkey(remote: RemoteAddr) -> Result<u32> {
@@ -920,7 +976,6 @@ impl VerbsRc {
                     WcStatus::WrFlushErr => Err(self.peer_gone(r)),
                     st => Err(verr("RMA operation", st)),
                 };
-                let _ = rec.scratch;
                 self.table.finish(rec.done, res);
                 if !ok && wc.status != WcStatus::WrFlushErr {
                     self.conn_failed(r, wc.status);
@@ -1104,20 +1159,11 @@ impl Provider for VerbsRc {
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
         let mut n = 0;
-        let mut wcs = [verbs::Wc {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            qp_num: 0,
-            src_qp: 0,
-            grh: false,
-        }; POLL];
         loop {
-            let k = self.hca.poll_cq(self.cq, &mut wcs)?;
-            for wc in &wcs[..k] {
-                self.on_wc(wc, sink)?;
+            let k = self.hca.poll_cq(self.cq, &mut self.wcs)?;
+            for j in 0..k {
+                let wc = self.wcs[j];
+                self.on_wc(&wc, sink)?;
             }
             n += k;
             if k < POLL {
@@ -1129,9 +1175,16 @@ impl Provider for VerbsRc {
             self.cm_timers()?;
             self.keepalives()?;
         }
-        for r in 0..self.size {
-            if !self.peers[r as usize].queued.is_empty() {
-                self.flush_queued(r)?;
+        let mut i = 0;
+        while i < self.backlog.len() {
+            let r = self.backlog[i];
+            self.flush_queued(r)?;
+            let p = &mut self.peers[r as usize];
+            if p.queued.is_empty() {
+                p.backlogged = false;
+                self.backlog.swap_remove(i);
+            } else {
+                i += 1;
             }
         }
         for (r, e) in self.events.drain(..) {
@@ -1228,14 +1281,7 @@ impl Provider for VerbsRc {
         done: Completion,
     ) -> Result<()> {
         let sg = self.sges(local.iter().map(|v| (v.ptr as u64, v.len, v.desc)))?;
-        if sg.is_empty() {
-            self.check_rank(src)?;
-            self.table.finish(done, Ok(()));
-            return Ok(());
-        }
-        self.stats.rma_read += 1;
-        let wr = SendWr::read(0, &sg, remote.addr, Self::rkey(remote)?);
-        self.submit(src, wr, done)
+        self.rdma(src, WrOpcode::RdmaRead, sg, remote, 0, done)
     }
 
     unsafe fn rma_write(
@@ -1246,14 +1292,7 @@ impl Provider for VerbsRc {
         done: Completion,
     ) -> Result<()> {
         let sg = self.sges(local.iter().map(|v| (v.ptr as u64, v.len, v.desc)))?;
-        if sg.is_empty() {
-            self.check_rank(dest)?;
-            self.table.finish(done, Ok(()));
-            return Ok(());
-        }
-        self.stats.rma_write += 1;
-        let wr = SendWr::write(0, &sg, remote.addr, Self::rkey(remote)?);
-        self.submit(dest, wr, done)
+        self.rdma(dest, WrOpcode::RdmaWrite, sg, remote, 0, done)
     }
 
     unsafe fn rma_write_data(
@@ -1264,15 +1303,13 @@ impl Provider for VerbsRc {
         data: u64,
         done: Completion,
     ) -> Result<()> {
-        if data > u32::MAX as u64 {
-            return Err(Error::invalid(format!(
+        let imm = u32::try_from(data).map_err(|_| {
+            Error::invalid(format!(
                 "verbs-rc: remote completion data {data:#x} is over the 4 bytes of an immediate"
-            )));
-        }
+            ))
+        })?;
         let sg = self.sges(local.iter().map(|v| (v.ptr as u64, v.len, v.desc)))?;
-        self.stats.rma_write += 1;
-        let wr = SendWr::write_imm(0, &sg, remote.addr, Self::rkey(remote)?, data as u32);
-        self.submit(dest, wr, done)
+        self.rdma(dest, WrOpcode::RdmaWriteWithImm, sg, remote, imm, done)
     }
 
     unsafe fn atomic(
@@ -1346,7 +1383,7 @@ impl Drop for VerbsRc {
             .peers
             .iter()
             .filter_map(|p| p.qp)
-            .chain(self.dead_qps.drain(..))
+            .chain(self.self_back.take())
             .chain(std::iter::once(self.ud_qp))
             .collect();
         for q in qps {
@@ -1416,9 +1453,7 @@ pub fn footprint() -> Result<Footprint> {
     let hca = verbs::open_default()?;
     let pd = hca.alloc_pd()?;
     let a0 = hca.accounting().total();
-    let cqe =
-        (cfg.srq + cfg.send_bufs + UD_RECVS + UD_SENDS + 4096).min(hca.attr().max_cqe as usize);
-    let cq = hca.create_cq(cqe as u32)?;
+    let cq = hca.create_cq(cfg.cqe(1, hca.attr()))?;
     let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
     let ud = hca.create_qp(
         pd,
@@ -1468,6 +1503,6 @@ pub fn footprint() -> Result<Footprint> {
         per_peer: a2 - a1,
         hca_shared: a1 - a0,
         buffers: (cfg.srq + cfg.send_bufs) as u64 * slot
-            + ((UD_RECVS + UD_SENDS) * UD_SLOT + SCRATCH * 8) as u64,
+            + ((UD_RECVS + UD_SENDS) * UD_SLOT + 8) as u64,
     })
 }

@@ -91,7 +91,6 @@ fn more_requests_than_the_cq_holds_all_complete() {
                 assert!(done.0.iter().all(|(_, ok)| *ok));
                 finished.store(true, Ordering::Release);
                 p.mr_deregister(&lmr).unwrap();
-                let _ = &mut mem;
             })
         })
         .collect();

@@ -99,6 +99,24 @@ fn rc_pair() -> (Side, Side) {
     rc_pair_with(Config::default(), Config::default(), fast())
 }
 
+/// Two active UD QPs with `qkey` (`a`'s HCA configured by `ca`), and `a`'s handle for `b`.
+fn ud_pair(ca: Config, qkey: u32) -> (Side, Side, Ah) {
+    let a = side(hca(ca), QpType::Ud, None, None);
+    let b = side(hca_b(Config::default()), QpType::Ud, None, None);
+    activate_ud(&*a.h, a.qp, qkey).unwrap();
+    activate_ud(&*b.h, b.qp, qkey).unwrap();
+    let ah =
+        a.h.create_ah(
+            a.pd,
+            &AhAttr {
+                dgid: b.h.gid(),
+                ..AhAttr::default()
+            },
+        )
+        .unwrap();
+    (a, b, ah)
+}
+
 /// A heap buffer registered with `access`; the Box stays alive as long as the MR.
 fn buf(s: &Side, len: usize, fill: u8, access: Access) -> (Box<[u8]>, Mr) {
     let mut b = vec![fill; len].into_boxed_slice();
@@ -796,19 +814,7 @@ fn the_state_machine_is_enforced() {
 
 #[test]
 fn ud_delivers_one_mtu_behind_a_grh_and_drops_silently() {
-    let a = side(hca(Config::default()), QpType::Ud, None, None);
-    let b = side(hca_b(Config::default()), QpType::Ud, None, None);
-    activate_ud(&*a.h, a.qp, 0x1111).unwrap();
-    activate_ud(&*b.h, b.qp, 0x1111).unwrap();
-    let ah =
-        a.h.create_ah(
-            a.pd,
-            &AhAttr {
-                dgid: b.h.gid(),
-                ..AhAttr::default()
-            },
-        )
-        .unwrap();
+    let (a, b, ah) = ud_pair(Config::default(), 0x1111);
     let (_s, smr) = buf(&a, 4096, 9, Access::ALL);
     let (rb, rmr) = buf(&b, 4096, 0, Access::LOCAL_WRITE);
     // No receive posted: dropped, yet the send completes (UD has no RNR).
@@ -888,19 +894,7 @@ fn ud_faults_are_seeded() {
             seed,
             ..Config::default()
         };
-        let a = side(hca(cfg), QpType::Ud, None, None);
-        let b = side(hca_b(Config::default()), QpType::Ud, None, None);
-        activate_ud(&*a.h, a.qp, 1).unwrap();
-        activate_ud(&*b.h, b.qp, 1).unwrap();
-        let ah =
-            a.h.create_ah(
-                a.pd,
-                &AhAttr {
-                    dgid: b.h.gid(),
-                    ..AhAttr::default()
-                },
-            )
-            .unwrap();
+        let (a, b, ah) = ud_pair(cfg, 1);
         let (_s, smr) = buf(&a, 8 * 100, 0, Access::ALL);
         let (rb, rmr) = buf(&b, 48 * 128, 0, Access::LOCAL_WRITE);
         let recvs: Vec<RecvWr> = (0..128)

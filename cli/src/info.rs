@@ -202,9 +202,12 @@ pub fn verbs_report() -> String {
     match weft_verbs_rc::footprint() {
         Ok(f) => writeln!(
             s,
-            "  verbs-rc memory: {} B of HCA memory per connected peer (its RC QP); per process \
-             {} B of HCA memory (CQ, SRQ, connection manager) and {} KiB of registered buffers",
+            "  verbs-rc memory: {} B of HCA memory per connected peer (its RC QP) and {} KiB of \
+             eager rings ({}); per process {} B of HCA memory (CQ, SRQ, connection manager) and \
+             {} KiB of registered buffers",
             f.per_peer,
+            f.eager_per_peer >> 10,
+            f.eager,
             f.hca_shared,
             f.buffers >> 10
         )

@@ -16,6 +16,12 @@
 //!   RC-SR): a frame header, the AM header and the payload, copied into a registered send
 //!   buffer; the receiver hands the buffer to the core and reposts it. An empty receive queue
 //!   makes the sender's HCA retry (RNR, forever: `rnr_retry` 7), so nothing is lost.
+//! * **Eager rings** (`WEFT_VERBS_RC_EAGER`, [`eager`]): small messages by RDMA write into a
+//!   per-peer ring in the receiver's memory — MVAPICH's fast-path slots (default, set up by the
+//!   receiver once a peer has sent enough) or paper 000's basic, piggyback and pipeline rings
+//!   (set up at connection). The receiver offers its ring in an `Offer` frame; messages that do
+//!   not fit go by send/receive, and per-pair sequence numbers restore the order between the
+//!   two channels.
 //! * **RMA** is native: RDMA write and read between registered regions (local descriptors are
 //!   the lkeys of the core's registrations, `mr_local`), write with immediate data for remote
 //!   completion data, and the HCA's 8-byte fetch-and-add and compare-and-swap. RC
@@ -31,12 +37,16 @@
 //! the RC connection too (the HCA moves the QP to the error state): the failing operation
 //! reports its status and the peer is failed with it.
 
+pub mod eager;
 pub mod wire;
 
+use eager::{Design, Peek, RingMem, Shape};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
+use std::collections::BTreeMap;
 use std::collections::VecDeque;
 use std::io::IoSlice;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
@@ -48,7 +58,11 @@ use weft_provider::provider::{
 use weft_provider::types::{AtomicTable, BasicType, Op, Rank};
 use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::{self as verbs, Endpoint, Hca, QpType, SendWr, WcOpcode, WcStatus, WrOpcode};
-use wire::{CmKind, CmMsg, Frame, FrameKind, CM_LEN, FRAME_HDR};
+use wire::{CmKind, CmMsg, Frame, FrameKind, Offer, CM_LEN, FRAME_HDR};
+
+/// Bytes after a ring's memory ([`Shape::mem_len`]) in a peer block: basic's tail word (the
+/// peer acknowledges *our* ring there) and the source word of the tail pointers we write.
+const BLOCK_EXTRA: usize = 16;
 
 weft_provider::param!(BUF: Size = "verbs", "RC_BUF", "16K",
     "verbs-rc: bytes of active-message payload one RC send carries (the eager limit and the rendezvous chunk); 1K to 1M");
@@ -66,6 +80,20 @@ weft_provider::param!(RETRY: Uint = "verbs", "RC_RETRY", "7",
     "verbs-rc: RC transport retries before a peer is declared failed (0 to 7)");
 weft_provider::param!(KEEPALIVE: Float = "verbs", "RC_KEEPALIVE", "2",
     "verbs-rc: seconds between keepalive probes (a zero-length RDMA write) to connected peers with nothing in flight, so that a rank waiting only to receive notices a dead peer; 0: off");
+weft_provider::param!(EAGER: Enum(&["fastpath", "basic", "piggyback", "pipeline"]) = "verbs", "RC_EAGER", "fastpath",
+    "verbs-rc: eager design: fastpath (MVAPICH RC-FP: per-peer RDMA slots after RC_FP_THRESHOLD messages, send/receive otherwise), basic (ring with head and tail pointers, three RDMA writes a message), piggyback (flags in the record, batched acknowledgements), pipeline (piggyback, large records written in RC_CHUNK pieces)");
+weft_provider::param!(RING: Size = "verbs", "RC_RING", "256K",
+    "verbs-rc basic/piggyback/pipeline: bytes of each per-peer eager ring (in the receiver's memory, mirrored by the sender); 4K to 8M");
+weft_provider::param!(CHUNK: Size = "verbs", "RC_CHUNK", "16K",
+    "verbs-rc pipeline design: bytes per RDMA write when a record is written piece by piece (paper 000: 16 KiB); 64 bytes or more");
+weft_provider::param!(FP_BUFS: Uint = "verbs", "RC_FP_BUFS", "16",
+    "verbs-rc fastpath: RDMA eager slots per peer (MVAPICH MV2_NUM_RDMA_BUFFER); 2 to 1024");
+weft_provider::param!(FP_SIZE: Size = "verbs", "RC_FP_SIZE", "4K",
+    "verbs-rc fastpath: bytes of one slot, head and tail flags included (MVAPICH MV2_RDMA_FAST_PATH_BUF_SIZE); 256 to 1M");
+weft_provider::param!(FP_THRESHOLD: Uint = "verbs", "RC_FP_THRESHOLD", "16",
+    "verbs-rc fastpath: messages received from a peer before its slots are set up (MVAPICH: 256, Open MPI: 16); 0: at connection");
+weft_provider::param!(FP_PEERS: Uint = "verbs", "RC_FP_PEERS", "64",
+    "verbs-rc fastpath: peers with slots at most (MVAPICH MV2_POLLING_SET_LIMIT); the others use send/receive");
 weft_provider::param!(CONNECT_TIMEOUT: Float = "verbs", "RC_CONNECT_TIMEOUT", "30",
     "verbs-rc: seconds a connection request may go unanswered before the peer is failed");
 
@@ -80,6 +108,8 @@ const UD_SLOT: usize = 128;
 /// RMA and atomic requests posted at once, over all peers: with the receive and send buffers
 /// and one keepalive per peer, this bounds the completions the CQ must hold.
 const OPS_IN_FLIGHT: usize = 4096;
+/// Eager-ring RDMA writes (records, head and tail pointers) posted at once, over all peers.
+const RING_IN_FLIGHT: usize = 2048;
 /// Completions polled at once.
 const POLL: usize = 32;
 /// First resend of an unanswered connection request; doubled each time, up to 1 s.
@@ -92,11 +122,13 @@ const K_SRQ: u64 = 3 << 56;
 const K_UDR: u64 = 4 << 56;
 const K_UDS: u64 = 5 << 56;
 const K_KA: u64 = 6 << 56;
+const K_RING: u64 = 7 << 56;
 const K_MASK: u64 = 0xff << 56;
 
 /// Where a pool's memory comes from.
 enum Backing {
-    Host(#[allow(dead_code)] Box<[u8]>),
+    /// Words, so that the eager rings' flags are 8-byte aligned.
+    Host(#[allow(dead_code)] Box<[u64]>),
     /// Memory of the HCA (`alloc_dm`): on the soft HCA a peer's requester writes it with plain
     /// stores instead of Cross-Memory Attach, which is what makes small messages cheap.
     Device(verbs::Dm),
@@ -114,10 +146,27 @@ struct Pool {
 impl Pool {
     /// `n` slots of `slot` bytes; in device memory when `device` and the HCA has enough.
     fn new(hca: &dyn Hca, pd: verbs::Pd, n: usize, slot: usize, device: bool) -> Result<Pool> {
+        Self::with_access(hca, pd, n, slot, device, verbs::Access::LOCAL_WRITE)
+    }
+
+    /// One region of `len` bytes peers may write (an eager ring).
+    fn remote(hca: &dyn Hca, pd: verbs::Pd, len: usize, device: bool) -> Result<Pool> {
+        let a = verbs::Access::LOCAL_WRITE | verbs::Access::REMOTE_WRITE;
+        Self::with_access(hca, pd, 1, len, device, a)
+    }
+
+    fn with_access(
+        hca: &dyn Hca,
+        pd: verbs::Pd,
+        n: usize,
+        slot: usize,
+        device: bool,
+        access: verbs::Access,
+    ) -> Result<Pool> {
         let len = n * slot;
         let backing = match device.then(|| hca.alloc_dm(len)) {
             Some(Ok(dm)) => Backing::Device(dm),
-            _ => Backing::Host(vec![0u8; len].into_boxed_slice()),
+            _ => Backing::Host(vec![0u64; len.div_ceil(8)].into_boxed_slice()),
         };
         let base = match &backing {
             Backing::Host(b) => b.as_ptr() as *mut u8,
@@ -125,7 +174,7 @@ impl Pool {
         };
         // SAFETY: the memory lives in the pool, which deregisters it (the provider's Drop,
         // after its QPs are destroyed) before freeing it; it never moves.
-        let mr = match unsafe { hca.reg_mr(pd, base, len, verbs::Access::LOCAL_WRITE) } {
+        let mr = match unsafe { hca.reg_mr(pd, base, len, access) } {
             Ok(mr) => mr,
             Err(e) => {
                 if let Backing::Device(d) = backing {
@@ -145,6 +194,11 @@ impl Pool {
 
     fn sge(&self, i: u32, len: usize) -> verbs::Sge {
         self.mr.sge(i as usize * self.slot, len)
+    }
+
+    /// Bytes of a one-slot pool (a ring or its mirror).
+    fn all(&mut self) -> &mut [u8] {
+        self.buf(0)
     }
 
     fn buf(&mut self, i: u32) -> &mut [u8] {
@@ -204,6 +258,65 @@ struct Peer {
     backlogged: bool,
     /// The peer's connection-manager address.
     ud: Option<(verbs::Ah, u32)>,
+    /// Sequence number of our next active message to the peer.
+    seq_out: u32,
+    /// Sequence number of the next active message we deliver from the peer.
+    expect: u32,
+    /// Send/receive frames that overtook eager records (by sequence number): copies.
+    stash: BTreeMap<u32, (usize, Vec<u8>)>,
+    /// Active messages received from the peer (the fast path's set-up threshold).
+    got: u64,
+    /// The ring we write into, in the peer's memory.
+    etx: Option<EagerTx>,
+    /// The ring the peer writes into, in ours.
+    erx: Option<EagerRx>,
+    /// Our `Offer` still has to go (the send buffers were full).
+    offer_pending: bool,
+}
+
+/// Our side of the ring in a peer's memory.
+struct EagerTx {
+    tx: eager::Tx,
+    /// The mirror of the ring, the source of the writes, and the head-pointer source word.
+    staging: Pool,
+    /// The peer's block: the ring, its head word, our tail word.
+    addr: u64,
+    rkey: u32,
+}
+
+/// The ring a peer writes into: our block ([`Shape::mem_len`] + [`BLOCK_EXTRA`] bytes).
+struct EagerRx {
+    rx: eager::Rx,
+    block: Pool,
+}
+
+/// The receiver's view of its block for the sans-IO ring: loads and flag stores through raw
+/// pointers, since the peer's HCA writes this memory while we read it.
+struct BlockView {
+    base: *mut u8,
+    len: usize,
+}
+
+impl RingMem for BlockView {
+    fn load(&self, off: usize) -> u64 {
+        assert!(
+            off % 8 == 0 && off + 8 <= self.len,
+            "ring word out of the block"
+        );
+        // SAFETY: in bounds and 8-aligned (checked above; blocks are page- or word-aligned).
+        // An atomic load because the peer's HCA stores into these bytes concurrently; acquire,
+        // so that once a record's last byte (released last by the HCA) is seen, the rest is.
+        unsafe { AtomicU64::from_ptr(self.base.add(off) as *mut u64) }.load(Ordering::Acquire)
+    }
+
+    fn clear_flag(&mut self, off: usize) {
+        assert!(
+            off % 8 == 0 && off + 8 <= self.len,
+            "ring word out of the block"
+        );
+        // SAFETY: in bounds (checked above); a single-byte atomic store.
+        unsafe { AtomicU8::from_ptr(self.base.add(off + 7)) }.store(0, Ordering::Release);
+    }
 }
 
 impl Peer {
@@ -219,6 +332,13 @@ impl Peer {
             queued: VecDeque::new(),
             backlogged: false,
             ud: None,
+            seq_out: 0,
+            expect: 0,
+            stash: BTreeMap::new(),
+            got: 0,
+            etx: None,
+            erx: None,
+            offer_pending: false,
         }
     }
 }
@@ -271,6 +391,16 @@ pub struct VerbsRc {
     mrs: HashMap<u64, verbs::Mr>,
     /// The second QP of the connection to ourselves (its receives come from us).
     self_back: Option<verbs::Qp>,
+    /// Eager design and geometry.
+    shape: Shape,
+    fp_threshold: u64,
+    fp_peers: usize,
+    /// Peers whose eager ring (in our memory) we poll.
+    polling: Vec<Rank>,
+    /// Ring writes posted and not yet completed (at most `RING_IN_FLIGHT`).
+    ring_posted: usize,
+    /// Largest frame a send buffer holds.
+    slot: usize,
     stats: Stats,
 }
 
@@ -285,6 +415,13 @@ struct Stats {
     connects: u64,
     cm_resends: u64,
     busy: u64,
+    eager_ring: u64,
+    eager_sr: u64,
+    ring_full: u64,
+    offers: u64,
+    credits: u64,
+    pointer_writes: u64,
+    overtaken: u64,
 }
 
 fn verr(what: &str, st: WcStatus) -> Error {
@@ -306,6 +443,13 @@ fn vaccess(a: Access) -> verbs::Access {
 }
 
 struct Config {
+    design: Design,
+    ring: usize,
+    chunk: usize,
+    fp_bufs: usize,
+    fp_size: usize,
+    fp_threshold: u64,
+    fp_peers: usize,
     buf: usize,
     srq: usize,
     send_bufs: usize,
@@ -353,7 +497,46 @@ impl Config {
                 "WEFT_VERBS_RC_KEEPALIVE: seconds, 0 or more",
             ));
         }
+        let design = Design::parse(EAGER.get_enum()?).expect("the parameter lists the designs");
+        let (ring, chunk) = (RING.get_size()?, CHUNK.get_size()?);
+        let (fp_bufs, fp_size) = (FP_BUFS.get_u64()? as usize, FP_SIZE.get_size()?);
+        let cfg_shape = |design| Shape {
+            design,
+            size: if design == Design::Fastpath {
+                fp_bufs.saturating_mul(fp_size)
+            } else {
+                ring
+            },
+            slot: fp_size,
+            chunk,
+        };
+        if !(4096..=8 << 20).contains(&ring) || ring % 8 != 0 {
+            return Err(Error::invalid(format!(
+                "WEFT_VERBS_RC_RING={ring}: a multiple of 8 from 4K to 8M"
+            )));
+        }
+        if chunk < 64 || chunk % 8 != 0 {
+            return Err(Error::invalid(format!(
+                "WEFT_VERBS_RC_CHUNK={chunk}: a multiple of 8, 64 or more"
+            )));
+        }
+        if !(2..=1024).contains(&fp_bufs)
+            || !(256..=1 << 20).contains(&fp_size)
+            || fp_size % 8 != 0
+            || !cfg_shape(Design::Fastpath).valid()
+        {
+            return Err(Error::invalid(format!(
+                "WEFT_VERBS_RC_FP_BUFS={fp_bufs} x WEFT_VERBS_RC_FP_SIZE={fp_size}: 2 to 1024 slots of 256 B to 1 MiB (a multiple of 8), 8 MiB at most"
+            )));
+        }
         Ok(Config {
+            design,
+            ring,
+            chunk,
+            fp_bufs,
+            fp_size,
+            fp_threshold: FP_THRESHOLD.get_u64()?,
+            fp_peers: FP_PEERS.get_u64()? as usize,
             rc: verbs::RcParams {
                 timeout: timeout as u8,
                 retry_cnt: retry as u8,
@@ -369,10 +552,37 @@ impl Config {
         })
     }
 
+    /// The geometry of every eager ring of the design in force.
+    fn shape(&self) -> Shape {
+        Shape {
+            design: self.design,
+            size: if self.design == Design::Fastpath {
+                self.fp_bufs * self.fp_size
+            } else {
+                self.ring
+            },
+            slot: self.fp_size,
+            chunk: self.chunk,
+        }
+    }
+
+    /// Bytes of eager-ring memory one peer costs on each side: the ring it writes into here
+    /// (and the words beside it) and the mirror of ours there.
+    fn eager_bytes(&self) -> usize {
+        2 * (self.shape().mem_len() + BLOCK_EXTRA)
+    }
+
     /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
-    /// connection manager's, the RMA requests in flight and one keepalive per peer.
+    /// connection manager's, the RMA requests and ring writes in flight and one keepalive per
+    /// peer.
     fn cqe(&self, size: u32, attr: &verbs::DeviceAttr) -> u32 {
-        let n = self.srq + self.send_bufs + UD_RECVS + UD_SENDS + OPS_IN_FLIGHT + size as usize;
+        let n = self.srq
+            + self.send_bufs
+            + UD_RECVS
+            + UD_SENDS
+            + OPS_IN_FLIGHT
+            + RING_IN_FLIGHT
+            + size as usize;
         n.min(attr.max_cqe as usize) as u32
     }
 
@@ -493,6 +703,12 @@ impl VerbsRc {
             polls: 0,
             mrs: HashMap::new(),
             self_back: None,
+            shape: cfg.shape(),
+            fp_threshold: cfg.fp_threshold,
+            fp_peers: cfg.fp_peers,
+            polling: Vec::new(),
+            ring_posted: 0,
+            slot,
             stats: Stats::default(),
         };
         for i in 0..cfg.srq as u32 {
@@ -645,7 +861,7 @@ impl VerbsRc {
             me.psn = psn;
             me.conn = Conn::Up;
             self.events.push((r, ConnEvent::Connected));
-            return Ok(());
+            return self.on_up(r);
         }
         let now = Instant::now();
         let p = &mut self.peers[i];
@@ -703,8 +919,9 @@ impl VerbsRc {
                 verbs::connect_rc(&*self.hca, qp, p.psn, &m.ep, &self.rc)?;
                 self.peers[i].remote_qpn = Some(m.ep.qpn);
                 self.peers[i].conn = Conn::Up;
-                self.send_frame(r, FrameKind::Rtu, &[], &[])?;
+                self.send_frame(r, FrameKind::Rtu, 0, &[], &[])?;
                 self.events.push((r, ConnEvent::Connected));
+                self.on_up(r)?;
             }
             (CmKind::Rep, _) => {}
         }
@@ -745,6 +962,7 @@ impl VerbsRc {
         &mut self,
         r: Rank,
         kind: FrameKind,
+        seq: u32,
         header: &[u8],
         payload: &[IoSlice<'_>],
     ) -> Result<SendOutcome> {
@@ -759,11 +977,14 @@ impl VerbsRc {
             return Ok(SendOutcome::Busy);
         };
         let plen: usize = payload.iter().map(|p| p.len()).sum();
+        let ack = self.ack_for(r);
         let buf = self.send.buf(b);
         Frame {
             kind,
             hlen: header.len(),
             plen,
+            seq,
+            ack,
         }
         .write(&mut buf[..FRAME_HDR]);
         let mut o = FRAME_HDR;
@@ -913,6 +1134,7 @@ impl VerbsRc {
             return;
         }
         self.peers[i].conn = Conn::Failed;
+        self.polling.retain(|&p| p != r);
         let reason = match st {
             WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr => {
                 format!(
@@ -942,7 +1164,7 @@ impl VerbsRc {
             K_SRQ => {
                 let src = self.by_qpn.get(&wc.qp_num).copied();
                 if let (true, Some(src)) = (ok, src) {
-                    self.on_recv(src, idx, wc, sink);
+                    self.on_recv(src, idx, wc, sink)?;
                 }
                 self.post_srq(idx)?;
             }
@@ -993,6 +1215,15 @@ impl VerbsRc {
                 self.post_ud_recv(idx)?;
             }
             K_UDS => self.ud_send.free.push(idx),
+            K_RING => {
+                self.ring_posted = self.ring_posted.saturating_sub(1);
+                if let Some(p) = self.peers.get_mut(idx as usize) {
+                    p.inflight = p.inflight.saturating_sub(1);
+                    if !ok && wc.status != WcStatus::WrFlushErr {
+                        self.conn_failed(idx, wc.status);
+                    }
+                }
+            }
             K_KA => {
                 let r = idx;
                 if let Some(p) = self.peers.get_mut(r as usize) {
@@ -1007,40 +1238,409 @@ impl VerbsRc {
         Ok(())
     }
 
-    fn on_recv(&mut self, src: Rank, idx: u32, wc: &verbs::Wc, sink: &mut dyn Sink) {
+    fn on_recv(&mut self, src: Rank, idx: u32, wc: &verbs::Wc, sink: &mut dyn Sink) -> Result<()> {
         if wc.opcode == WcOpcode::RecvRdmaWithImm {
             self.stats.write_data += 1;
             sink.rma_data(src, wc.imm.unwrap_or(0) as u64);
-            return;
+            return Ok(());
         }
+        let i = src as usize;
         let b = self.recv.bytes(idx, wc.byte_len as usize);
-        match Frame::read(b, MAX_HDR) {
-            Some(Frame {
-                kind: FrameKind::Am,
-                hlen,
-                ..
-            }) => {
-                self.stats.am_recv += 1;
-                let h = &b[FRAME_HDR..FRAME_HDR + hlen];
-                sink.am(src, h, &b[FRAME_HDR + hlen..]);
+        let Some(f) = Frame::read(b, MAX_HDR) else {
+            self.malformed(src, "malformed verbs-rc frame", sink);
+            return Ok(());
+        };
+        if self.shape.design != Design::Basic {
+            // (`take_ack`, spelled out: `b` borrows the receive pool.)
+            if let Some(e) = self.peers[i].etx.as_mut() {
+                e.tx.ack(f.ack);
             }
-            Some(Frame {
-                kind: FrameKind::Rtu,
-                ..
-            }) => {
-                let p = &mut self.peers[src as usize];
+        }
+        match f.kind {
+            FrameKind::Am => {
+                let d = f.seq.wrapping_sub(self.peers[i].expect) as i32;
+                if d == 0 {
+                    let h = &b[FRAME_HDR..FRAME_HDR + f.hlen];
+                    self.stats.am_recv += 1;
+                    sink.am(src, h, &b[FRAME_HDR + f.hlen..]);
+                    self.delivered(src)?;
+                } else if d > 0 {
+                    // Eager records written before this send are in our ring: keep a copy
+                    // of this frame until they have been delivered.
+                    self.stats.overtaken += 1;
+                    let v = b[FRAME_HDR..].to_vec();
+                    self.peers[i].stash.insert(f.seq, (f.hlen, v));
+                    self.poll_ring(src, sink)?;
+                } else {
+                    self.malformed(src, "verbs-rc: an active message out of sequence", sink);
+                }
+            }
+            FrameKind::Rtu => {
+                let p = &mut self.peers[i];
                 if p.conn == Conn::Accepted {
                     p.conn = Conn::Up;
                     sink.connection(src, ConnEvent::Connected);
+                    self.on_up(src)?;
                 }
             }
-            None => {
-                if self.peers[src as usize].conn != Conn::Failed {
-                    self.peers[src as usize].conn = Conn::Failed;
-                    sink.peer_failed(src, "malformed verbs-rc frame");
+            FrameKind::Offer => {
+                let o = Offer::decode(&b[FRAME_HDR..]);
+                match o.map(|o| self.on_offer(src, o)) {
+                    Some(Ok(())) => {}
+                    Some(Err(why)) => self.malformed(src, &why, sink),
+                    None => self.malformed(src, "verbs-rc: malformed ring offer", sink),
                 }
+            }
+            FrameKind::Credit => {}
+        }
+        Ok(())
+    }
+
+    /// The peer sent what no verbs-rc peer sends: it is failed.
+    fn malformed(&mut self, src: Rank, why: &str, sink: &mut dyn Sink) {
+        let p = &mut self.peers[src as usize];
+        if p.conn != Conn::Failed {
+            p.conn = Conn::Failed;
+            self.polling.retain(|&r| r != src);
+            sink.peer_failed(src, why);
+        }
+    }
+
+    /// An acknowledgement of our ring in `src`'s memory arrived in a frame header.
+    fn take_ack(&mut self, src: Rank, ack: u32) {
+        if self.shape.design == Design::Basic {
+            return;
+        }
+        if let Some(e) = self.peers[src as usize].etx.as_mut() {
+            e.tx.ack(ack);
+        }
+    }
+
+    /// What to acknowledge to `r` in the header of a frame going there (not basic: it has its
+    /// tail pointer).
+    fn ack_for(&mut self, r: Rank) -> u32 {
+        if self.shape.design == Design::Basic {
+            return 0;
+        }
+        self.peers[r as usize]
+            .erx
+            .as_mut()
+            .map_or(0, |e| e.rx.report() as u32)
+    }
+
+    /// One more active message from `src` delivered in order: deliver what waited behind it,
+    /// and set up the fast path once the peer has earned it.
+    fn delivered(&mut self, src: Rank) -> Result<()> {
+        let p = &mut self.peers[src as usize];
+        p.expect = p.expect.wrapping_add(1);
+        p.got += 1;
+        if self.shape.design == Design::Fastpath
+            && p.erx.is_none()
+            && p.got >= self.fp_threshold
+            && p.conn == Conn::Up
+            && self.polling.len() < self.fp_peers
+        {
+            self.open_rx(src)?;
+        }
+        Ok(())
+    }
+
+    /// Deliver stashed send/receive frames from `src` that are next in sequence.
+    fn drain_stash(&mut self, src: Rank, sink: &mut dyn Sink) -> Result<bool> {
+        let mut any = false;
+        loop {
+            let p = &mut self.peers[src as usize];
+            let want = p.expect;
+            let Some((hlen, v)) = p.stash.remove(&want) else {
+                return Ok(any);
+            };
+            self.stats.am_recv += 1;
+            sink.am(src, &v[..hlen], &v[hlen..]);
+            self.delivered(src)?;
+            any = true;
+        }
+    }
+
+    /// The connection to `r` is up: the ring designs offer their ring at once.
+    fn on_up(&mut self, r: Rank) -> Result<()> {
+        let fp_now = self.shape.design == Design::Fastpath && self.fp_threshold == 0;
+        if (self.shape.design != Design::Fastpath || fp_now)
+            && self.peers[r as usize].erx.is_none()
+            && self.polling.len() < self.fp_peers.max(self.size as usize)
+        {
+            self.open_rx(r)?;
+        }
+        Ok(())
+    }
+
+    /// Make a ring for `r` to write into, and offer it.
+    fn open_rx(&mut self, r: Rank) -> Result<()> {
+        let len = self.shape.mem_len() + BLOCK_EXTRA;
+        // Device memory where there is enough: a peer's writes into it are plain stores.
+        let block = Pool::remote(&*self.hca, self.pd, len, true)?;
+        let p = &mut self.peers[r as usize];
+        p.erx = Some(EagerRx {
+            rx: eager::Rx::new(self.shape),
+            block,
+        });
+        p.offer_pending = true;
+        self.polling.push(r);
+        self.send_offer(r)
+    }
+
+    fn send_offer(&mut self, r: Rank) -> Result<()> {
+        let Some(e) = self.peers[r as usize].erx.as_ref() else {
+            return Ok(());
+        };
+        let o = Offer {
+            addr: e.block.mr.addr,
+            rkey: e.block.mr.rkey,
+            design: self.shape.design as u8,
+            size: self.shape.size as u32,
+            slot: self.shape.slot as u32,
+        }
+        .encode();
+        if self.send_frame(r, FrameKind::Offer, 0, &[], &[IoSlice::new(&o)])? == SendOutcome::Sent {
+            self.stats.offers += 1;
+            self.peers[r as usize].offer_pending = false;
+        }
+        Ok(())
+    }
+
+    /// `src` offers a ring: check it is ours in shape, and make the mirror to write from.
+    fn on_offer(&mut self, src: Rank, o: Offer) -> std::result::Result<(), String> {
+        let mine = self.shape;
+        if o.design != mine.design as u8
+            || o.size as usize != mine.size
+            || o.slot as usize != mine.slot
+        {
+            return Err(format!(
+                "verbs-rc: rank {src} runs another eager design or geometry (WEFT_VERBS_RC_EAGER, _RING, _FP_BUFS and _FP_SIZE must agree across the job)"
+            ));
+        }
+        if self.peers[src as usize].etx.is_some() {
+            return Err("verbs-rc: a second ring offer".into());
+        }
+        let staging = Pool::new(&*self.hca, self.pd, 1, mine.mem_len() + 8, false)
+            .map_err(|e| format!("verbs-rc: no memory for the eager mirror: {e}"))?;
+        self.peers[src as usize].etx = Some(EagerTx {
+            tx: eager::Tx::new(mine),
+            staging,
+            addr: o.addr,
+            rkey: o.rkey,
+        });
+        Ok(())
+    }
+
+    /// Try to send an active message through `r`'s ring: `false` if it cannot go that way
+    /// now (no ring yet, too large, full, or the send queue is).
+    fn ring_send(&mut self, r: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<bool> {
+        let i = r as usize;
+        let plen: usize = payload.iter().map(|p| p.len()).sum();
+        let len = FRAME_HDR + header.len() + plen;
+        let (sq, inflight) = (self.sq_depth as usize, self.peers[i].inflight as usize);
+        let ring_posted = self.ring_posted;
+        let basic = self.shape.design == Design::Basic;
+        let p = &mut self.peers[i];
+        // The acknowledgement this record carries (reported below, once it has gone).
+        let ack = match (&p.erx, basic) {
+            (Some(e), false) => e.rx.position() as u32,
+            _ => 0,
+        };
+        let Some(e) = p.etx.as_mut() else {
+            return Ok(false);
+        };
+        let n = e.tx.writes_for(len);
+        if len > e.tx.shape().max_body() || inflight + n > sq || ring_posted + n > RING_IN_FLIGHT {
+            return Ok(false);
+        }
+        let Some(placed) = e.tx.place(e.staging.all(), len) else {
+            self.stats.ring_full += 1;
+            return Ok(false);
+        };
+        let mut fh = [0u8; FRAME_HDR];
+        Frame {
+            kind: FrameKind::Am,
+            hlen: header.len(),
+            plen,
+            seq: p.seq_out,
+            ack,
+        }
+        .write(&mut fh);
+        p.seq_out = p.seq_out.wrapping_add(1);
+        let qp = p.qp.expect("connected peers have a QP");
+        let (addr, rkey) = (e.addr, e.rkey);
+        let mut parts: SmallVec<[&[u8]; 4]> = SmallVec::new();
+        parts.push(&fh);
+        parts.push(header);
+        parts.extend(payload.iter().map(|s| &**s));
+        // Copy what each write carries just before posting it: with pipeline's pieces the
+        // HCA moves one while the next is copied.
+        let mut wrs: SmallVec<[SendWr; 4]> = SmallVec::new();
+        for w in &placed.writes {
+            let from = w.off.max(placed.body) - placed.body;
+            let to = (w.off + w.len)
+                .min(placed.body + len)
+                .saturating_sub(placed.body);
+            if to > from {
+                let dst = &mut e.staging.all()[placed.body + from..placed.body + to];
+                copy_range(dst, &parts, from);
+            }
+            let sge = e.staging.mr.sge(w.off, w.len);
+            let wr = SendWr::write(K_RING | r as u64, &[sge], addr + w.off as u64, rkey);
+            if self.shape.design == Design::Pipeline {
+                self.hca.post_send(qp, std::slice::from_ref(&wr))?;
+            } else {
+                wrs.push(wr);
             }
         }
+        let mut posted = placed.writes.len();
+        if let Some(h) = placed.head {
+            let at = self.shape.mem_len();
+            e.staging.all()[at..at + 8].copy_from_slice(&h.to_le_bytes());
+            let sge = e.staging.mr.sge(at, 8);
+            let head = addr + self.shape.head_at() as u64;
+            wrs.push(SendWr::write(K_RING | r as u64, &[sge], head, rkey));
+            posted += 1;
+            self.stats.pointer_writes += 1;
+        }
+        if !wrs.is_empty() {
+            self.hca.post_send(qp, &wrs)?;
+        }
+        p.inflight += posted as u32;
+        if let (Some(e), false) = (p.erx.as_mut(), basic) {
+            e.rx.report();
+        }
+        self.ring_posted += posted;
+        self.stats.eager_ring += 1;
+        Ok(true)
+    }
+
+    /// Poll `r`'s ring in our memory: deliver the records that are next in sequence, answer
+    /// with acknowledgements when due, and (basic) take the peer's tail pointer and send the
+    /// head pointer that waited for it.
+    fn poll_ring(&mut self, r: Rank, sink: &mut dyn Sink) -> Result<usize> {
+        let i = r as usize;
+        let mut n = 0;
+        loop {
+            let p = &mut self.peers[i];
+            if p.conn == Conn::Failed {
+                return Ok(n);
+            }
+            let Some(e) = p.erx.as_mut() else {
+                return Ok(n);
+            };
+            let mut view = BlockView {
+                base: e.block.base,
+                len: e.block.slot,
+            };
+            match e.rx.peek(&mut view) {
+                Peek::Empty => break,
+                Peek::Bad => {
+                    self.malformed(r, "verbs-rc: malformed eager record", sink);
+                    return Ok(n);
+                }
+                Peek::Body { off, len } => {
+                    // SAFETY: `peek` returned a record inside the block; the peer does not
+                    // write it again before we acknowledge it (after `consume`). A peer that
+                    // broke the protocol could change bytes while we read them, which only
+                    // garbles what it sends us: the block is ours and stays allocated.
+                    let b = unsafe { std::slice::from_raw_parts(e.block.base.add(off), len) };
+                    let f = match Frame::read(b, MAX_HDR) {
+                        Some(f) if f.kind == FrameKind::Am => f,
+                        _ => {
+                            self.malformed(r, "verbs-rc: malformed eager record", sink);
+                            return Ok(n);
+                        }
+                    };
+                    let d = f.seq.wrapping_sub(p.expect) as i32;
+                    if d > 0 {
+                        // A send/receive frame before it is still in the completion queue.
+                        break;
+                    }
+                    if d < 0 {
+                        self.malformed(r, "verbs-rc: an eager record out of sequence", sink);
+                        return Ok(n);
+                    }
+                    self.stats.am_recv += 1;
+                    sink.am(
+                        r,
+                        &b[FRAME_HDR..FRAME_HDR + f.hlen],
+                        &b[FRAME_HDR + f.hlen..],
+                    );
+                    e.rx.consume(&view, len);
+                    let ack = f.ack;
+                    self.take_ack(r, ack);
+                    self.delivered(r)?;
+                    n += 1;
+                }
+            }
+            if self.drain_stash(r, sink)? {
+                n += 1;
+            }
+        }
+        if self.drain_stash(r, sink)? {
+            n += 1;
+        }
+        self.ring_control(r)?;
+        Ok(n)
+    }
+
+    /// Acknowledgements, pointers and offers owed to `r`.
+    fn ring_control(&mut self, r: Rank) -> Result<()> {
+        let i = r as usize;
+        if self.peers[i].offer_pending {
+            self.send_offer(r)?;
+        }
+        let due = self.peers[i].erx.as_ref().is_some_and(|e| e.rx.ack_due());
+        if self.shape.design != Design::Basic {
+            if due && self.send_frame(r, FrameKind::Credit, 0, &[], &[])? == SendOutcome::Sent {
+                self.stats.credits += 1;
+            }
+            return Ok(());
+        }
+        let basic_room =
+            self.peers[i].inflight < self.sq_depth && self.ring_posted < RING_IN_FLIGHT;
+        let mem = self.shape.mem_len();
+        let p = &mut self.peers[i];
+        let (Some(qp), Some(rx), Some(tx)) = (p.qp, p.erx.as_mut(), p.etx.as_mut()) else {
+            return Ok(());
+        };
+        // Our tail word (the peer's acknowledgement of our ring) is beside its ring here.
+        let mut view = BlockView {
+            base: rx.block.base,
+            len: rx.block.slot,
+        };
+        if tx.tx.tail_word(view.load(mem)) {
+            view.clear_flag(mem);
+        }
+        let mut wrs: SmallVec<[SendWr; 2]> = SmallVec::new();
+        if due && basic_room {
+            let w = eager::pointer_word(rx.rx.report());
+            rx.block.all()[mem + 8..mem + 16].copy_from_slice(&w.to_le_bytes());
+            let sge = rx.block.mr.sge(mem + 8, 8);
+            wrs.push(SendWr::write(
+                K_RING | r as u64,
+                &[sge],
+                tx.addr + mem as u64,
+                tx.rkey,
+            ));
+        }
+        if basic_room {
+            if let Some(h) = tx.tx.head_due() {
+                tx.staging.all()[mem..mem + 8].copy_from_slice(&h.to_le_bytes());
+                let sge = tx.staging.mr.sge(mem, 8);
+                let at = tx.addr + self.shape.head_at() as u64;
+                wrs.push(SendWr::write(K_RING | r as u64, &[sge], at, tx.rkey));
+            }
+        }
+        if !wrs.is_empty() {
+            self.hca.post_send(qp, &wrs)?;
+            p.inflight += wrs.len() as u32;
+            self.ring_posted += wrs.len();
+            self.stats.pointer_writes += wrs.len() as u64;
+        }
+        Ok(())
     }
 
     /// Probe connected peers with nothing in flight by a zero-length RDMA write: a dead one
@@ -1149,9 +1749,23 @@ impl Provider for VerbsRc {
                 return Ok(SendOutcome::Busy);
             }
         }
-        let o = self.send_frame(dest, FrameKind::Am, header, payload)?;
+        if self.ring_send(dest, header, payload)? {
+            self.stats.am_sent += 1;
+            return Ok(SendOutcome::Sent);
+        }
+        if FRAME_HDR + header.len() + plen > self.slot {
+            // Only the ring takes it (a ring design's larger messages): wait for room.
+            self.stats.busy += 1;
+            return Ok(SendOutcome::Busy);
+        }
+        let seq = self.peers[i].seq_out;
+        let o = self.send_frame(dest, FrameKind::Am, seq, header, payload)?;
         match o {
-            SendOutcome::Sent => self.stats.am_sent += 1,
+            SendOutcome::Sent => {
+                self.peers[i].seq_out = seq.wrapping_add(1);
+                self.stats.am_sent += 1;
+                self.stats.eager_sr += 1;
+            }
             _ => self.stats.busy += 1,
         }
         Ok(o)
@@ -1169,6 +1783,12 @@ impl Provider for VerbsRc {
             if k < POLL {
                 break;
             }
+        }
+        let mut k = 0;
+        while k < self.polling.len() {
+            let r = self.polling[k];
+            n += self.poll_ring(r, sink)?;
+            k += 1;
         }
         self.polls = self.polls.wrapping_add(1);
         if self.polls % 256 == 0 {
@@ -1231,6 +1851,14 @@ impl Provider for VerbsRc {
             ("connections_up", up),
             ("cm_resends", s.cm_resends),
             ("busy", s.busy),
+            ("eager_ring", s.eager_ring),
+            ("eager_send_recv", s.eager_sr),
+            ("ring_full", s.ring_full),
+            ("ring_offers", s.offers),
+            ("credit_msgs", s.credits),
+            ("pointer_writes", s.pointer_writes),
+            ("overtaken", s.overtaken),
+            ("rings_polled", self.polling.len() as u64),
         ]
     }
 
@@ -1407,6 +2035,14 @@ impl Drop for VerbsRc {
         ] {
             pool.release(&*self.hca);
         }
+        for p in &self.peers {
+            if let Some(e) = &p.erx {
+                e.block.release(&*self.hca);
+            }
+            if let Some(e) = &p.etx {
+                e.staging.release(&*self.hca);
+            }
+        }
         let _ = self.hca.destroy_cq(self.cq);
         let _ = self.hca.dealloc_pd(self.pd);
     }
@@ -1445,6 +2081,12 @@ pub struct Footprint {
     pub hca_shared: u64,
     /// ... and the registered receive and send buffers (provider side).
     pub buffers: u64,
+    /// Eager-ring memory of one peer, both directions (the ring a peer writes here and the
+    /// mirror of ours): every connected peer with basic, piggyback and pipeline; with
+    /// fastpath only peers past the threshold, at most `WEFT_VERBS_RC_FP_PEERS`.
+    pub eager_per_peer: u64,
+    /// The eager design in force, and when its rings exist.
+    pub eager: &'static str,
 }
 
 /// Measure [`Footprint`] on the device `WEFT_VERBS_DEVICE` names.
@@ -1504,5 +2146,32 @@ pub fn footprint() -> Result<Footprint> {
         hca_shared: a1 - a0,
         buffers: (cfg.srq + cfg.send_bufs) as u64 * slot
             + ((UD_RECVS + UD_SENDS) * UD_SLOT + 8) as u64,
+        eager_per_peer: cfg.eager_bytes() as u64,
+        eager: match cfg.design {
+            Design::Fastpath => {
+                "fastpath: once a peer has sent WEFT_VERBS_RC_FP_THRESHOLD messages"
+            }
+            Design::Basic => "basic: every connected peer",
+            Design::Piggyback => "piggyback: every connected peer",
+            Design::Pipeline => "pipeline: every connected peer",
+        },
     })
+}
+
+/// Copy bytes `[from, from + dst.len())` of the concatenation of `parts` into `dst`.
+fn copy_range(dst: &mut [u8], parts: &[&[u8]], from: usize) {
+    let (mut skip, mut o) = (from, 0);
+    for p in parts {
+        if o == dst.len() {
+            break;
+        }
+        if skip >= p.len() {
+            skip -= p.len();
+            continue;
+        }
+        let n = (p.len() - skip).min(dst.len() - o);
+        dst[o..o + n].copy_from_slice(&p[skip..skip + n]);
+        o += n;
+        skip = 0;
+    }
 }

@@ -86,8 +86,10 @@ impl CmMsg {
     }
 }
 
-/// Bytes of the frame header at the front of every RC send.
-pub const FRAME_HDR: usize = 8;
+/// Bytes of the frame header at the front of every RC send and every eager-ring record.
+pub const FRAME_HDR: usize = 16;
+/// Bytes of an `Offer` frame's payload.
+pub const OFFER_LEN: usize = 24;
 
 /// RC frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,14 +99,23 @@ pub enum FrameKind {
     /// "Ready to use": the requester's first message on a new connection; the responder
     /// sends nothing before it arrives (its QP could reach a requester QP not yet ready).
     Rtu = 1,
+    /// "Write your eager messages here": a ring in the sender's memory ([`Offer`]).
+    Offer = 2,
+    /// Only an acknowledgement (the header's `ack`): space freed in the sender's ring.
+    Credit = 3,
 }
 
-/// The frame header: kind, active-message header length, payload length.
+/// The frame header: kind, active-message header length, payload length, the sequence
+/// number of an active message (per pair and direction, over the send/receive channel and the
+/// eager ring alike, so the receiver restores the order between the two), and the
+/// acknowledgement of the reverse eager ring (units consumed, low 32 bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Frame {
     pub kind: FrameKind,
     pub hlen: usize,
     pub plen: usize,
+    pub seq: u32,
+    pub ack: u32,
 }
 
 impl Frame {
@@ -113,6 +124,8 @@ impl Frame {
         out[1] = 0;
         out[2..4].copy_from_slice(&(self.hlen as u16).to_le_bytes());
         out[4..8].copy_from_slice(&(self.plen as u32).to_le_bytes());
+        out[8..12].copy_from_slice(&self.seq.to_le_bytes());
+        out[12..16].copy_from_slice(&self.ack.to_le_bytes());
     }
 
     /// Read the frame of a received buffer of `got` bytes whose header may be at most
@@ -124,17 +137,70 @@ impl Frame {
         let kind = match b[0] {
             0 => FrameKind::Am,
             1 => FrameKind::Rtu,
+            2 => FrameKind::Offer,
+            3 => FrameKind::Credit,
             _ => return None,
         };
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let hlen = u16::from_le_bytes([b[2], b[3]]) as usize;
-        let plen = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as usize;
+        let plen = u32_at(4) as usize;
         if hlen > max_hdr || FRAME_HDR.checked_add(hlen)?.checked_add(plen)? != b.len() {
             return None;
         }
-        if kind == FrameKind::Rtu && (hlen | plen) != 0 {
+        let ok = match kind {
+            FrameKind::Am => true,
+            FrameKind::Rtu | FrameKind::Credit => (hlen | plen) == 0,
+            FrameKind::Offer => hlen == 0 && plen == OFFER_LEN,
+        };
+        ok.then_some(Frame {
+            kind,
+            hlen,
+            plen,
+            seq: u32_at(8),
+            ack: u32_at(12),
+        })
+    }
+}
+
+/// An eager ring offered to the peer: where it is, and its geometry (the receiver's; the
+/// sender checks it is the design it runs too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    pub addr: u64,
+    pub rkey: u32,
+    /// 0 basic, 1 piggyback, 2 pipeline, 3 fastpath.
+    pub design: u8,
+    /// Ring bytes (fastpath: slots × slot bytes).
+    pub size: u32,
+    /// Fastpath slot bytes.
+    pub slot: u32,
+}
+
+impl Offer {
+    pub fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut b = [0u8; OFFER_LEN];
+        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.rkey.to_le_bytes());
+        b[12] = self.design;
+        b[16..20].copy_from_slice(&self.size.to_le_bytes());
+        b[20..24].copy_from_slice(&self.slot.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Offer> {
+        if b.len() != OFFER_LEN || b[12] > 3 {
             return None;
         }
-        Some(Frame { kind, hlen, plen })
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[0..8]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Some(Offer {
+            addr: u64::from_le_bytes(a),
+            rkey: u32_at(8),
+            design: b[12],
+            size: u32_at(16),
+            slot: u32_at(20),
+        })
     }
 }
 
@@ -175,22 +241,42 @@ mod tests {
     #[test]
     fn frames_must_add_up() {
         let mut b = vec![0u8; FRAME_HDR + 3 + 5];
-        Frame {
+        let f = Frame {
             kind: FrameKind::Am,
             hlen: 3,
             plen: 5,
-        }
-        .write(&mut b);
-        assert_eq!(
-            Frame::read(&b, 64),
-            Some(Frame {
-                kind: FrameKind::Am,
-                hlen: 3,
-                plen: 5
-            })
-        );
+            seq: 7,
+            ack: 0xdead_beef,
+        };
+        f.write(&mut b);
+        assert_eq!(Frame::read(&b, 64), Some(f));
         assert_eq!(Frame::read(&b[..b.len() - 1], 64), None);
         assert_eq!(Frame::read(&b, 2), None, "header longer than allowed");
+    }
+
+    #[test]
+    fn offers_round_trip_and_control_frames_carry_nothing() {
+        let o = Offer {
+            addr: 0x7f00_1234_5000,
+            rkey: 77,
+            design: 3,
+            size: 65536,
+            slot: 4096,
+        };
+        assert_eq!(Offer::decode(&o.encode()), Some(o));
+        let mut bad = o.encode();
+        bad[12] = 4;
+        assert_eq!(Offer::decode(&bad), None, "unknown design");
+        let mut b = vec![0u8; FRAME_HDR + 1];
+        Frame {
+            kind: FrameKind::Credit,
+            hlen: 0,
+            plen: 1,
+            seq: 0,
+            ack: 5,
+        }
+        .write(&mut b);
+        assert_eq!(Frame::read(&b, 64), None, "a credit frame has no payload");
     }
 
     proptest! {
@@ -198,6 +284,7 @@ mod tests {
         fn decoding_never_panics(b in proptest::collection::vec(any::<u8>(), 0..80)) {
             let _ = CmMsg::decode(&b);
             let _ = Frame::read(&b, 64);
+            let _ = Offer::decode(&b);
         }
     }
 }

@@ -2,93 +2,14 @@
 //! each with its own soft HCA (the same code path as separate processes: the HCAs reach each
 //! other through their shared segments). Every wait is bounded.
 
-use std::io::IoSlice;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use weft_provider::bootstrap::InProcessJob;
-use weft_provider::provider::{
-    Access, Completed, Completion, ConnEvent, Provider, RawIov, RemoteAddr, SendOutcome, Sink,
-    StaticProvider, Token,
-};
-use weft_provider::{ErrorKind, Rank, Result};
-use weft_verbs_rc::VerbsRc;
+use weft_provider::provider::{Access, Completion, Provider, RawIov, RemoteAddr};
+use weft_provider::ErrorKind;
 
-const T: Duration = Duration::from_secs(20);
-
-#[derive(Default)]
-struct Events {
-    am: Vec<(Rank, Vec<u8>, Vec<u8>)>,
-    done: Vec<(Token, Result<Completed>)>,
-    failed: Vec<(Rank, String)>,
-    connected: Vec<Rank>,
-}
-
-impl Sink for Events {
-    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        self.am.push((src, header.to_vec(), payload.to_vec()));
-    }
-    fn complete(&mut self, token: Token, result: Result<Completed>) {
-        self.done.push((token, result));
-    }
-    fn peer_failed(&mut self, rank: Rank, reason: &str) {
-        self.failed.push((rank, reason.to_string()));
-    }
-    fn connection(&mut self, peer: Rank, e: ConnEvent) {
-        if e == ConnEvent::Connected {
-            self.connected.push(peer);
-        }
-    }
-}
-
-/// Progress until `cond` holds, at most `T`.
-fn until(p: &mut VerbsRc, ev: &mut Events, what: &str, cond: impl Fn(&Events) -> bool) {
-    let t0 = Instant::now();
-    while !cond(ev) {
-        p.progress(ev).unwrap();
-        assert!(
-            t0.elapsed() < T,
-            "rank {}: timed out waiting for {what}",
-            p.rank()
-        );
-    }
-}
-
-/// Send one active message, progressing while the provider says `Busy`.
-fn send(p: &mut VerbsRc, ev: &mut Events, dest: Rank, h: &[u8], data: &[u8]) {
-    let t0 = Instant::now();
-    while p.am_send(dest, h, &[IoSlice::new(data)]).unwrap() == SendOutcome::Busy {
-        p.progress(ev).unwrap();
-        assert!(t0.elapsed() < T, "send to {dest} stayed busy");
-    }
-}
-
-fn counter(p: &VerbsRc, name: &str) -> u64 {
-    p.counters()
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map_or(0, |(_, v)| *v)
-}
-
-/// Run `f` on `n` ranks, each with its own provider.
-fn world<R: Send + 'static>(
-    n: u32,
-    f: impl Fn(VerbsRc, Arc<Barrier>) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let job = InProcessJob::new(n, T);
-    let bar = Arc::new(Barrier::new(n as usize));
-    let f = Arc::new(f);
-    let hs: Vec<_> = (0..n)
-        .map(|r| {
-            let (job, bar, f) = (job.clone(), bar.clone(), f.clone());
-            std::thread::spawn(move || {
-                let p = VerbsRc::open(&mut job.rank(r)).unwrap();
-                f(p, bar)
-            })
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().unwrap()).collect()
-}
+mod common;
+use common::*;
 
 /// A connection is made on first use only, between the two ranks that talk; the third rank
 /// never connects to anyone.

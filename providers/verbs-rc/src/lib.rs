@@ -196,11 +196,13 @@ impl Pool {
         self.mr.sge(i as usize * self.slot, len)
     }
 
-    /// Bytes of a one-slot pool (a ring or its mirror).
+    /// Bytes of a one-slot pool (a ring's mirror).
     fn all(&mut self) -> &mut [u8] {
         self.buf(0)
     }
 
+    /// Not for a pool peers write ([`Pool::remote`]): those are reached through raw pointers
+    /// only ([`BlockView`]).
     fn buf(&mut self, i: u32) -> &mut [u8] {
         // SAFETY: slot `i` lies within the pool (indexes come from the pool's own slots, and a
         // completion's index is masked to them). The pool is registered without remote rights,
@@ -316,6 +318,16 @@ impl RingMem for BlockView {
         );
         // SAFETY: in bounds (checked above); a single-byte atomic store.
         unsafe { AtomicU8::from_ptr(self.base.add(off + 7)) }.store(0, Ordering::Release);
+    }
+}
+
+impl BlockView {
+    /// Store a word of ours in the block (the source of the tail pointers we write): through
+    /// the pointer, since a reference to the block would cover bytes peers write.
+    fn store(&mut self, off: usize, v: u64) {
+        assert!(off % 8 == 0 && off + 8 <= self.len, "word out of the block");
+        // SAFETY: in bounds and 8-aligned (checked above).
+        unsafe { AtomicU64::from_ptr(self.base.add(off) as *mut u64) }.store(v, Ordering::Release);
     }
 }
 
@@ -1373,11 +1385,18 @@ impl VerbsRc {
         Ok(())
     }
 
-    /// Make a ring for `r` to write into, and offer it.
+    /// Make a ring for `r` to write into, and offer it. Without the memory or registrations
+    /// for it, the peer stays on send/receive.
     fn open_rx(&mut self, r: Rank) -> Result<()> {
         let len = self.shape.mem_len() + BLOCK_EXTRA;
         // Device memory where there is enough: a peer's writes into it are plain stores.
-        let block = Pool::remote(&*self.hca, self.pd, len, true)?;
+        let block = match Pool::remote(&*self.hca, self.pd, len, true) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!("verbs-rc: no eager ring for rank {r}: {e}");
+                return Ok(());
+            }
+        };
         let p = &mut self.peers[r as usize];
         p.erx = Some(EagerRx {
             rx: eager::Rx::new(self.shape),
@@ -1616,8 +1635,7 @@ impl VerbsRc {
         }
         let mut wrs: SmallVec<[SendWr; 2]> = SmallVec::new();
         if due && basic_room {
-            let w = eager::pointer_word(rx.rx.report());
-            rx.block.all()[mem + 8..mem + 16].copy_from_slice(&w.to_le_bytes());
+            view.store(mem + 8, eager::pointer_word(rx.rx.report()));
             let sge = rx.block.mr.sge(mem + 8, 8);
             wrs.push(SendWr::write(
                 K_RING | r as u64,

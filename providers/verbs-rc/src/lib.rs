@@ -512,16 +512,6 @@ impl Config {
         let design = Design::parse(EAGER.get_enum()?).expect("the parameter lists the designs");
         let (ring, chunk) = (RING.get_size()?, CHUNK.get_size()?);
         let (fp_bufs, fp_size) = (FP_BUFS.get_u64()? as usize, FP_SIZE.get_size()?);
-        let cfg_shape = |design| Shape {
-            design,
-            size: if design == Design::Fastpath {
-                fp_bufs.saturating_mul(fp_size)
-            } else {
-                ring
-            },
-            slot: fp_size,
-            chunk,
-        };
         if !(4096..=8 << 20).contains(&ring) || ring % 8 != 0 {
             return Err(Error::invalid(format!(
                 "WEFT_VERBS_RC_RING={ring}: a multiple of 8 from 4K to 8M"
@@ -532,16 +522,7 @@ impl Config {
                 "WEFT_VERBS_RC_CHUNK={chunk}: a multiple of 8, 64 or more"
             )));
         }
-        if !(2..=1024).contains(&fp_bufs)
-            || !(256..=1 << 20).contains(&fp_size)
-            || fp_size % 8 != 0
-            || !cfg_shape(Design::Fastpath).valid()
-        {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_RC_FP_BUFS={fp_bufs} x WEFT_VERBS_RC_FP_SIZE={fp_size}: 2 to 1024 slots of 256 B to 1 MiB (a multiple of 8), 8 MiB at most"
-            )));
-        }
-        Ok(Config {
+        let cfg = Config {
             design,
             ring,
             chunk,
@@ -561,14 +542,27 @@ impl Config {
             sq: range(&SQ)? as u32,
             rndv_read: RNDV.get_enum()? == "read",
             connect_timeout: Duration::from_secs_f64(secs),
-        })
+        };
+        if !(2..=1024).contains(&fp_bufs)
+            || !(256..=1 << 20).contains(&fp_size)
+            || !cfg.shape_of(Design::Fastpath).valid()
+        {
+            return Err(Error::invalid(format!(
+                "WEFT_VERBS_RC_FP_BUFS={fp_bufs} x WEFT_VERBS_RC_FP_SIZE={fp_size}: 2 to 1024 slots of 256 B to 1 MiB (a multiple of 8), 8 MiB at most"
+            )));
+        }
+        Ok(cfg)
     }
 
     /// The geometry of every eager ring of the design in force.
     fn shape(&self) -> Shape {
+        self.shape_of(self.design)
+    }
+
+    fn shape_of(&self, design: Design) -> Shape {
         Shape {
-            design: self.design,
-            size: if self.design == Design::Fastpath {
+            design,
+            size: if design == Design::Fastpath {
                 self.fp_bufs * self.fp_size
             } else {
                 self.ring
@@ -651,23 +645,7 @@ impl VerbsRc {
         let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT, false)?;
         let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT, false)?;
         let scratch = Pool::new(&*hca, pd, 1, 8, false)?;
-        let ud_qp = hca.create_qp(
-            pd,
-            &verbs::QpInitAttr {
-                qp_type: QpType::Ud,
-                send_cq: cq,
-                recv_cq: cq,
-                srq: None,
-                cap: verbs::QpCap {
-                    max_send_wr: UD_SENDS as u32,
-                    max_recv_wr: UD_RECVS as u32,
-                    max_send_sge: 1,
-                    max_recv_sge: 1,
-                    max_inline_data: 0,
-                },
-                sq_sig_all: true,
-            },
-        )?;
+        let ud_qp = hca.create_qp(pd, &ud_init(cq))?;
         verbs::activate_ud(&*hca, ud_qp, QKEY)?;
         let mut me = VerbsRc {
             rank,
@@ -776,20 +754,7 @@ impl VerbsRc {
     fn new_rc_qp(&mut self) -> Result<verbs::Qp> {
         self.hca.create_qp(
             self.pd,
-            &verbs::QpInitAttr {
-                qp_type: QpType::Rc,
-                send_cq: self.cq,
-                recv_cq: self.cq,
-                srq: Some(self.srq),
-                cap: verbs::QpCap {
-                    max_send_wr: self.sq_depth,
-                    max_recv_wr: 0,
-                    max_send_sge: self.max_sge as u32,
-                    max_recv_sge: 1,
-                    max_inline_data: 0,
-                },
-                sq_sig_all: true,
-            },
+            &rc_init(self.cq, self.srq, self.sq_depth, self.max_sge as u32),
         )
     }
 
@@ -1375,11 +1340,12 @@ impl VerbsRc {
 
     /// The connection to `r` is up: the ring designs offer their ring at once.
     fn on_up(&mut self, r: Rank) -> Result<()> {
-        let fp_now = self.shape.design == Design::Fastpath && self.fp_threshold == 0;
-        if (self.shape.design != Design::Fastpath || fp_now)
-            && self.peers[r as usize].erx.is_none()
-            && self.polling.len() < self.fp_peers.max(self.size as usize)
-        {
+        let now = match self.shape.design {
+            // The fast path waits for its threshold (in `delivered`), unless that is 0.
+            Design::Fastpath => self.fp_threshold == 0 && self.polling.len() < self.fp_peers,
+            _ => true,
+        };
+        if now && self.peers[r as usize].erx.is_none() {
             self.open_rx(r)?;
         }
         Ok(())
@@ -2115,42 +2081,10 @@ pub fn footprint() -> Result<Footprint> {
     let a0 = hca.accounting().total();
     let cq = hca.create_cq(cfg.cqe(1, hca.attr()))?;
     let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
-    let ud = hca.create_qp(
-        pd,
-        &verbs::QpInitAttr {
-            qp_type: QpType::Ud,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: None,
-            cap: verbs::QpCap {
-                max_send_wr: UD_SENDS as u32,
-                max_recv_wr: UD_RECVS as u32,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            sq_sig_all: true,
-        },
-    )?;
+    let ud = hca.create_qp(pd, &ud_init(cq))?;
     let a1 = hca.accounting().total();
     let max_sge = (hca.attr().max_sge).clamp(1, 16);
-    let rc = hca.create_qp(
-        pd,
-        &verbs::QpInitAttr {
-            qp_type: QpType::Rc,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: Some(srq),
-            cap: verbs::QpCap {
-                max_send_wr: cfg.sq,
-                max_recv_wr: 0,
-                max_send_sge: max_sge,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            sq_sig_all: true,
-        },
-    )?;
+    let rc = hca.create_qp(pd, &rc_init(cq, srq, cfg.sq, max_sge))?;
     let a2 = hca.accounting().total();
     for q in [rc, ud] {
         let _ = hca.destroy_qp(q);
@@ -2174,6 +2108,42 @@ pub fn footprint() -> Result<Footprint> {
             Design::Pipeline => "pipeline: every connected peer",
         },
     })
+}
+
+/// The connection manager's UD queue pair.
+fn ud_init(cq: verbs::Cq) -> verbs::QpInitAttr {
+    verbs::QpInitAttr {
+        qp_type: QpType::Ud,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: verbs::QpCap {
+            max_send_wr: UD_SENDS as u32,
+            max_recv_wr: UD_RECVS as u32,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: true,
+    }
+}
+
+/// An RC queue pair towards one peer: receives from the shared receive queue.
+fn rc_init(cq: verbs::Cq, srq: verbs::Srq, sq: u32, max_sge: u32) -> verbs::QpInitAttr {
+    verbs::QpInitAttr {
+        qp_type: QpType::Rc,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: Some(srq),
+        cap: verbs::QpCap {
+            max_send_wr: sq,
+            max_recv_wr: 0,
+            max_send_sge: max_sge,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: true,
+    }
 }
 
 /// Copy bytes `[from, from + dst.len())` of the concatenation of `parts` into `dst`.

@@ -50,32 +50,30 @@ fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "limic", "-n", "3"]);
 }
 
-/// verbs-rc on the soft HCA, with every eager design and both rendezvous modes: the
-/// receiver's RDMA read of the sender's buffer, and the copy through active messages.
+/// verbs-rc on the soft HCA, with every eager design and every rendezvous mode: the receiver's
+/// RDMA read of the sender's buffer, the sender's RDMA write into the receiver's, and the copy
+/// through active messages.
 #[test]
 fn verbs_rc_passes_across_processes() {
-    // Every eager design; the fast path's slots from the third message on, so the suite runs
-    // on both of its channels; the copy rendezvous through the pipelined ring.
-    for (eager, rndv) in [
-        ("fastpath", "read"),
-        ("basic", "read"),
-        ("piggyback", "read"),
-        ("pipeline", "copy"),
-    ] {
-        passes(&[
-            "--provider",
-            "verbs-rc",
-            "-n",
-            "3",
-            "--env",
-            "WEFT_VERBS_DEVICE=soft",
-            "--env",
-            &format!("WEFT_VERBS_RC_EAGER={eager}"),
-            "--env",
-            "WEFT_VERBS_RC_FP_THRESHOLD=2",
-            "--env",
-            &format!("WEFT_VERBS_RC_RNDV={rndv}"),
-        ]);
+    // Every eager design with every rendezvous mode; the fast path's slots from the third
+    // message on, so the suite runs on both of its channels.
+    for eager in ["fastpath", "basic", "piggyback", "pipeline"] {
+        for rndv in ["read", "write", "copy"] {
+            passes(&[
+                "--provider",
+                "verbs-rc",
+                "-n",
+                "3",
+                "--env",
+                "WEFT_VERBS_DEVICE=soft",
+                "--env",
+                &format!("WEFT_VERBS_RC_EAGER={eager}"),
+                "--env",
+                "WEFT_VERBS_RC_FP_THRESHOLD=2",
+                "--env",
+                &format!("WEFT_VERBS_RC_RNDV={rndv}"),
+            ]);
+        }
     }
 }
 

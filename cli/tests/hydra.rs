@@ -245,8 +245,12 @@ fn two_namespaces_are_two_hosts() {
     assert_eq!(out.matches("CHECK pass").count(), 16, "{out}");
     assert!(!out.contains("CHECK fail"), "{out}");
     // verbs-rc for every pair (no host provider): RC connections made on first use, within
-    // a host through the soft HCA's shared segments, across the hosts through its wire service.
-    for rndv in ["read", "copy"] {
+    // a host through the soft HCA's shared segments, across the hosts through its wire service;
+    // every eager design with every rendezvous mode (fast-path slots from the third message).
+    let combos = ["fastpath", "basic", "piggyback", "pipeline"]
+        .into_iter()
+        .flat_map(|e| ["read", "write", "copy"].map(|r| (e, r)));
+    for (eager, rndv) in combos {
         let o = launch(
             &[
                 "-genv",
@@ -259,16 +263,26 @@ fn two_namespaces_are_two_hosts() {
                 "WEFT_VERBS_DEVICE",
                 "soft",
                 "-genv",
+                "WEFT_VERBS_RC_EAGER",
+                eager,
+                "-genv",
+                "WEFT_VERBS_RC_FP_THRESHOLD",
+                "2",
+                "-genv",
                 "WEFT_VERBS_RC_RNDV",
                 rndv,
             ],
             &[weft().as_os_str(), std::ffi::OsStr::new("test-rank")],
         );
         let out = stdout(&o);
-        assert!(o.status.success(), "{rndv}: {out}\n{}", stderr(&o));
+        assert!(o.status.success(), "{eager}/{rndv}: {out}\n{}", stderr(&o));
         assert!(out.contains("PROVIDER verbs-rc"), "{out}");
-        assert_eq!(out.matches("CHECK pass").count(), 16, "{rndv}: {out}");
-        assert!(!out.contains("CHECK fail"), "{rndv}: {out}");
+        assert_eq!(
+            out.matches("CHECK pass").count(),
+            16,
+            "{eager}/{rndv}: {out}"
+        );
+        assert!(!out.contains("CHECK fail"), "{eager}/{rndv}: {out}");
     }
     // The soft HCA between the two hosts, one rank on each: every request of rank 0 crosses
     // the veth pair to rank 1's wire service while rank 1 is in no HCA call.

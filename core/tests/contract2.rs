@@ -55,6 +55,14 @@ fn modes() -> Vec<(&'static str, LoopbackConfig)> {
             "hca_atomics",
             LoopbackConfig {
                 hca_atomics: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "write_rndv",
+            LoopbackConfig {
+                write_rndv: true,
+                mr_local: true,
                 ..base
             },
         ),
@@ -129,6 +137,75 @@ fn two_sided_traffic_in_every_mode_on_both_paths() {
         testing::world_with(3, &with(cfg.clone()), |c| traffic(c, mode));
         testing::world_dyn_with(3, "loopback", &with(cfg), |c| traffic(c, mode));
     }
+}
+
+/// Peers that can be written to but not read from (`PeerCaps`): the rendezvous writes into the
+/// receiver's registered buffer, one RMA write per message and no read. A typed send of more
+/// pieces than one write takes streams into that buffer instead, a strided receive asks for
+/// the data with a plain `CTS`, and a short receive reports truncation with its prefix filled.
+#[test]
+fn write_rendezvous_moves_large_messages_by_rma_write() {
+    let cfg = LoopbackConfig {
+        rma: true,
+        write_rndv: true,
+        mr_local: true,
+        ..Default::default()
+    };
+    testing::world_with(2, &with(cfg), |c| {
+        let len = 100_000;
+        let (w0, r0) = (counter(c, "rma_write"), counter(c, "rma_read"));
+        for k in 0..4u8 {
+            if c.rank() == 0 {
+                c.send(&pattern(len, k), 1, k as i32).unwrap();
+            } else {
+                let mut b = vec![0u8; len];
+                assert_eq!(c.recv(&mut b, 0, k as i32).unwrap().bytes, len);
+                assert_eq!(b, pattern(len, k));
+            }
+        }
+        if c.rank() == 0 {
+            assert_eq!(counter(c, "rma_write") - w0, 4, "one write per message");
+        }
+        assert_eq!(counter(c, "rma_read"), r0, "no reads");
+        // Truncation: the receive's 60 000 bytes are written, the rest is not.
+        if c.rank() == 0 {
+            c.send(&pattern(len, 9), 1, 9).unwrap();
+        } else {
+            let mut b = vec![0u8; len];
+            let e = c.recv(&mut b[..60_000], 0, 9).unwrap_err();
+            assert_eq!(e.kind(), weft::ErrorKind::Truncated);
+            assert_eq!(b[..60_000], pattern(len, 9)[..60_000]);
+            assert!(
+                b[60_000..].iter().all(|&x| x == 0),
+                "written past the receive"
+            );
+        }
+        // A column of 3000 doubles: 3000 pieces, more than one write takes; and the same
+        // column as a strided receive.
+        let (rows, cols) = (3000usize, 5usize);
+        let col = weft::Datatype::vector(rows, 1, cols as isize, &weft::Datatype::of::<f64>())
+            .unwrap()
+            .commit();
+        let m: Vec<f64> = (0..rows * cols).map(|i| i as f64).collect();
+        if c.rank() == 0 {
+            c.send_typed(bytemuck::cast_slice(&m[2..]), 1, &col, 1, 20)
+                .unwrap();
+            let v: Vec<f64> = (0..rows).map(|i| -(i as f64)).collect();
+            c.send(&v, 1, 21).unwrap();
+        } else {
+            let mut v = vec![0f64; rows];
+            c.recv(&mut v, 0, 20).unwrap();
+            assert!(v
+                .iter()
+                .enumerate()
+                .all(|(r, x)| *x == (r * cols + 2) as f64));
+            let mut t = vec![0f64; rows * cols];
+            c.recv_typed(bytemuck::cast_slice_mut(&mut t), 1, &col, 0, 21)
+                .unwrap();
+            assert!((0..rows).all(|r| t[r * cols] == -(r as f64) && t[r * cols + 1] == 0.0));
+        }
+        c.barrier().unwrap();
+    });
 }
 
 #[test]

@@ -120,6 +120,58 @@ fn late_data_after_a_failed_scope_end_goes_nowhere() {
     late_rendezvous_data(false);
 }
 
+/// The write rendezvous hands the receive buffer's key to the sender. Rank 0's receive
+/// registers its buffer and announces it, then its wait times out while rank 1 stalls; rank 1
+/// then writes with the key it was given. The write must be refused (the key was revoked when
+/// the receive was given up), rank 1's send must fail, and rank 0's arena must not change.
+#[test]
+fn a_late_rendezvous_write_after_a_failed_wait_is_refused() {
+    let sig = Signals::new();
+    let o = Options {
+        loopback: weft_loopback::LoopbackConfig {
+            rma: true,
+            write_rndv: true,
+            ..Default::default()
+        },
+        ..opts()
+    };
+    testing::world_with(2, &o, |c| {
+        if c.rank() == 0 {
+            let mut arena = vec![0u8; 2 * LEN];
+            sig.expect(0); // the RTS is on its way
+            let r = c.scope(|s| {
+                let req = c.irecv(s, &mut arena[..LEN], 1, 7).unwrap();
+                // Match the RTS, register the buffer and send its key.
+                c.progress().unwrap();
+                req.wait().map(|_| ())
+            });
+            assert_eq!(r.unwrap_err().kind(), ErrorKind::Timeout);
+            arena.fill(0xAB);
+            sig.tell(1);
+            sig.expect(0);
+            for _ in 0..10 {
+                c.progress().unwrap();
+            }
+            assert!(
+                arena.iter().all(|&b| b == 0xAB),
+                "a rendezvous write landed in memory the receive had given back"
+            );
+        } else {
+            let data = vec![0x5Au8; LEN];
+            c.scope(|s| {
+                let req = c.isend(s, &data, 0, 7).unwrap();
+                sig.tell(0);
+                sig.expect(1);
+                // Now the receiver's WCTS is read and the write tried with its revoked key.
+                let e = req.wait().unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::RemoteAccess, "{e}");
+            });
+            sig.tell(0);
+        }
+        c.barrier().unwrap();
+    });
+}
+
 /// Blocking receives have the same hole: their buffer is the caller's again when `recv`
 /// returns its timeout error.
 #[test]

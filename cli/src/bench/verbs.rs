@@ -229,7 +229,7 @@ impl Conn {
         let mut n = 0u32;
         while b.load(Ordering::Acquire) != v {
             n = n.wrapping_add(1);
-            if n % 1024 == 0 {
+            if n % 64 == 0 {
                 self.hca.progress();
                 if t0.elapsed() > SPIN {
                     return Err(stuck("the peer's write"));

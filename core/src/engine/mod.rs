@@ -174,6 +174,11 @@ impl<P: Provider> Engine<P> {
             nt_copy_min: cfg.nt_copy_min,
             // The zero-copy rendezvous registers the sender's buffer: user memory.
             rma_read: caps.rma.is_some_and(|r| r.read && r.user_memory),
+            // The write rendezvous tells the receiver after the write completed locally: that
+            // must mean the data is in its memory.
+            rma_write: caps
+                .rma
+                .is_some_and(|r| r.write && r.user_memory && r.delivery_complete()),
         };
         let st = State {
             p2p: P2pState::new(size, pc),

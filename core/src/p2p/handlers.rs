@@ -3,7 +3,8 @@
 //! contradicts the protocol fails the sending peer through `AmState::malformed`.
 
 use super::{
-    recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp, F_REMOTE, F_SYNC, H_SACK,
+    recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp, F_REMOTE, F_SYNC,
+    H_SACK, WFIN_FAILED,
 };
 use crate::am::{AmState, Hdr, Rd};
 use crate::provider::RemoteAddr;
@@ -122,6 +123,102 @@ impl P2pState {
             if !streaming {
                 self.streams.push(sreq);
             }
+        }
+        Some(())
+    }
+
+    /// `WCTS`: the receiver registered its buffer for our write. Towards a peer we can write
+    /// to, the send writes `len` bytes there; otherwise (or if this send was speculating) it
+    /// streams `DATA` as after a `CTS`, which the receiver takes as well.
+    pub(super) fn on_wcts(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let sreq = rd.u64()?;
+        let rreq = rd.u64()?;
+        let len = usize::try_from(rd.u64()?).ok()?;
+        let remote = RemoteAddr {
+            addr: rd.u64()?,
+            key: rd.u64()?,
+        };
+        let write = self.rma_write && am.narrow(src).is_none_or(|n| n.rma_write);
+        let Some(Req {
+            kind: Kind::Send(s),
+            done: None,
+            ..
+        }) = self.reqs.get_mut(sreq)
+        else {
+            am.stale(src, sreq, "WCTS");
+            return Some(());
+        };
+        if s.dest != src
+            || !matches!(
+                s.phase,
+                SendPhase::WaitCts | SendPhase::WaitFin | SendPhase::Spec { .. }
+            )
+            || len > s.buf.len
+            || len == 0
+        {
+            am.malformed(src, "WCTS does not fit its send");
+            return Some(());
+        }
+        if let Some(m) = s.mr.take() {
+            self.deregs.push(*m);
+        }
+        let streaming =
+            matches!(s.phase, SendPhase::Spec { off, .. } if off > 0 && off < s.buf.len);
+        if write && matches!(s.phase, SendPhase::WaitCts | SendPhase::WaitFin) {
+            s.phase = SendPhase::Writing {
+                rreq,
+                len,
+                remote,
+                issued: false,
+            };
+            self.writes.push(sreq);
+        } else {
+            s.phase = SendPhase::Stream { rreq, off: 0, len };
+            if !streaming {
+                self.streams.push(sreq);
+            }
+        }
+        Some(())
+    }
+
+    /// `WFIN`: the sender's write of `len` bytes into receive `rreq` is complete (or failed).
+    pub(super) fn on_wfin(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {
+        let rreq = rd.u64()?;
+        let len = rd.u64()?;
+        let Some(Req {
+            kind: Kind::Recv(r),
+            done: None,
+            ..
+        }) = self.reqs.get(rreq)
+        else {
+            am.stale(src, rreq, "WFIN");
+            return Some(());
+        };
+        let RecvPhase::Stream {
+            got,
+            expect,
+            src: from,
+            ..
+        } = r.phase
+        else {
+            am.malformed(src, "WFIN for a receive that is not waiting for a write");
+            return Some(());
+        };
+        if from != src {
+            am.malformed(src, "WFIN from the wrong peer");
+            return Some(());
+        }
+        if len == WFIN_FAILED {
+            let e = crate::Error::from(crate::ErrorDetail::RemoteAccess {
+                rank: src,
+                what: "its RMA write into this receive failed".into(),
+            });
+            self.finish(rreq, Err(e));
+            return Some(());
+        }
+        match usize::try_from(len) {
+            Ok(n) if n <= expect - got => self.data_arrived(rreq, src, n),
+            _ => am.malformed(src, "WFIN beyond the announced length"),
         }
         Some(())
     }

@@ -9,6 +9,13 @@
 //!   provider can do RMA reads). On a match the receiver either pulls the data with one RMA read
 //!   straight into its buffer and answers `FIN`, or answers `CTS` and the sender streams `DATA`
 //!   chunks of at most the provider's payload limit, flow-controlled by the provider (`Busy`).
+//! * **write rendezvous** — towards a peer whose provider offers RMA writes but not reads
+//!   (`PeerCaps`, e.g. verbs-rc's `WEFT_VERBS_RC_RNDV=write`, Aptus' RC-RDMA): the receiver
+//!   registers its contiguous buffer for the peer's writes and answers `WCTS` with its key; the
+//!   sender RMA-writes the data there and, once the write completed (delivery complete),
+//!   sends `WFIN`. The key is revoked before the receive's result is given out (or when it is
+//!   quarantined), so a late or stray write is refused. A sender that cannot write (a typed
+//!   buffer of more pieces than one write takes) streams `DATA` into the same receive.
 //! * **speculative rendezvous** (up to `WEFT_SPEC_LIMIT`, on by default where a round trip is a
 //!   network's) — `SPEC` announces the message like `RTS` and carries its first chunk; `SDATA`
 //!   chunks (keyed by the sender's request) follow without waiting for a `CTS`. A receiver that
@@ -57,7 +64,12 @@ const H_SACK: u8 = H_EAGER + 5;
 const H_SPEC: u8 = H_EAGER + 6;
 const H_SDATA: u8 = H_EAGER + 7;
 const H_CREDIT: u8 = H_EAGER + 8;
-const _: () = assert!(H_CREDIT < am::P2P_IDS.end);
+const H_WCTS: u8 = H_EAGER + 9;
+const H_WFIN: u8 = H_EAGER + 10;
+const _: () = assert!(H_WFIN < am::P2P_IDS.end);
+
+/// `WFIN` length of a write that failed: the receive fails instead of waiting.
+const WFIN_FAILED: u64 = u64::MAX;
 
 const F_SYNC: u8 = 1;
 const F_REMOTE: u8 = 2;
@@ -75,7 +87,8 @@ pub(crate) fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
         H_EAGER => 10 + if flags? & F_SYNC != 0 { 8 } else { 0 },
         H_RTS => 26 + if flags? & F_REMOTE != 0 { 16 } else { 0 },
         H_CTS => 25,
-        H_DATA | H_SDATA => 17,
+        H_WCTS => 41,
+        H_DATA | H_SDATA | H_WFIN => 17,
         H_FIN | H_SACK | H_CREDIT => 9,
         H_SPEC => 26,
         _ => return None,
@@ -93,6 +106,14 @@ enum SendPhase {
         len: usize,
     },
     WaitFin,
+    /// Write rendezvous: the receiver's `WCTS` gave its registered buffer; `len` bytes go
+    /// there by one RMA write (`issued` once posted), then `WFIN` tells it.
+    Writing {
+        rreq: u64,
+        len: usize,
+        remote: RemoteAddr,
+        issued: bool,
+    },
     /// Speculative rendezvous: `off` bytes written (the `SPEC` frame is in the outbox while
     /// 0); `acked` once the receiver's `SACK` says its receive matched.
     Spec {
@@ -247,6 +268,7 @@ pub(crate) struct P2pConfig {
     pub eager_window: usize,
     pub nt_copy_min: usize,
     pub rma_read: bool,
+    pub rma_write: bool,
 }
 
 /// State of the two-sided protocols.
@@ -276,12 +298,25 @@ pub(crate) struct P2pState {
     nt_copy_min: usize,
     /// Rendezvous by a receiver-side RMA read of the registered send buffer.
     rma_read: bool,
+    /// Rendezvous by a sender-side RMA write into the registered receive buffer, towards peers
+    /// that cannot be read from but can be written to ([`crate::provider::PeerCaps`]).
+    rma_write: bool,
     reqs: Slab<Req>,
     matcher: Matcher<ReqId, Unexp>,
     /// Sends with data to stream (`DATA` after a `CTS`, `SDATA` of speculative ones).
     streams: Vec<ReqId>,
     /// Receives whose RMA read is to be issued.
     reads: Vec<ReqId>,
+    /// Sends whose RMA write (write rendezvous) is to be issued.
+    writes: Vec<ReqId>,
+    /// Receives matched to a write rendezvous whose buffer is to be registered and announced
+    /// (`WCTS`), with the sender's request.
+    wcts: Vec<(ReqId, u64)>,
+    /// Receive buffers registered for a sender's RMA write, by receive. A peer holds the key,
+    /// so the registration is revoked before the receive's result is given out: `finish`
+    /// parks such results in `wdone` until `after_progress` has deregistered.
+    wkeys: hashbrown::HashMap<ReqId, MemRegion>,
+    wdone: Vec<(ReqId, Result<Status>)>,
     /// Registrations to release once `progress` returns.
     deregs: Vec<SendMr>,
     /// Results of sends finished while zero-copy pieces were still in flight (rare).
@@ -340,10 +375,15 @@ impl P2pState {
             unexpected_bytes: 0,
             nt_copy_min: cfg.nt_copy_min,
             rma_read: cfg.rma_read,
+            rma_write: cfg.rma_write,
             reqs: Slab::default(),
             matcher: Matcher::new(),
             streams: Vec::new(),
             reads: Vec::new(),
+            writes: Vec::new(),
+            wcts: Vec::new(),
+            wkeys: Default::default(),
+            wdone: Vec::new(),
             deregs: Vec::new(),
             parked: Default::default(),
             locals: Default::default(),
@@ -365,7 +405,12 @@ impl P2pState {
     /// Work for `after_progress`: streams to pump, reads to issue, registrations to release.
     #[inline]
     pub(crate) fn has_work(&self) -> bool {
-        !self.streams.is_empty() || !self.reads.is_empty() || !self.deregs.is_empty()
+        !self.streams.is_empty()
+            || !self.reads.is_empty()
+            || !self.deregs.is_empty()
+            || !self.writes.is_empty()
+            || !self.wcts.is_empty()
+            || !self.wdone.is_empty()
     }
 
     /// Send queued messages (the outbox, in per-destination order) and stream rendezvous data.
@@ -375,12 +420,23 @@ impl P2pState {
         Ok(sent)
     }
 
-    /// After the provider's `progress`: issue RMA reads and release registrations no longer
-    /// needed.
+    /// After the provider's `progress`: issue RMA reads and writes, release registrations no
+    /// longer needed, and finish the receives whose write key is now revoked.
     pub(crate) fn after_progress<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> usize {
         let mut n = 0;
         if !self.reads.is_empty() {
             n += self.issue_reads(p, am);
+        }
+        if !self.writes.is_empty() {
+            n += self.issue_writes(p, am);
+        }
+        if !self.wcts.is_empty() && self.issue_wcts(p, am) > 0 {
+            n += am.flush(p, self);
+        }
+        while let Some((id, res)) = self.wdone.pop() {
+            self.revoke_wkey(p, id);
+            self.finish(id, res);
+            n += 1;
         }
         while let Some(m) = self.deregs.pop() {
             match m {
@@ -447,6 +503,16 @@ impl P2pState {
         Ok(d)
     }
 
+    /// Deregister receive `id`'s buffer from the write rendezvous, if it is registered: no peer
+    /// can write there afterwards.
+    fn revoke_wkey<P: Provider>(&mut self, p: &mut P, id: ReqId) {
+        if let Some(m) = self.wkeys.remove(&id) {
+            if let Err(e) = p.mr_deregister(&m) {
+                tracing::warn!("deregistration of a receive buffer failed: {e}");
+            }
+        }
+    }
+
     #[inline]
     pub(crate) fn is_done(&self, id: ReqId) -> bool {
         !matches!(self.reqs.get(id), Some(Req { done: None, .. }))
@@ -458,6 +524,11 @@ impl P2pState {
     /// A send whose zero-copy pieces are still in flight keeps its result until the provider
     /// has reported them all: the buffer stays borrowed until then.
     fn finish(&mut self, id: ReqId, res: Result<Status>) {
+        if !self.wkeys.is_empty() && self.wkeys.contains_key(&id) {
+            // A peer may still write here: not until the key is revoked.
+            self.wdone.push((id, res));
+            return;
+        }
         if let Some(r) = self.reqs.get_mut(id) {
             if r.done.is_some() {
                 return;
@@ -536,6 +607,7 @@ impl P2pState {
                 Kind::Send(s) if s.inflight() > 0 => {
                     Some("a send whose zero-copy data the provider may still read")
                 }
+
                 Kind::NRecv { .. } => match p.tagged_cancel(id) {
                     Ok(true) => None,
                     _ => Some("a matched receive the provider may still write into"),
@@ -550,6 +622,8 @@ impl P2pState {
         if let Some(what) = held {
             return Err(what);
         }
+        // A receive registered for the sender's write: revoke the key before the buffer goes.
+        self.revoke_wkey(p, id);
         let Some(req) = self.remove(am, id) else {
             return Ok(());
         };
@@ -589,6 +663,32 @@ impl P2pState {
             return;
         };
         match &mut req.kind {
+            Kind::Send(s) if matches!(s.phase, SendPhase::Writing { issued: true, .. }) => {
+                let SendPhase::Writing { rreq, len, .. } = s.phase else {
+                    return;
+                };
+                // The write counted as a piece in flight (the buffer stays borrowed until now).
+                s.flags -= 1;
+                let (dest, tag, total) = (s.dest, s.tag, s.buf.len);
+                let mut f = Hdr::new(H_WFIN);
+                f.u64(rreq);
+                let mut res = match result {
+                    Ok(_) => {
+                        f.u64(len as u64);
+                        Ok(status(dest, tag, total))
+                    }
+                    Err(e) => {
+                        f.u64(WFIN_FAILED);
+                        Err(e)
+                    }
+                };
+                am.push_ctrl(dest, f);
+                // Failed meanwhile (its peer): that result stands.
+                if let Some(r) = self.parked.remove(&token) {
+                    res = r;
+                }
+                self.finish(token, res);
+            }
             Kind::Send(s) if s.inflight() > 0 => {
                 s.flags -= 1;
                 let dest = s.dest;
@@ -672,6 +772,8 @@ impl P2pState {
             H_SPEC => self.on_spec(am, src, rd, payload),
             H_SDATA => self.on_sdata(am, src, rd, payload),
             H_CREDIT => self.on_credit(am, src, rd),
+            H_WCTS => self.on_wcts(am, src, rd),
+            H_WFIN => self.on_wfin(am, src, rd),
             _ => None,
         }
     }

@@ -5,6 +5,7 @@
 use super::buf::{Layout, RecvBuf};
 use super::{
     recv_result, status, Kind, P2pState, Posted, RecvPhase, RecvReq, Req, Unexp, H_CTS, H_SACK,
+    H_WCTS,
 };
 use crate::am::{AmState, Hdr, ReqId};
 use crate::matching::PostedHandle;
@@ -290,6 +291,62 @@ impl P2pState {
         n
     }
 
+    /// Register the buffers of receives waiting for a write rendezvous and send each sender
+    /// its `WCTS`; a receive whose buffer cannot be registered asks for `DATA` with a `CTS`.
+    pub(super) fn issue_wcts<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> usize {
+        let mut n = 0;
+        for (id, sreq) in std::mem::take(&mut self.wcts) {
+            let Some(Req {
+                kind:
+                    Kind::Recv(RecvReq {
+                        buf,
+                        phase: RecvPhase::Stream { expect, src, .. },
+                        ..
+                    }),
+                done: None,
+                ..
+            }) = self.reqs.get(id)
+            else {
+                continue;
+            };
+            let (base, len, src) = (buf.base, *expect, *src);
+            if let Err(e) = am.touch(p, src) {
+                self.finish(id, Err(e));
+                continue;
+            }
+            let writable = am.narrow(src).is_some_and(|n| n.rma_write && !n.rma_read);
+            let reg = if self.rma_write && writable {
+                // SAFETY: the receive request uniquely borrows `[base, base + len)` (`len` is
+                // at most its capacity) until its result is given out or it is quarantined;
+                // both revoke this registration first (`finish` parks the result until
+                // `after_progress` has deregistered; `quarantine` deregisters), so no peer
+                // writes there once the buffer is the user's again.
+                unsafe { p.mr_register(base, len, Access::WRITE.union(Access::LOCAL_WRITE)) }
+            } else {
+                Err(Error::invalid("write rendezvous off"))
+            };
+            let mut h;
+            match reg {
+                Ok(m) => {
+                    h = Hdr::new(H_WCTS);
+                    h.u64(sreq).u64(id).u64(len as u64).u64(m.addr).u64(m.key);
+                    self.wkeys.insert(id, m);
+                }
+                Err(e) => {
+                    if e.kind() == ErrorKind::Unsupported {
+                        tracing::debug!("write rendezvous off from now on: {e}");
+                        self.rma_write = false;
+                    }
+                    h = Hdr::new(H_CTS);
+                    h.u64(sreq).u64(id).u64(len as u64);
+                }
+            }
+            am.push_ctrl(src, h);
+            n += 1;
+        }
+        n
+    }
+
     /// Receive `id` matched a rendezvous message: read its data when the sender's buffer is
     /// registered and the receive fits one read, else ask for it with a `CTS`.
     #[allow(clippy::too_many_arguments)]
@@ -304,6 +361,14 @@ impl P2pState {
         remote: Option<RemoteAddr>,
     ) {
         let rma_read = self.rma_read && am.narrow(src).is_none_or(|n| n.rma_read);
+        // The write rendezvous is for peers that can be written to but not read from (a
+        // provider's choice, `PeerCaps`), e.g. verbs-rc's `WEFT_VERBS_RC_RNDV=write`.
+        // Decided in `issue_wcts` once the peer's capabilities are known (it may not have
+        // been touched yet).
+        let rma_write = self.rma_write
+            && am.caps.per_peer
+            && remote.is_none()
+            && am.narrow(src).is_none_or(|n| n.rma_write && !n.rma_read);
         let max_iov = am.caps.rma.map_or(0, |r| r.max_iov);
         let Some(Req {
             kind: Kind::Recv(r),
@@ -337,6 +402,11 @@ impl P2pState {
             src,
             tag,
         };
+        if rma_write && len > 0 && matches!(r.buf.layout, Layout::Contig) {
+            // Registered and announced by `issue_wcts`, which has the provider.
+            self.wcts.push((id, sreq));
+            return;
+        }
         let cap = r.buf.cap;
         let mut h = Hdr::new(H_CTS);
         h.u64(sreq).u64(id).u64(len as u64);

@@ -4,13 +4,13 @@
 use super::buf::{gather, Layout, SendBuf};
 use super::{
     status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq, EAGER_OVERHEAD, F_REMOTE,
-    F_SYNC, H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC,
+    F_SYNC, H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC, H_WFIN, WFIN_FAILED,
 };
 use crate::am::outbox::failure_reason;
 use crate::am::{AmState, Hdr, Out, Rd, ReqId};
-use crate::provider::{Access, Provider, RawIov, RemoteAddr, SendOutcome};
+use crate::provider::{Access, Completion, Provider, RawIov, RemoteAddr, SendOutcome};
 use crate::types::Rank;
-use crate::{ErrorKind, Result};
+use crate::{Error, ErrorKind, Result};
 use smallvec::SmallVec;
 
 impl P2pState {
@@ -384,6 +384,81 @@ impl P2pState {
 }
 
 impl P2pState {
+    /// Issue the RMA writes of write-rendezvous sends whose receiver sent its `WCTS`. A buffer
+    /// of more pieces than one write takes streams `DATA` instead (the receiver takes both).
+    pub(super) fn issue_writes<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> usize {
+        let mut n = 0;
+        let max_iov = am.caps.rma.map_or(0, |r| r.max_iov);
+        for id in std::mem::take(&mut self.writes) {
+            let Some(Req {
+                kind: Kind::Send(s),
+                done: None,
+                ..
+            }) = self.reqs.get_mut(id)
+            else {
+                continue;
+            };
+            let SendPhase::Writing {
+                rreq,
+                len,
+                remote,
+                issued: false,
+            } = s.phase
+            else {
+                continue;
+            };
+            let dest = s.dest;
+            let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
+            s.buf.pieces(0, len, &mut pieces);
+            if pieces.len() > max_iov {
+                s.phase = SendPhase::Stream { rreq, off: 0, len };
+                self.streams.push(id);
+                continue;
+            }
+            let span = s.buf.span();
+            match self.describe(p, am, id, span, Access::LOCAL) {
+                Ok(d) => pieces.iter_mut().for_each(|x| x.desc = d),
+                Err(e) => {
+                    self.write_failed(am, id, dest, rreq, e);
+                    continue;
+                }
+            }
+            // SAFETY: the pieces lie in the buffer send request `id` borrows. The write counts
+            // as a piece in flight (set just below, before anything can end the request), so
+            // the request neither ends nor is quarantined without ending the process until the
+            // provider reports this token.
+            match unsafe { p.rma_write(dest, &pieces, remote, Completion::cq(id)) } {
+                Ok(()) => {
+                    if let Some(Req {
+                        kind: Kind::Send(s),
+                        ..
+                    }) = self.reqs.get_mut(id)
+                    {
+                        s.flags += 1;
+                        s.phase = SendPhase::Writing {
+                            rreq,
+                            len,
+                            remote,
+                            issued: true,
+                        };
+                    }
+                    n += 1;
+                }
+                Err(e) => self.write_failed(am, id, dest, rreq, e),
+            }
+        }
+        n
+    }
+
+    /// The write of send `id` could not be posted: the send fails with `e`, and the receiver
+    /// learns it (`WFIN` with no length) instead of waiting.
+    fn write_failed(&mut self, am: &mut AmState, id: ReqId, dest: Rank, rreq: u64, e: Error) {
+        let mut f = Hdr::new(H_WFIN);
+        f.u64(rreq).u64(WFIN_FAILED);
+        am.push_ctrl(dest, f);
+        self.finish(id, Err(e));
+    }
+
     /// Send `h` with `pieces` of send request `id`'s buffer: zero-copy (`am_isend`, counted in
     /// the request's `inflight` until the provider reports it) where the provider offers it
     /// towards `dest` and the payload is above its inject size, else buffered.

@@ -80,6 +80,9 @@ pub struct LoopbackConfig {
     pub lazy: bool,
     /// With `rma`: an HCA's atomics.
     pub hca_atomics: bool,
+    /// With `rma`: offer peers writes but not reads (`PeerCaps`), so that the core's
+    /// rendezvous writes into the receiver's buffer instead of reading the sender's.
+    pub write_rndv: bool,
 }
 
 impl Default for LoopbackConfig {
@@ -95,6 +98,7 @@ impl Default for LoopbackConfig {
             transmit: false,
             lazy: false,
             hca_atomics: false,
+            write_rndv: false,
         }
     }
 }
@@ -112,6 +116,7 @@ impl LoopbackConfig {
             transmit: COMPLETION.get_enum()? == "transmit",
             lazy: LAZY.get_bool()?,
             hca_atomics: ATOMICS.get_enum()? == "hca",
+            write_rndv: false,
         })
     }
 
@@ -162,7 +167,7 @@ impl LoopbackConfig {
         caps.inject_size = if self.zcopy { self.inject } else { 0 };
         caps.mr_local = self.mr_local;
         caps.lazy_connect = self.lazy;
-        caps.per_peer = self.lazy;
+        caps.per_peer = self.lazy || (self.rma && self.write_rndv);
         caps
     }
 }
@@ -233,6 +238,8 @@ pub struct Loopback {
     inbox: VecDeque<Msg>,
     scratch: Vec<u8>,
     lazy: bool,
+    /// `LoopbackConfig::write_rndv`.
+    write_rndv: bool,
     conn: Vec<Conn>,
     /// Connections that came up, to report from `progress`.
     up: Vec<Rank>,
@@ -315,6 +322,7 @@ impl Loopback {
             inbox: VecDeque::new(),
             scratch: Vec::new(),
             lazy: cfg.lazy,
+            write_rndv: cfg.write_rndv,
             conn,
             up: Vec::new(),
             kv,
@@ -612,8 +620,12 @@ impl Provider for Loopback {
     }
 
     fn peer_caps(&self, peer: Rank) -> Option<PeerCaps> {
+        let write_rndv = self.write_rndv && self.caps.rma.is_some();
         if !self.lazy || self.conn.get(peer as usize) == Some(&Conn::Up) {
-            return None;
+            return write_rndv.then(|| PeerCaps {
+                rma_read: false,
+                ..PeerCaps::from(&self.caps)
+            });
         }
         // Until the connection is up: no RMA reads, no zero-copy, smaller messages.
         let mut p = PeerCaps::from(&self.caps);

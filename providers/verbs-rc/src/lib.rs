@@ -27,7 +27,9 @@
 //!   completion data, and the HCA's 8-byte fetch-and-add and compare-and-swap. RC
 //!   acknowledges a write once it is placed, so writes complete at *delivery*.
 //! * **Rendezvous** (`WEFT_VERBS_RC_RNDV`): `read` lets the core's receiver RDMA-read the
-//!   sender's buffer (paper 000's zero-copy design); `copy` streams it through active
+//!   sender's buffer (paper 000's zero-copy design); `write` has the receiver register its
+//!   buffer and the sender RDMA-write into it (Aptus RC-RDMA; the provider says so by
+//!   offering writes but not reads to its peers, `PeerCaps`); `copy` streams it through active
 //!   messages instead, for comparison.
 //!
 //! # Failures
@@ -38,6 +40,17 @@
 //! reports its status and the peer is failed with it.
 
 pub mod eager;
+
+/// How long `close` waits for requests still in flight.
+const CLOSE_DRAIN: Duration = Duration::from_millis(250);
+
+/// How large messages move (`WEFT_VERBS_RC_RNDV`); told to the core through `peer_caps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rndv {
+    Read,
+    Write,
+    Copy,
+}
 pub mod wire;
 
 use eager::{Design, Peek, RingMem, Shape};
@@ -72,8 +85,8 @@ weft_provider::param!(SEND_BUFS: Uint = "verbs", "RC_SEND_BUFS", "256",
     "verbs-rc: registered send buffers shared by all peers; 16 to 16384");
 weft_provider::param!(SQ: Uint = "verbs", "RC_SQ", "128",
     "verbs-rc: send-queue depth of each RC queue pair (work requests in flight per peer)");
-weft_provider::param!(RNDV: Enum(&["read", "copy"]) = "verbs", "RC_RNDV", "read",
-    "verbs-rc: large messages: read (the receiver RDMA-reads the sender's buffer, zero copy) or copy (pipelined through active messages)");
+weft_provider::param!(RNDV: Enum(&["read", "write", "copy"]) = "verbs", "RC_RNDV", "read",
+    "verbs-rc: large messages: read (the receiver RDMA-reads the sender's buffer, zero copy), write (the receiver sends its buffer's key and the sender RDMA-writes into it, Aptus RC-RDMA) or copy (pipelined through active messages)");
 weft_provider::param!(TIMEOUT: Uint = "verbs", "RC_TIMEOUT", "20",
     "verbs-rc: the RC local ACK timeout code (4.096 us x 2^code; 20 is about 4.3 s, MVAPICH's default); with RC_RETRY it sets how long a dead peer takes to notice; 1 to 31");
 weft_provider::param!(RETRY: Uint = "verbs", "RC_RETRY", "7",
@@ -366,7 +379,7 @@ pub struct VerbsRc {
     rank: Rank,
     size: u32,
     caps: Caps,
-    rndv_read: bool,
+    rndv: Rndv,
     hca: Arc<dyn Hca>,
     pd: verbs::Pd,
     cq: verbs::Cq,
@@ -466,7 +479,7 @@ struct Config {
     srq: usize,
     send_bufs: usize,
     sq: u32,
-    rndv_read: bool,
+    rndv: Rndv,
     connect_timeout: Duration,
     rc: verbs::RcParams,
     keepalive: Option<Duration>,
@@ -540,7 +553,11 @@ impl Config {
             srq: range(&SRQ)?,
             send_bufs: range(&SEND_BUFS)?,
             sq: range(&SQ)? as u32,
-            rndv_read: RNDV.get_enum()? == "read",
+            rndv: match RNDV.get_enum()? {
+                "read" => Rndv::Read,
+                "write" => Rndv::Write,
+                _ => Rndv::Copy,
+            },
             connect_timeout: Duration::from_secs_f64(secs),
         };
         if !(2..=1024).contains(&fp_bufs)
@@ -615,7 +632,7 @@ impl Config {
         caps.counters = true;
         caps.mr_local = true;
         caps.lazy_connect = true;
-        caps.per_peer = !self.rndv_read;
+        caps.per_peer = self.rndv != Rndv::Read;
         caps
     }
 }
@@ -651,7 +668,7 @@ impl VerbsRc {
             rank,
             size,
             caps,
-            rndv_read: cfg.rndv_read,
+            rndv: cfg.rndv,
             hca,
             pd,
             cq,
@@ -1807,13 +1824,48 @@ impl Provider for VerbsRc {
         self.start(peer)
     }
 
-    fn peer_caps(&self, _peer: Rank) -> Option<PeerCaps> {
-        if self.rndv_read {
-            return None;
+    /// After the final barrier: let what is still on its way out (the barrier's last
+    /// messages, acknowledgements) complete before `Drop` destroys the QPs, which would drop
+    /// it — the peer would then wait for a message that never comes. Bounded: a peer that has
+    /// already gone never acknowledges (nothing it needs is lost then).
+    fn close(&mut self) -> Result<()> {
+        struct Discard;
+        impl Sink for Discard {
+            fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
+            fn complete(
+                &mut self,
+                _: weft_provider::provider::Token,
+                _: Result<weft_provider::provider::Completed>,
+            ) {
+            }
+            fn peer_failed(&mut self, _: Rank, _: &str) {}
         }
+        let deadline = Instant::now() + CLOSE_DRAIN;
+        while self
+            .peers
+            .iter()
+            .any(|p| p.inflight > 0 && matches!(p.conn, Conn::Up | Conn::Accepted))
+        {
+            if Instant::now() > deadline {
+                tracing::debug!("verbs-rc: closing with requests still in flight");
+                break;
+            }
+            self.progress(&mut Discard)?;
+        }
+        Ok(())
+    }
+
+    fn peer_caps(&self, _peer: Rank) -> Option<PeerCaps> {
+        // Only the rendezvous reads these: RMA windows stay native in every mode.
         let mut p = PeerCaps::from(&self.caps);
-        p.rma_read = false;
-        p.rma_write = false;
+        match self.rndv {
+            Rndv::Read => return None,
+            Rndv::Write => p.rma_read = false,
+            Rndv::Copy => {
+                p.rma_read = false;
+                p.rma_write = false;
+            }
+        }
         Some(p)
     }
 
@@ -1824,6 +1876,7 @@ impl Provider for VerbsRc {
             .iter()
             .filter(|p| matches!(p.conn, Conn::Up | Conn::Accepted))
             .count() as u64;
+        let hc = self.hca.counters();
         vec![
             ("am_sent", s.am_sent),
             ("am_received", s.am_recv),
@@ -1843,6 +1896,21 @@ impl Provider for VerbsRc {
             ("pointer_writes", s.pointer_writes),
             ("overtaken", s.overtaken),
             ("rings_polled", self.polling.len() as u64),
+            // What the HCA executed for this process (work requests by kind, packets): the
+            // verbs operations each design costs per message.
+            ("hca_writes", hc.op(WrOpcode::RdmaWrite)),
+            ("hca_writes_imm", hc.op(WrOpcode::RdmaWriteWithImm)),
+            (
+                "hca_sends",
+                hc.op(WrOpcode::Send) + hc.op(WrOpcode::SendWithImm),
+            ),
+            ("hca_reads", hc.op(WrOpcode::RdmaRead)),
+            (
+                "hca_atomics",
+                hc.op(WrOpcode::AtomicCmpAndSwp) + hc.op(WrOpcode::AtomicFetchAndAdd),
+            ),
+            ("hca_packets", hc.packets),
+            ("hca_wire_bytes", hc.wire_bytes),
         ]
     }
 

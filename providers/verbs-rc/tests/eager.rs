@@ -86,9 +86,11 @@ fn every_eager_design_delivers_in_order_both_ways() {
         let cs = flood(design, 3000, 9000);
         for c in &cs {
             let ring = get(c, "eager_ring");
-            // (When the ring is full, messages that fit a send buffer go that way.)
+            // (When the ring is full, messages that fit a send buffer go that way. How many
+            // find room depends on scheduling: 110 to 1162 of 3000 for basic with another
+            // process busy on one of two cores; over 300 on an idle machine.)
             assert!(
-                ring > 300,
+                ring >= 50,
                 "{design}: only {ring} messages went by the ring: {c:?}"
             );
             match design {
@@ -98,5 +100,97 @@ fn every_eager_design_delivers_in_order_both_ways() {
                 _ => {}
             }
         }
+    }
+}
+
+type Counters = Vec<(String, u64)>;
+
+/// Ping-pong of `n` messages of `len` bytes (one in flight at a time); the counters of rank 0
+/// before and after.
+fn pingpong(design: &'static str, n: u32, len: usize) -> (Counters, Counters) {
+    std::env::set_var("WEFT_VERBS_RC_EAGER", design);
+    let out = world(2, move |mut p, bar| {
+        let mut ev = Events::default();
+        let me = p.rank();
+        let peer = 1 - me;
+        bar.wait();
+        let data = vec![me as u8; len];
+        let counters = |p: &weft_verbs_rc::VerbsRc| -> Counters {
+            p.counters()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect()
+        };
+        let send = |p: &mut weft_verbs_rc::VerbsRc, ev: &mut Events, i: u32| {
+            let t0 = Instant::now();
+            while p
+                .am_send(peer, &i.to_le_bytes(), &[std::io::IoSlice::new(&data)])
+                .unwrap()
+                != weft_provider::provider::SendOutcome::Sent
+            {
+                p.progress(ev).unwrap();
+                assert!(t0.elapsed() < Duration::from_secs(10), "{design}: send {i}");
+            }
+        };
+        let wait = |p: &mut weft_verbs_rc::VerbsRc, ev: &mut Events, k: usize| {
+            let t0 = Instant::now();
+            while ev.am.len() < k {
+                p.progress(ev).unwrap();
+                assert!(t0.elapsed() < Duration::from_secs(10), "{design}: wait {k}");
+            }
+        };
+        // Warm up past the fast-path threshold, then count.
+        let warm = 64;
+        let mut before = Vec::new();
+        for i in 0..warm + n {
+            if i == warm {
+                before = counters(&p);
+            }
+            if me == 0 {
+                send(&mut p, &mut ev, i);
+                wait(&mut p, &mut ev, i as usize + 1);
+            } else {
+                wait(&mut p, &mut ev, i as usize + 1);
+                send(&mut p, &mut ev, i);
+            }
+        }
+        let after = counters(&p);
+        // Let the peer see its last message before this side goes.
+        bar.wait();
+        (before, after)
+    });
+    out.into_iter().next().unwrap()
+}
+
+/// The verbs operations each design costs per message, counted by the HCA (what explains
+/// basic's latency): basic's data, head-pointer and tail-pointer writes; one write for the
+/// in-band designs (credits ride in headers); send/receive for everything when no ring is
+/// set up. Printed for the docs; asserted within bounds.
+#[test]
+fn verbs_operations_per_message_by_design() {
+    std::env::set_var("WEFT_VERBS_RC_FP_THRESHOLD", "8");
+    std::env::set_var("WEFT_VERBS_RC_RING", "256K");
+    let n = 2000;
+    let mut rows = Vec::new();
+    for design in ["basic", "piggyback", "pipeline", "fastpath"] {
+        let (b, a) = pingpong(design, n, 64);
+        let per = |k: &str| (get(&a, k) - get(&b, k)) as f64 / n as f64;
+        let (w, s) = (per("hca_writes"), per("hca_sends"));
+        eprintln!(
+            "{design:10} per message sent by rank 0: {w:.2} RDMA writes, {s:.2} sends, {:.2} packets",
+            per("hca_packets")
+        );
+        rows.push((design, w, s));
+    }
+    for (design, w, s) in rows {
+        let (lo, hi) = if design == "basic" {
+            (2.9, 3.1)
+        } else {
+            (0.9, 1.1)
+        };
+        assert!(
+            (lo..=hi).contains(&w) && s < 0.1,
+            "{design}: {w} writes and {s} sends per message"
+        );
     }
 }

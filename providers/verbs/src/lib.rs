@@ -27,6 +27,7 @@
 pub mod hca;
 #[cfg(feature = "rdma-core")]
 pub mod rdma;
+pub mod reliable;
 pub mod soft;
 mod sync;
 pub mod types;
@@ -121,7 +122,7 @@ pub fn open_device(name: &str) -> Result<Arc<dyn Hca>> {
         n => devs.iter().find(|d| d.name == n).cloned(),
     };
     match pick {
-        Some(d) if d.backend == "soft" => Ok(Arc::new(soft::SoftHca::open()?)),
+        Some(d) if d.backend == "soft" => Ok(soft::SoftHca::open_shared()?),
         #[cfg(feature = "rdma-core")]
         Some(d) if d.usable => Ok(Arc::new(rdma::RdmaHca::open(&d.name)?)),
         Some(d) => Err(Error::from(ErrorDetail::Unsupported(format!(

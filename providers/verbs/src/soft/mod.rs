@@ -202,6 +202,9 @@ struct Inner {
 }
 
 /// One process's soft HCA.
+/// How often the engine thread of [`SoftHca::open_shared`] drives due requests.
+pub const ENGINE_TICK: Duration = Duration::from_millis(1);
+
 pub struct SoftHca {
     inner: Mutex<Inner>,
     /// Dropped before the segment: the service thread maps it.
@@ -226,6 +229,30 @@ impl SoftHca {
     /// Open with the configuration of the environment (`WEFT_VERBS_SOFT_*`).
     pub fn open() -> Result<SoftHca> {
         SoftHca::with_config(Config::from_env()?)
+    }
+
+    /// Open as [`SoftHca::open`], shared. With the timing model on, requests wait until their
+    /// modelled arrival time, and only a call into this HCA executes them; a process that
+    /// posted and then waits on something else (a barrier over another provider, its peer's
+    /// write into memory) would keep them back forever, which hardware never does. So a
+    /// background thread, like an HCA's own engine, drives due requests every
+    /// [`ENGINE_TICK`] for as long as the HCA lives.
+    pub fn open_shared() -> Result<Arc<SoftHca>> {
+        let h = Arc::new(SoftHca::open()?);
+        if h.cfg.timing() {
+            let weak = Arc::downgrade(&h);
+            std::thread::Builder::new()
+                .name("weft-soft-hca".into())
+                .spawn(move || {
+                    while let Some(h) = weak.upgrade() {
+                        h.progress();
+                        drop(h);
+                        std::thread::sleep(ENGINE_TICK);
+                    }
+                })
+                .map_err(|e| Error::io("soft HCA: starting its engine thread", e))?;
+        }
+        Ok(h)
     }
 
     pub fn with_config(cfg: Config) -> Result<SoftHca> {
@@ -320,7 +347,8 @@ impl SoftHca {
         let me = std::process::id() as u64;
         for i in 0..seg::ATTACH_SLOTS {
             let s = self.seg.attach_slot(i);
-            let t0 = Instant::now();
+            // The clock only once a copy is found under way (the common case finds none).
+            let mut t0 = None;
             loop {
                 let pid = s.pid.load(SC);
                 if pid == 0 || !s.hz.iter().any(|h| h.load(SC) == tag) {
@@ -334,7 +362,7 @@ impl SoftHca {
                 if dead {
                     break;
                 }
-                if t0.elapsed() > Duration::from_micros(50) {
+                if t0.get_or_insert_with(Instant::now).elapsed() > Duration::from_micros(50) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -436,6 +464,24 @@ impl SoftHca {
             return;
         };
         self.sync_state(&mut q);
+        if let Some(t) = inner.timing.as_mut() {
+            // Stamp new requests with their arrival time now, as they are posted, so that
+            // the latencies of a window of requests overlap (the link serialises only their
+            // bytes).
+            for p in q.sq.iter_mut().filter(|p| p.due.is_none()) {
+                let ctx = (q.qpn as u64) << 32 | p.wr.ud.map_or(0, |u| u.remote_qpn as u64);
+                let (mut due, miss) = t.due(&self.cfg, ctx, p.wr.len());
+                // A read or an atomic is a round trip: its answer crosses the link back.
+                if matches!(
+                    p.wr.opcode,
+                    WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+                ) {
+                    due += self.cfg.latency;
+                }
+                inner.ctr.qp_cache_misses += miss as u64;
+                p.due = Some(due);
+            }
+        }
         if let Some(h) = &q.held {
             if h.since.elapsed() > Duration::from_millis(1) {
                 let h = q.held.take();
@@ -473,16 +519,9 @@ impl SoftHca {
             return None;
         }
         let len = p.wr.len();
-        if let Some(t) = inner.timing.as_mut() {
-            if p.due.is_none() {
-                let ctx = (q.qpn as u64) << 32 | p.wr.ud.map_or(0, |u| u.remote_qpn as u64);
-                let (due, miss) = t.due(&self.cfg, ctx, len);
-                inner.ctr.qp_cache_misses += miss as u64;
-                p.due = Some(due);
-            }
-            if p.due.is_some_and(|d| Instant::now() < d) {
-                return None;
-            }
+        // Timing model: not before the time `drive` stamped on it when it was posted.
+        if p.due.is_some_and(|d| Instant::now() < d) {
+            return None;
         }
         // Local checks: the HCA reads the payload (or writes the result) through our keys.
         let need = match p.wr.opcode {

@@ -24,6 +24,7 @@ use weft_limic as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 use weft_verbs_rc as _;
+use weft_verbs_ud as _;
 
 fn pattern(n: usize) -> Vec<u8> {
     (0..n)

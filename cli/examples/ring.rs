@@ -17,6 +17,7 @@ use weft_limic as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 use weft_verbs_rc as _;
+use weft_verbs_ud as _;
 
 const SIZES: &[usize] = &[0, 1, 8, 100, 4096, 65_543, 1 << 20];
 

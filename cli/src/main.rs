@@ -13,6 +13,7 @@ use weft_loopback as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 use weft_verbs_rc as _;
+use weft_verbs_ud as _;
 
 mod bench;
 mod conformance;

@@ -77,6 +77,35 @@ fn verbs_rc_passes_across_processes() {
     }
 }
 
+/// verbs-ud on the soft HCA: as it is, and with datagrams dropped, duplicated and held back
+/// by the soft HCA's fault injection (its reliability engine retransmits, orders, drops
+/// duplicates).
+#[test]
+fn verbs_ud_passes_across_processes_with_loss() {
+    passes(&[
+        "--provider",
+        "verbs-ud",
+        "-n",
+        "3",
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    passes(&[
+        "--provider",
+        "verbs-ud",
+        "-n",
+        "3",
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+        "--env",
+        "WEFT_VERBS_SOFT_UD_DROP=0.01",
+        "--env",
+        "WEFT_VERBS_SOFT_UD_DUP=0.01",
+        "--env",
+        "WEFT_VERBS_SOFT_UD_REORDER=0.05",
+    ]);
+}
+
 /// limic's paths: every message by cross-memory attach, every message inline, senders that
 /// push instead of leaving the copy to the receiver, and so few descriptor slots that
 /// operations wait for them.

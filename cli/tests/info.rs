@@ -53,7 +53,9 @@ fn provider_selection_is_shown() {
     let o = run_bounded(weft_clean().arg("info").env("WEFT_PROVIDER", "^shm"), 30);
     assert!(o.status.success());
     assert!(
-        stdout(&o).contains("WEFT_PROVIDER selects, in order: limic, tcp-sim, verbs-rc, loopback"),
+        stdout(&o).contains(
+            "WEFT_PROVIDER selects, in order: limic, tcp-sim, verbs-rc, verbs-ud, loopback"
+        ),
         "{}",
         stdout(&o)
     );

@@ -6,17 +6,19 @@ use common::*;
 use std::process::Command;
 
 /// Built-in providers whose ranks may be separate processes.
-const PROCESS_PROVIDERS: &[&str] = &["shm", "limic", "tcp-sim", "verbs-rc"];
+const PROCESS_PROVIDERS: &[&str] = &["shm", "limic", "tcp-sim", "verbs-rc", "verbs-ud"];
 
 fn weft_run(args: &[&str]) -> Command {
     let mut c = Command::new(weft());
     c.arg("run").args(args);
     c.env_remove("WEFT_PROVIDER");
     // verbs-rc on the soft HCA, noticing a dead peer after 4 x 67 ms of silence (not the
-    // default 8 x 4.3 s).
+    // default 8 x 4.3 s); verbs-ud after 1 s (not 30), probing idle peers every 0.2 s.
     c.env("WEFT_VERBS_DEVICE", "soft")
         .env("WEFT_VERBS_RC_TIMEOUT", "14")
-        .env("WEFT_VERBS_RC_RETRY", "3");
+        .env("WEFT_VERBS_RC_RETRY", "3")
+        .env("WEFT_VERBS_UD_TIMEOUT", "1")
+        .env("WEFT_VERBS_UD_KEEPALIVE", "0.2");
     c
 }
 

@@ -40,17 +40,6 @@
 //! reports its status and the peer is failed with it.
 
 pub mod eager;
-
-/// How long `close` waits for requests still in flight.
-const CLOSE_DRAIN: Duration = Duration::from_millis(250);
-
-/// How large messages move (`WEFT_VERBS_RC_RNDV`); told to the core through `peer_caps`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rndv {
-    Read,
-    Write,
-    Copy,
-}
 pub mod wire;
 
 use eager::{Design, Peek, RingMem, Shape};
@@ -109,6 +98,17 @@ weft_provider::param!(FP_PEERS: Uint = "verbs", "RC_FP_PEERS", "64",
     "verbs-rc fastpath: peers with slots at most (MVAPICH MV2_POLLING_SET_LIMIT); the others use send/receive");
 weft_provider::param!(CONNECT_TIMEOUT: Float = "verbs", "RC_CONNECT_TIMEOUT", "30",
     "verbs-rc: seconds a connection request may go unanswered before the peer is failed");
+
+/// How long `close` waits for requests still in flight.
+const CLOSE_DRAIN: Duration = Duration::from_millis(250);
+
+/// How large messages move (`WEFT_VERBS_RC_RNDV`); told to the core through `peer_caps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rndv {
+    Read,
+    Write,
+    Copy,
+}
 
 /// Largest active-message header.
 const MAX_HDR: usize = 128;

@@ -218,6 +218,14 @@ impl<S, R> Link<S, R> {
         self.unacked.len()
     }
 
+    /// Packets `send` takes now.
+    pub fn room(&self) -> usize {
+        if self.failed {
+            return 0;
+        }
+        (self.cfg.window as usize).saturating_sub(self.unacked.len())
+    }
+
     /// Room in the send window for another packet.
     pub fn can_send(&self) -> bool {
         !self.failed && (self.unacked.len() as u64) < self.cfg.window as u64

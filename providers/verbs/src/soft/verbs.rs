@@ -274,7 +274,10 @@ impl Hca for SoftHca {
                 self.attr.max_srq_wr
             )));
         }
-        let cap = max_wr.next_power_of_two();
+        // Twice the limit: a consumer claims a record before it hands its slot back, so a
+        // ring exactly as large as the limit could refuse a post the limit allows (a peer
+        // between the two steps while the owner posts).
+        let cap = (2 * max_wr).next_power_of_two();
         let i = slot(&mut g.srqs, self.cfg.max_srq as usize).ok_or_else(|| exhausted("SRQs"))?;
         let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
         let off = g
@@ -379,6 +382,11 @@ impl Hca for SoftHca {
                     s.max_sge
                 )));
             }
+            if r.len() >= s.asked as usize {
+                return Err(inval(format!(
+                    "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
+                )));
+            }
             let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
             e.bytes.fetch_add(b, RLX);
             if !r.push(&seg::wqe_record(wr.wr_id, &wr.sg_list)) {
@@ -428,7 +436,8 @@ impl Hca for SoftHca {
         g.qp_gen[i] = g.qp_gen[i].wrapping_add(1).max(1);
         let qpn = (g.qp_gen[i] as u32) << 16 | i as u32;
         let (rq_off, rq_cap) = if init.srq.is_none() {
-            let cap = c.max_recv_wr.next_power_of_two();
+            // Twice the limit, as for an SRQ (`create_srq`).
+            let cap = (2 * c.max_recv_wr).next_power_of_two();
             let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
             let off = g
                 .heap

@@ -670,10 +670,12 @@ impl Provider for VerbsUd {
         if self.link(dest).room() < packets || self.send.free.len() < packets {
             return Ok(SendOutcome::Busy);
         }
-        // Header and payload, cut into packets.
-        let mut parts = std::iter::once(header)
+        // Header and payload, cut into packets: slices copied whole (not byte by byte).
+        let parts: smallvec::SmallVec<[&[u8]; 8]> = std::iter::once(header)
             .chain(payload.iter().map(|p| &**p))
-            .flat_map(|s| s.iter().copied());
+            .filter(|p| !p.is_empty())
+            .collect();
+        let (mut part, mut at) = (0usize, 0usize);
         for k in 0..packets {
             let slot = self.send.free.pop().expect("counted above");
             let n = room.min(bytes - k * room);
@@ -683,8 +685,17 @@ impl Provider for VerbsUd {
             put_u16(&mut b[2..4], header.len() as u16);
             put_u32(&mut b[4..8], self.rank);
             put_u32(&mut b[16..20], total as u32);
-            for (d, s) in b[PKT..PKT + n].iter_mut().zip(parts.by_ref()) {
-                *d = s;
+            let mut filled = 0;
+            while filled < n {
+                let src = &parts[part][at..];
+                let c = src.len().min(n - filled);
+                b[PKT + filled..PKT + filled + c].copy_from_slice(&src[..c]);
+                filled += c;
+                at += c;
+                if at == parts[part].len() {
+                    part += 1;
+                    at = 0;
+                }
             }
             self.send_len[slot as usize] = (PKT + n) as u32;
             if self.link(dest).send(slot).is_err() {

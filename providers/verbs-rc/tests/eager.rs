@@ -2,15 +2,23 @@
 //! with their own soft HCAs: a flood both ways of messages of mixed sizes, some through the
 //! ring and some (too large for a fast-path slot, or the ring full) through send/receive,
 //! arrives complete and in order. (Its own test binary: it sets environment variables, one
-//! design after the other.)
+//! design after the other; its tests take `ENV` so that one does not change the design or the
+//! ring under the other's ranks, which then see a peer of another design and fail it.)
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use weft_provider::provider::Provider;
 
 mod common;
 use common::*;
+
+/// Held by each test for its whole run: the variables are read when a rank opens.
+static ENV: Mutex<()> = Mutex::new(());
+
+fn env_lock() -> MutexGuard<'static, ()> {
+    ENV.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn flood(design: &'static str, n: u32, max: usize) -> Vec<Vec<(String, u64)>> {
     std::env::set_var("WEFT_VERBS_RC_EAGER", design);
@@ -78,6 +86,7 @@ fn get(c: &[(String, u64)], k: &str) -> u64 {
 
 #[test]
 fn every_eager_design_delivers_in_order_both_ways() {
+    let _env = env_lock();
     // A small ring, so that it fills and the designs' acknowledgements are exercised.
     std::env::set_var("WEFT_VERBS_RC_RING", "64K");
     std::env::set_var("WEFT_VERBS_RC_CHUNK", "1K");
@@ -168,6 +177,7 @@ fn pingpong(design: &'static str, n: u32, len: usize) -> (Counters, Counters) {
 /// set up. Printed for the docs; asserted within bounds.
 #[test]
 fn verbs_operations_per_message_by_design() {
+    let _env = env_lock();
     std::env::set_var("WEFT_VERBS_RC_FP_THRESHOLD", "8");
     std::env::set_var("WEFT_VERBS_RC_RING", "256K");
     let n = 2000;

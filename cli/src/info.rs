@@ -54,7 +54,14 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                         .unwrap_or_default()
                 )
                 .unwrap();
-                if let Some(r) = c.rma {
+                if let Some(r) = c.rma.filter(|r| r.rndv_only) {
+                    writeln!(
+                        s,
+                        "  rma: none on windows (active messages); large messages are written in place by the {} rendezvous",
+                        if r.write { "write" } else { "read" }
+                    )
+                    .unwrap();
+                } else if let Some(r) = c.rma {
                     writeln!(
                         s,
                         "  rma: {}{}",

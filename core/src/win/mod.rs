@@ -379,7 +379,7 @@ impl<'w, P: Provider> Window<'w, P> {
         let mut mr = pre_mr;
         if mr.is_none() {
             if let Some(rc) = caps.rma {
-                if (rc.read || rc.write) && rc.user_memory {
+                if (rc.read || rc.write) && rc.user_memory && !rc.rndv_only {
                     let mut eng = comm.sh.engine.borrow_mut();
                     // SAFETY: the window keeps `base..base+len` borrowed (or owned) until
                     // `free`, which deregisters first.

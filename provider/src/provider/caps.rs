@@ -46,6 +46,12 @@ pub struct RmaCaps {
     /// Bytes of remote completion data `rma_write_data` delivers to the target (0: none; 4 on
     /// InfiniBand, `IBV_WR_RDMA_WRITE_WITH_IMM`; up to 8, libfabric's `cq_data_size`).
     pub cq_data_size: usize,
+    /// Registrations for remote access serve the **write rendezvous only**: a receive buffer
+    /// registered for one peer's single write of the whole message (at the region's `addr`,
+    /// from offset 0), not windows. A datagram fabric can place such a write without a copy
+    /// (verbs-ud's UD zero-copy posts the buffer as receives) but cannot reach arbitrary
+    /// memory at any time, so windows go by active messages. `weft info`: `rma-rndv-only`.
+    pub rndv_only: bool,
 }
 
 impl RmaCaps {
@@ -170,6 +176,9 @@ impl Caps {
             }
             if r.scalable_keys {
                 v.push("scalable-keys");
+            }
+            if r.rndv_only {
+                v.push("rma-rndv-only");
             }
         }
         if !self.atomics.is_empty() {

@@ -110,6 +110,7 @@ fn caps() -> Caps {
         completion: CompletionLevel::Delivery,
         fence: true,
         cq_data_size: 0,
+        rndv_only: false,
     });
     c.counters = true;
     c

@@ -153,6 +153,7 @@ impl LoopbackConfig {
                 // Copies between threads, or (transmit) pending writes drained first.
                 fence: true,
                 cq_data_size: if self.transmit { 4 } else { 0 },
+                rndv_only: false,
             });
             caps.counters = self.counters;
             if self.hca_atomics {

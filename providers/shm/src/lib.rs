@@ -147,6 +147,7 @@ impl Config {
                 completion: weft_provider::provider::CompletionLevel::Delivery,
                 fence: true,
                 cq_data_size: 0,
+                rndv_only: false,
             });
             c.atomics = weft_provider::types::AtomicTable::all();
             // Operations are copies and CPU atomics that finish when issued: counting them is

@@ -623,6 +623,7 @@ impl Config {
             completion: CompletionLevel::Delivery,
             fence: true,
             cq_data_size: 4,
+            rndv_only: false,
         });
         let mut t = AtomicTable::NONE;
         t.set(Op::Sum, BasicType::I64, true);

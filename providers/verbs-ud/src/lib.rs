@@ -19,13 +19,27 @@
 //!   reused only once the peer has acknowledged it and the HCA no longer reads it. A peer that
 //!   owes acknowledgements and stays silent for `WEFT_VERBS_UD_TIMEOUT` seconds is failed
 //!   (`peer failed: rank N`).
-//! * **No RDMA on UD**: RMA and atomics go through the core's active-message path.
+//! * **UD zero-copy** (Aptus UD-ZCopy, [`zcopy`]): a message of `WEFT_VERBS_UD_ZCOPY_MIN`
+//!   bytes or more goes by the core's write rendezvous. The receiver's registration of its
+//!   buffer takes a UD QP from a small pool (`WEFT_VERBS_UD_ZCOPY_QPS`) and posts the buffer
+//!   there as MTU-sized receives; the key it hands out names that QP. The sender's "write"
+//!   sends the pieces straight from its buffer with the piece number in the immediate data.
+//!   Losses are repaired in rounds (see [`zcopy`]); the write completes when the receiver
+//!   says every piece is in place. Deregistration takes posted receives back (QP reset)
+//!   before it returns, so nothing lands in the buffer once the core gives it back.
+//! * **No RDMA on UD**: windows (RMA and atomics) go through the core's active-message path
+//!   (`RmaCaps::rndv_only`).
 
-use std::collections::VecDeque;
+mod zcopy;
+
+use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
-use weft_provider::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft_provider::provider::{
+    Access, Caps, Completed, Completion, CompletionLevel, MemRegion, PeerCaps, ProbeContext,
+    Provider, RawIov, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider, Token,
+};
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::reliable::{self, Header, Link};
@@ -41,6 +55,10 @@ weft_provider::param!(SEND_BUFS: Uint = "verbs", "UD_SEND_BUFS", "1024",
     "verbs-ud: send buffers shared by every peer; a packet holds one until acknowledged (16 to 65536)");
 weft_provider::param!(TIMEOUT: Float = "verbs", "UD_TIMEOUT", "30",
     "verbs-ud: seconds a peer that owes acknowledgements may stay silent before it is failed (UCX ud: 30)");
+weft_provider::param!(ZCOPY_MIN: Size = "verbs", "UD_ZCOPY_MIN", "8K",
+    "verbs-ud: messages of this many bytes or more that go by rendezvous are received in place (UD zero-copy); smaller ones are copied out of the shared receive buffers");
+weft_provider::param!(ZCOPY_QPS: Uint = "verbs", "UD_ZCOPY_QPS", "4",
+    "verbs-ud: UD queue pairs kept for zero-copy receives, so that many large receives at once (0: no zero-copy; 0 to 64)");
 weft_provider::param!(KEEPALIVE: Float = "verbs", "UD_KEEPALIVE", "2",
     "verbs-ud: seconds between probes of peers we talk to that have nothing unacknowledged, so that a dead one is noticed (0: never)");
 
@@ -56,6 +74,12 @@ const F_FIRST: u8 = 1;
 const F_LAST: u8 = 2;
 /// A keepalive probe: acknowledged like data, delivered to no one.
 const F_PING: u8 = 4;
+/// A zero-copy control message ([`zcopy::Ctl`]).
+const F_CTRL: u8 = 8;
+/// Receives a zero-copy QP holds at once (2 MiB at the default MTU: one round for 1 MiB).
+const ZDEPTH: u32 = 1024;
+/// Send-queue entries zero-copy pieces leave to the link's packets.
+const SQ_RESERVE: u32 = 64;
 /// Buffers for acknowledgements without data.
 const CTL: usize = 64;
 /// Send queue depth of the UD QP.
@@ -67,6 +91,10 @@ const POLL: usize = 32;
 const K_RECV: u64 = 1 << 56;
 const K_SEND: u64 = 2 << 56;
 const K_CTL: u64 = 3 << 56;
+const K_ZRX: u64 = 4 << 56;
+const K_ZTX: u64 = 5 << 56;
+/// `MemRegion::handle` of a zero-copy receive (else: a local registration's handle).
+const Z_HANDLE: u64 = 1 << 62;
 const K_MASK: u64 = 0xff << 56;
 
 struct Config {
@@ -76,6 +104,8 @@ struct Config {
     send_bufs: usize,
     timeout: Duration,
     keepalive: Option<Duration>,
+    zcopy_min: usize,
+    zcopy_qps: usize,
 }
 
 impl Config {
@@ -115,6 +145,8 @@ impl Config {
             recvs: range(&RECVS, 16, 16384)? as usize,
             send_bufs: range(&SEND_BUFS, 16, 65536)? as usize,
             timeout: Duration::from_secs_f64(secs),
+            zcopy_min: ZCOPY_MIN.get_size()?.max(1),
+            zcopy_qps: range(&ZCOPY_QPS, 0, 64)? as usize,
         })
     }
 
@@ -123,6 +155,19 @@ impl Config {
         // Aptus sends up to 8 KiB by UD-SR; larger messages by rendezvous.
         c.eager_limit = 8 << 10;
         c.spans_hosts = true;
+        if self.zcopy_qps > 0 {
+            // The write rendezvous only: a receive buffer posted to a UD QP (no windows).
+            c.rma = Some(RmaCaps {
+                write: true,
+                max_iov: 1,
+                user_memory: true,
+                completion: CompletionLevel::Delivery,
+                rndv_only: true,
+                ..RmaCaps::default()
+            });
+            c.mr_local = true;
+            c.per_peer = true;
+        }
         c
     }
 
@@ -229,6 +274,41 @@ struct Peer {
     link: Option<Link<u32, Vec<u8>>>,
     rx: Rx,
     failed: bool,
+    /// Zero-copy control messages waiting for room in the link.
+    ctl_out: VecDeque<Vec<u8>>,
+}
+
+/// A UD QP of the zero-copy pool. `gen` changes whenever its receives are taken back, so
+/// completions of earlier ones are told apart.
+struct ZQp {
+    qp: verbs::Qp,
+    gen: u32,
+    user: Option<usize>,
+}
+
+/// A zero-copy receive: the core's buffer registered and posted to a pool QP.
+struct ZRecv {
+    r: zcopy::Recv,
+    qp: usize,
+    mr: verbs::Mr,
+    base: *mut u8,
+    sender: Option<Rank>,
+    fin: bool,
+}
+
+/// A zero-copy "write": pieces of a registered send buffer going to a peer's pool QP.
+struct ZSend {
+    dest: Rank,
+    key: zcopy::Key,
+    ptr: *const u8,
+    len: usize,
+    lkey: u32,
+    queue: VecDeque<u32>,
+    round: u32,
+    done_due: bool,
+    outstanding: u32,
+    result: Option<Result<()>>,
+    token: Option<Token>,
 }
 
 #[derive(Default)]
@@ -238,6 +318,13 @@ struct Stats {
     packets_sent: u64,
     packets_recv: u64,
     malformed: u64,
+    zsends: u64,
+    zrecvs: u64,
+    zpieces: u64,
+    zrounds: u64,
+    zmoved: u64,
+    zregranted: u64,
+    zrefused: u64,
 }
 
 pub struct VerbsUd {
@@ -267,6 +354,16 @@ pub struct VerbsUd {
     wcs: Vec<verbs::Wc>,
     next_keepalive: Instant,
     stats: Stats,
+    zqps: Vec<ZQp>,
+    zrecvs: Vec<Option<ZRecv>>,
+    zsends: Vec<Option<ZSend>>,
+    next_xfer: u32,
+    /// Local registrations (send buffers of zero-copy writes), by HCA handle.
+    locals: HashMap<u32, verbs::Mr>,
+    /// Where the GRH of every zero-copy receive goes (never read).
+    scratch: Pool,
+    /// Control messages delivered by the links, handled after the drain.
+    zin: Vec<(Rank, Vec<u8>)>,
 }
 
 fn put_u16(b: &mut [u8], v: u16) {
@@ -294,10 +391,25 @@ impl VerbsUd {
     fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<VerbsUd> {
         let hca = verbs::open_default()?;
         let pd = hca.alloc_pd()?;
-        let cq = hca.create_cq((cfg.recvs as u32 + SQ + 16).min(hca.attr().max_cqe.max(64)))?;
+        let cqe = cfg.recvs as u32 + SQ + 16 + cfg.zcopy_qps as u32 * ZDEPTH;
+        let cq = hca.create_cq(cqe.min(hca.attr().max_cqe.max(64)))?;
         let qp = hca.create_qp(pd, &qp_init(cq, cfg.recvs as u32))?;
         let qkey = job_qkey(boot.job_id());
         verbs::activate_ud(&*hca, qp, qkey)?;
+        let mut zqps = Vec::with_capacity(cfg.zcopy_qps);
+        for _ in 0..cfg.zcopy_qps {
+            let mut init = qp_init(cq, ZDEPTH);
+            init.cap.max_send_wr = 1;
+            init.cap.max_recv_sge = 2;
+            let q = hca.create_qp(pd, &init)?;
+            verbs::activate_ud(&*hca, q, qkey)?;
+            zqps.push(ZQp {
+                qp: q,
+                gen: 0,
+                user: None,
+            });
+        }
+        let scratch = Pool::new(&*hca, pd, 1, 64, false)?;
         // Every packet lands in a receive buffer: HCA memory where there is enough of it.
         let recv = Pool::new(&*hca, pd, cfg.recvs, GRH + cfg.mtu, true)?;
         let send = Pool::new(&*hca, pd, cfg.send_bufs, cfg.mtu, false)?;
@@ -341,6 +453,13 @@ impl VerbsUd {
             next_keepalive: Instant::now(),
             stats: Stats::default(),
             cfg,
+            zqps,
+            zrecvs: Vec::new(),
+            zsends: Vec::new(),
+            next_xfer: 0,
+            locals: HashMap::new(),
+            scratch,
+            zin: Vec::new(),
         };
         for i in 0..me.cfg.recvs as u32 {
             me.post_recv(i)?;
@@ -570,6 +689,10 @@ impl VerbsUd {
             if flags & F_PING != 0 {
                 continue;
             }
+            if flags & F_CTRL != 0 {
+                self.zin.push((r, body.to_vec()));
+                continue;
+            }
             let rx = &mut self.peers[i].rx;
             if flags & F_FIRST != 0 {
                 if body.len() < hlen || rx.active {
@@ -620,6 +743,343 @@ impl VerbsUd {
         while let Some(slot) = self.peers[i].link.as_mut().and_then(|l| l.poll_acked()) {
             self.send_acked[slot as usize] = true;
             self.maybe_free(slot);
+        }
+        n
+    }
+}
+
+/// UD zero-copy: the receive side (registration, posting, rounds) and the send side.
+impl VerbsUd {
+    /// Post receives for `pieces` of zero-copy receive `z` (recorded as posted by its
+    /// [`zcopy::Recv`] already), in this order.
+    fn zpost(&mut self, z: usize, pieces: &[u32]) -> Result<()> {
+        let Some(zr) = self.zrecvs[z].as_ref() else {
+            return Ok(());
+        };
+        let zq = &self.zqps[zr.qp];
+        let grh = self.scratch.sge(0, GRH);
+        let wrs: Vec<verbs::RecvWr> = pieces
+            .iter()
+            .map(|&k| {
+                let (off, len) = zr.r.region(k);
+                let user = verbs::Sge {
+                    addr: zr.mr.addr + off as u64,
+                    length: len as u32,
+                    lkey: zr.mr.lkey,
+                };
+                let id = K_ZRX | (zr.qp as u64) << 48 | ((zq.gen & 0xffff) as u64) << 32 | k as u64;
+                verbs::RecvWr::new(id, &[grh, user])
+            })
+            .collect();
+        self.hca.post_recv(zq.qp, &wrs)
+    }
+
+    /// Register `[base, base + len)` for one zero-copy transfer into it: a pool QP, the
+    /// first round's receives posted.
+    fn zrecv_open(&mut self, base: *mut u8, len: usize) -> Result<MemRegion> {
+        let piece = self.cfg.mtu;
+        if len < self.cfg.zcopy_min || len.div_ceil(piece) > zcopy::MAX_PIECES as usize {
+            return Err(Error::invalid(format!(
+                "verbs-ud: {len} bytes go by copy (WEFT_VERBS_UD_ZCOPY_MIN={}, at most {} pieces)",
+                self.cfg.zcopy_min,
+                zcopy::MAX_PIECES
+            )));
+        }
+        let Some(q) = self.zqps.iter().position(|z| z.user.is_none()) else {
+            self.stats.zrefused += 1;
+            return Err(Error::invalid(
+                "verbs-ud: every zero-copy QP is busy (WEFT_VERBS_UD_ZCOPY_QPS)",
+            ));
+        };
+        // SAFETY: the caller (the core's write rendezvous) keeps the buffer borrowed until
+        // `mr_deregister`, which takes the posted receives back and deregisters first.
+        let mr = unsafe {
+            self.hca
+                .reg_mr(self.pd, base, len, verbs::Access::LOCAL_WRITE)
+        }?;
+        let xfer = self.next_xfer;
+        self.next_xfer = (xfer + 1) & zcopy::XFER_MASK;
+        let mut r = zcopy::Recv::new(
+            xfer,
+            len,
+            piece,
+            ZDEPTH as usize,
+            zcopy::max_ranges(self.cfg.mtu - PKT),
+        );
+        let first = r.first();
+        let z = match self.zrecvs.iter().position(Option::is_none) {
+            Some(z) => z,
+            None => {
+                self.zrecvs.push(None);
+                self.zrecvs.len() - 1
+            }
+        };
+        self.zrecvs[z] = Some(ZRecv {
+            r,
+            qp: q,
+            mr,
+            base,
+            sender: None,
+            fin: false,
+        });
+        self.zqps[q].user = Some(z);
+        if let Err(e) = self.zpost(z, &first) {
+            let _ = self.zrecv_close(z);
+            return Err(e);
+        }
+        let key = zcopy::Key {
+            qpn: self.zqps[q].qp.qpn,
+            xfer,
+            first: first.len() as u32,
+            piece,
+        };
+        Ok(MemRegion {
+            key: key.encode(),
+            // Writes address the region by offset.
+            addr: 0,
+            len,
+            handle: Z_HANDLE | z as u64,
+            desc: mr.lkey as u64,
+        })
+    }
+
+    /// End zero-copy receive `z`: receives still posted over the buffer are taken back (QP
+    /// reset) and the buffer deregistered (waiting out a landing under way) before this
+    /// returns; a sender not yet told the transfer ended is told it was given up.
+    fn zrecv_close(&mut self, z: usize) -> Result<()> {
+        let zr = self
+            .zrecvs
+            .get_mut(z)
+            .and_then(Option::take)
+            .ok_or_else(|| Error::invalid("verbs-ud: deregistering an unknown region"))?;
+        let zq = &mut self.zqps[zr.qp];
+        zq.gen = zq.gen.wrapping_add(1);
+        zq.user = None;
+        let qp = zq.qp;
+        let reset = if zr.r.has_posted() {
+            self.hca
+                .modify_qp(
+                    qp,
+                    &verbs::QpAttr {
+                        qp_state: Some(verbs::QpState::Reset),
+                        ..verbs::QpAttr::default()
+                    },
+                )
+                .and_then(|()| verbs::activate_ud(&*self.hca, qp, self.qkey))
+        } else {
+            Ok(())
+        };
+        let dereg = self.hca.dereg_mr(zr.mr);
+        if !zr.fin {
+            if let Some(s) = zr.sender {
+                self.send_ctl(s, &zcopy::Ctl::Abort { xfer: zr.r.xfer });
+            }
+        }
+        if let Err(e) = &reset {
+            // The QP could not be reset: keep it out of the pool (its receives point at a
+            // deregistered buffer and would only fail).
+            tracing::warn!("verbs-ud: a zero-copy QP could not be reset: {e}");
+            self.zqps[zr.qp].user = Some(usize::MAX);
+        }
+        dereg.and(reset)
+    }
+
+    /// Queue control message `c` to `r` and send what the link has room for.
+    fn send_ctl(&mut self, r: Rank, c: &zcopy::Ctl) {
+        self.peers[r as usize].ctl_out.push_back(c.encode());
+        self.flush_ctl(r);
+    }
+
+    fn flush_ctl(&mut self, r: Rank) {
+        let i = r as usize;
+        while !self.peers[i].ctl_out.is_empty() && !self.peers[i].failed {
+            if self.link(r).room() < 1 {
+                return;
+            }
+            let Some(slot) = self.send.free.pop() else {
+                return;
+            };
+            let body = self.peers[i].ctl_out.pop_front().expect("checked above");
+            let rank = self.rank;
+            let b = self.send.buf(slot);
+            b[0] = KIND_DATA;
+            b[1] = F_FIRST | F_LAST | F_CTRL;
+            put_u16(&mut b[2..4], 0);
+            put_u32(&mut b[4..8], rank);
+            put_u32(&mut b[16..20], body.len() as u32);
+            b[PKT..PKT + body.len()].copy_from_slice(&body);
+            self.send_len[slot as usize] = (PKT + body.len()) as u32;
+            if self.link(r).send(slot).is_err() {
+                self.send.free.push(slot);
+                return;
+            }
+        }
+    }
+
+    /// Post the pieces zero-copy sends have due, while the send queue has room; announce a
+    /// round's end once all its pieces are posted.
+    fn zpump(&mut self) -> Result<()> {
+        for s in 0..self.zsends.len() {
+            let Some(z) = self.zsends[s].as_ref() else {
+                continue;
+            };
+            if z.result.is_some() || (z.queue.is_empty() && !z.done_due) {
+                continue;
+            }
+            let dest = z.dest;
+            let (ah, _) = self.ah_of(dest)?;
+            let z = self.zsends[s].as_mut().expect("checked above");
+            let room = (SQ - SQ_RESERVE).saturating_sub(self.sq_used) as usize;
+            let n = room.min(z.queue.len());
+            if n > 0 {
+                let wrs: Vec<SendWr> = z
+                    .queue
+                    .drain(..n)
+                    .map(|k| {
+                        let off = k as usize * z.key.piece;
+                        let sge = verbs::Sge {
+                            // SAFETY (address arithmetic only): `k` < pieces, so `off` < len.
+                            addr: z.ptr as u64 + off as u64,
+                            length: z.key.piece.min(z.len - off) as u32,
+                            lkey: z.lkey,
+                        };
+                        SendWr::send_imm(K_ZTX | s as u64, &[sge], zcopy::imm(z.key.xfer, k))
+                            .to(ah, z.key.qpn, self.qkey)
+                    })
+                    .collect();
+                self.hca.post_send(self.qp, &wrs)?;
+                z.outstanding += n as u32;
+                self.sq_used += n as u32;
+                self.stats.zpieces += n as u64;
+            }
+            if z.queue.is_empty() && z.done_due {
+                z.done_due = false;
+                let c = zcopy::Ctl::Done {
+                    xfer: z.key.xfer,
+                    round: z.round,
+                };
+                self.send_ctl(dest, &c);
+            }
+        }
+        Ok(())
+    }
+
+    /// A zero-copy control message from `src`.
+    fn zctl(&mut self, src: Rank, body: &[u8]) -> Result<()> {
+        use zcopy::Ctl;
+        let Some(c) = Ctl::decode(body) else {
+            self.stats.malformed += 1;
+            return Ok(());
+        };
+        match c {
+            Ctl::Done { xfer, round } => {
+                let z = self.zrecvs.iter().position(|z| {
+                    z.as_ref()
+                        .is_some_and(|z| z.r.xfer == xfer && z.sender.is_none_or(|s| s == src))
+                });
+                let Some(z) = z else {
+                    // The receive is gone (or never was): the sender must not wait.
+                    self.send_ctl(src, &Ctl::Abort { xfer });
+                    return Ok(());
+                };
+                let zr = self.zrecvs[z].as_mut().expect("found above");
+                zr.sender = Some(src);
+                let Some((moves, next)) = zr.r.on_done(round) else {
+                    return Ok(());
+                };
+                for &(from, to, len) in &moves {
+                    let (f, _) = zr.r.region(from);
+                    let (t, _) = zr.r.region(to);
+                    // SAFETY: both places lie in the buffer registered for this receive
+                    // (alive until `mr_deregister`); they are different pieces, so they do not
+                    // overlap; neither has a receive posted (`Recv::on_done` moves only into
+                    // places without one, and `from`'s receive completed), so the HCA does not
+                    // write either meanwhile; `len` is at most a piece.
+                    unsafe { std::ptr::copy_nonoverlapping(zr.base.add(f), zr.base.add(t), len) };
+                }
+                self.stats.zmoved += moves.len() as u64;
+                match next {
+                    zcopy::Next::Finished => {
+                        zr.fin = true;
+                        self.stats.zrecvs += 1;
+                        self.stats.zregranted += zr.r.regranted;
+                        self.send_ctl(src, &Ctl::Fin { xfer });
+                    }
+                    zcopy::Next::Stuck => {
+                        zr.fin = true;
+                        self.send_ctl(src, &Ctl::Abort { xfer });
+                    }
+                    zcopy::Next::Grant { round, new, pieces } => {
+                        self.stats.zrounds += 1;
+                        self.zpost(z, &new)?;
+                        self.send_ctl(
+                            src,
+                            &Ctl::Grant {
+                                xfer,
+                                round,
+                                pieces,
+                            },
+                        );
+                    }
+                }
+            }
+            Ctl::Grant {
+                xfer,
+                round,
+                pieces,
+            } => {
+                if let Some(z) = self.zsend_of(src, xfer) {
+                    let n = z.len.div_ceil(z.key.piece) as u32;
+                    if pieces.iter().any(|&k| k >= n) {
+                        self.stats.malformed += 1;
+                    } else if round == z.round + 1 {
+                        z.round = round;
+                        z.queue = pieces.into();
+                        z.done_due = true;
+                    }
+                }
+            }
+            Ctl::Fin { xfer } => {
+                if let Some(z) = self.zsend_of(src, xfer) {
+                    z.result = Some(Ok(()));
+                }
+            }
+            Ctl::Abort { xfer } => {
+                if let Some(z) = self.zsend_of(src, xfer) {
+                    z.result = Some(Err(Error::from(ErrorDetail::RemoteAccess {
+                        rank: src,
+                        what: "the receiver gave the zero-copy transfer up".into(),
+                    })));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn zsend_of(&mut self, dest: Rank, xfer: u32) -> Option<&mut ZSend> {
+        self.zsends
+            .iter_mut()
+            .flatten()
+            .find(|z| z.dest == dest && z.key.xfer == xfer && z.result.is_none())
+    }
+
+    /// Report zero-copy sends that are over and whose pieces the HCA no longer reads.
+    fn zcomplete(&mut self, sink: &mut dyn Sink) -> usize {
+        let mut n = 0;
+        for slot in &mut self.zsends {
+            if slot
+                .as_ref()
+                .is_some_and(|z| z.result.is_some() && z.outstanding == 0)
+            {
+                let z = slot.take().expect("checked above");
+                if let Some(t) = z.token {
+                    sink.complete(
+                        t,
+                        z.result.expect("checked above").map(|()| Completed::Done),
+                    );
+                }
+                n += 1;
+            }
         }
         n
     }
@@ -736,6 +1196,42 @@ impl Provider for VerbsUd {
                         self.sq_used -= 1;
                         self.ctl.free.push(idx);
                     }
+                    K_ZRX => {
+                        let q = ((wc.wr_id >> 48) & 0xff) as usize;
+                        let gen = ((wc.wr_id >> 32) & 0xffff) as u32;
+                        let Some(zq) = self.zqps.get(q) else {
+                            continue;
+                        };
+                        // A completion of receives taken back earlier is not this transfer's.
+                        if zq.gen & 0xffff != gen {
+                            continue;
+                        }
+                        let Some(zr) = zq.user.and_then(|u| self.zrecvs.get_mut(u)?.as_mut())
+                        else {
+                            continue;
+                        };
+                        let got = match (wc.status, wc.imm) {
+                            (WcStatus::Success, Some(imm)) => {
+                                let (x, k) = zcopy::split_imm(imm);
+                                Some((x, k, (wc.byte_len as usize).saturating_sub(GRH)))
+                            }
+                            _ => None,
+                        };
+                        zr.r.on_landed(got);
+                    }
+                    K_ZTX => {
+                        self.sq_used -= 1;
+                        if let Some(z) = self.zsends.get_mut(idx as usize).and_then(Option::as_mut)
+                        {
+                            z.outstanding = z.outstanding.saturating_sub(1);
+                            if wc.status != WcStatus::Success && z.result.is_none() {
+                                z.result = Some(Err(Error::invalid(format!(
+                                    "verbs-ud: a zero-copy piece failed: {}",
+                                    wc.status.as_str()
+                                ))));
+                            }
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -763,15 +1259,28 @@ impl Provider for VerbsUd {
                     "no acknowledgement for {} s",
                     self.cfg.timeout.as_secs_f64()
                 );
+                for z in self.zsends.iter_mut().flatten() {
+                    if z.dest == r && z.result.is_none() {
+                        z.result = Some(Err(Error::peer_failed(r, why.clone())));
+                    }
+                }
                 self.failures.push_back((r, why));
             }
             touched.push(r);
         }
+        for (src, body) in std::mem::take(&mut self.zin) {
+            self.zctl(src, &body)?;
+        }
+        self.zpump()?;
+        events += self.zcomplete(sink);
         // Links made while draining (a first packet from a new peer) joined `self.active`.
         let mut active = active;
         active.append(&mut self.active);
         self.active = active;
         for r in touched {
+            if !self.peers[r as usize].ctl_out.is_empty() {
+                self.flush_ctl(r);
+            }
             self.transmit(r, now)?;
         }
         while let Some((r, why)) = self.failures.pop_front() {
@@ -779,6 +1288,134 @@ impl Provider for VerbsUd {
             events += 1;
         }
         Ok(events)
+    }
+
+    fn peer_caps(&self, _peer: Rank) -> Option<PeerCaps> {
+        // Written (UD zero-copy), never read: the core's write rendezvous.
+        let mut p = PeerCaps::from(&self.caps);
+        p.rma_read = false;
+        Some(p)
+    }
+
+    unsafe fn mr_register(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemRegion> {
+        if access.remote_read || access.remote_atomic {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "verbs-ud: no RDMA reads or atomics over unreliable datagrams".into(),
+            )));
+        }
+        if self.zqps.is_empty() {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "verbs-ud: zero-copy is off (WEFT_VERBS_UD_ZCOPY_QPS=0)".into(),
+            )));
+        }
+        if len == 0 {
+            return Ok(MemRegion {
+                key: 0,
+                addr: base as u64,
+                len: 0,
+                handle: u64::MAX,
+                desc: 0,
+            });
+        }
+        if access.remote_write {
+            return self.zrecv_open(base, len);
+        }
+        let va = if access.local_write {
+            verbs::Access::LOCAL_WRITE
+        } else {
+            verbs::Access(0)
+        };
+        // SAFETY: the caller keeps the memory valid until `mr_deregister` (this function's
+        // contract), which is the HCA's registration contract.
+        let mr = unsafe { self.hca.reg_mr(self.pd, base, len, va) }?;
+        self.locals.insert(mr.handle, mr);
+        Ok(MemRegion {
+            key: 0,
+            addr: base as u64,
+            len,
+            handle: mr.handle as u64,
+            desc: mr.lkey as u64,
+        })
+    }
+
+    fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
+        if mr.handle == u64::MAX {
+            return Ok(());
+        }
+        if mr.handle & Z_HANDLE != 0 {
+            return self.zrecv_close((mr.handle & !Z_HANDLE) as usize);
+        }
+        let m = u32::try_from(mr.handle)
+            .ok()
+            .and_then(|h| self.locals.remove(&h))
+            .ok_or_else(|| Error::invalid("verbs-ud: deregistering an unknown region"))?;
+        self.hca.dereg_mr(m)
+    }
+
+    unsafe fn rma_write(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        done: Completion,
+    ) -> Result<()> {
+        let i = self.check_rank(dest)?;
+        if self.peers[i].failed {
+            return Err(self.peer_gone(dest));
+        }
+        let bad = |what: &str| {
+            Error::from(ErrorDetail::RemoteAccess {
+                rank: dest,
+                what: what.into(),
+            })
+        };
+        let key = zcopy::Key::decode(remote.key)
+            .filter(|k| k.piece == self.cfg.mtu)
+            .ok_or_else(|| {
+                bad("not a UD zero-copy key of this MTU (WEFT_VERBS_UD_MTU must agree)")
+            })?;
+        if remote.addr != 0 {
+            return Err(bad("a zero-copy write starts at its region's start"));
+        }
+        let [one] = local else {
+            return Err(Error::invalid(
+                "verbs-ud: a zero-copy write takes one local piece",
+            ));
+        };
+        let n = one.len.div_ceil(key.piece);
+        if one.len == 0 || n > zcopy::MAX_PIECES as usize || one.desc == 0 {
+            return Err(Error::invalid(format!(
+                "verbs-ud: a zero-copy write of {} bytes from a registered buffer (at most {} pieces)",
+                one.len,
+                zcopy::MAX_PIECES
+            )));
+        }
+        let z = ZSend {
+            dest,
+            key,
+            ptr: one.ptr,
+            len: one.len,
+            lkey: one.desc as u32,
+            queue: (0..key.first.min(n as u32)).collect(),
+            round: 0,
+            done_due: true,
+            outstanding: 0,
+            result: None,
+            token: done.cq,
+        };
+        match self.zsends.iter().position(Option::is_none) {
+            Some(s) => self.zsends[s] = Some(z),
+            None => self.zsends.push(Some(z)),
+        }
+        self.stats.zsends += 1;
+        self.link(dest);
+        self.zpump()?;
+        self.transmit(dest, Instant::now())
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
@@ -809,6 +1446,13 @@ impl Provider for VerbsUd {
             ("out_of_order_kept", st.kept),
             ("malformed", s.malformed),
             ("links", self.active.len() as u64),
+            ("zcopy_sends", s.zsends),
+            ("zcopy_recvs", s.zrecvs),
+            ("zcopy_pieces", s.zpieces),
+            ("zcopy_rounds", s.zrounds),
+            ("zcopy_moved", s.zmoved),
+            ("zcopy_regranted", s.zregranted),
+            ("zcopy_refused", s.zrefused),
             ("hca_ud_dropped", hc.ud_dropped),
             ("hca_ud_duplicated", hc.ud_duplicated),
         ]
@@ -844,6 +1488,16 @@ impl Provider for VerbsUd {
 impl Drop for VerbsUd {
     fn drop(&mut self) {
         let _ = self.hca.destroy_qp(self.qp);
+        for z in &self.zqps {
+            let _ = self.hca.destroy_qp(z.qp);
+        }
+        for z in self.zrecvs.iter().flatten() {
+            let _ = self.hca.dereg_mr(z.mr);
+        }
+        for m in self.locals.values() {
+            let _ = self.hca.dereg_mr(*m);
+        }
+        self.scratch.release(&*self.hca);
         for p in &self.peers {
             if let Some((ah, _)) = p.ah {
                 let _ = self.hca.destroy_ah(ah);

@@ -221,6 +221,19 @@ pub fn verbs_report() -> String {
         .unwrap(),
         Err(e) => writeln!(s, "  verbs-rc memory: {e}").unwrap(),
     }
+    match weft_verbs_ud::footprint() {
+        Ok(f) => writeln!(
+            s,
+            "  verbs-ud memory: {} B per peer of the job (address book and link table), no HCA \
+             memory per peer; per process {} B of HCA memory (CQ, UD QP, zero-copy QPs) and {} \
+             KiB of registered buffers",
+            f.per_peer,
+            f.hca,
+            f.buffers >> 10
+        )
+        .unwrap(),
+        Err(e) => writeln!(s, "  verbs-ud memory: {e}").unwrap(),
+    }
     s
 }
 

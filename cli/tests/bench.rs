@@ -230,3 +230,47 @@ fn raw_verbs_tests_run_across_processes_on_the_soft_hca() {
         .collect();
     assert!(rows.len() == 18 && rows.iter().all(|v| *v > 0.0), "{out}");
 }
+
+/// `mem` reads the providers' own memory counters after all-to-all traffic: verbs-rc grows by
+/// at least one RC queue pair per added peer, verbs-ud stays within a small per-peer table, and
+/// a provider that reports no memory says so instead of printing a zero.
+#[test]
+fn mem_shows_rc_growing_and_ud_flat_with_job_size() {
+    let kib = |n: &str| -> Vec<f64> {
+        let o = bench(&[
+            "mem",
+            "--providers",
+            "verbs-rc,verbs-ud,shm",
+            "-n",
+            n,
+            "--sizes",
+            "8",
+            "--reps",
+            "1",
+            "--iters",
+            "2",
+            "--env",
+            "WEFT_VERBS_DEVICE=soft",
+        ]);
+        let (out, err) = (stdout(&o), stderr(&o));
+        assert!(o.status.success(), "{out}\n{err}");
+        assert!(
+            out.contains("mem on shm failed") && err.contains("reports no memory counters"),
+            "{out}\n{err}"
+        );
+        let row = out.lines().find(|l| l.starts_with("8 ")).expect(&out);
+        row.split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().unwrap())
+            .collect()
+    };
+    let (two, six) = (kib("2"), kib("6"));
+    assert_eq!(two.len(), 2, "{two:?}");
+    // One RC QP is 26944 B in the soft HCA's model: four more peers, at least 4 x 26 KiB.
+    assert!(six[0] - two[0] >= 4.0 * 26.0, "verbs-rc {two:?} -> {six:?}");
+    assert!(six[1] - two[1] < 4.0 * 4.0, "verbs-ud {two:?} -> {six:?}");
+    assert!(
+        two.iter().chain(&six).all(|v| *v > 1000.0),
+        "{two:?} {six:?}"
+    );
+}

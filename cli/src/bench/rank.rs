@@ -168,6 +168,28 @@ fn alltoall(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> 
     Ok(worst[0])
 }
 
+/// Memory for communication after `iters` alltoalls of `size` bytes per pair (every rank has
+/// talked to every other): the sum of the provider's `mem_*` counters, in KiB, of the rank that
+/// holds the most. A provider without them is an error naming the test, not a zero.
+fn memory(c: &Comm<DynProvider>, size: usize, iters: usize) -> Result<f64> {
+    alltoall(c, size, iters.max(1), 1)?;
+    let counters = c.provider_counters();
+    let mem: Vec<u64> = counters
+        .iter()
+        .filter(|(k, _)| k.starts_with("mem_"))
+        .map(|(_, v)| *v)
+        .collect();
+    let mine = [mem.iter().sum::<u64>() as f64 / 1024.0];
+    let mut most = [0f64];
+    c.allreduce(&mine, &mut most, weft::Op::Max)?;
+    if mem.is_empty() {
+        return Err(weft::Error::invalid(
+            "mem: this provider reports no memory counters (mem_*); verbs-rc and verbs-ud do",
+        ));
+    }
+    Ok(most[0])
+}
+
 /// Issue one access epoch's operations for an RMA test.
 fn rma_ops<'e>(
     e: &weft::Epoch<'e, '_, DynProvider>,
@@ -322,6 +344,7 @@ pub fn run(a: &RankArgs) -> Result<()> {
                 let it = scaled(a.iters, size * c.size() as usize, 512 << 20, 10);
                 alltoall(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
             }
+            Test::Mem => memory(c, size, a.iters)?,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => {
                 let it = scaled(a.iters, size, 256 << 20, 20);
                 rma_pingpong(c, size, it, scaled(a.warmup, size, 32 << 20, 2), a.test)?

@@ -8,6 +8,7 @@ pub enum Test {
     Bibw,
     Mr,
     Alltoall,
+    Mem,
     PutLat,
     GetLat,
     AccLat,
@@ -38,6 +39,10 @@ pub const ALL: &[(&str, &str)] = &[
     (
         "alltoall",
         "time of one alltoall with SIZE bytes per pair, µs (slowest rank)",
+    ),
+    (
+        "mem",
+        "memory per process for communication after every pair exchanged SIZE-byte messages (HCA structures, buffers, peer tables; the provider's mem_* counters), KiB (largest rank)",
     ),
     (
         "put_lat",
@@ -113,6 +118,7 @@ impl Test {
             "bibw" => Test::Bibw,
             "mr" => Test::Mr,
             "alltoall" => Test::Alltoall,
+            "mem" => Test::Mem,
             "put_lat" => Test::PutLat,
             "get_lat" => Test::GetLat,
             "acc_lat" => Test::AccLat,
@@ -145,6 +151,7 @@ impl Test {
             Test::Bibw => "bibw",
             Test::Mr => "mr",
             Test::Alltoall => "alltoall",
+            Test::Mem => "mem",
             Test::PutLat => "put_lat",
             Test::GetLat => "get_lat",
             Test::AccLat => "acc_lat",
@@ -181,6 +188,7 @@ impl Test {
             | Test::VerbsAtomicLat
             | Test::CmaWriteLat => "us",
             Test::Mr => "msg/s",
+            Test::Mem => "KiB",
         }
     }
 
@@ -241,6 +249,7 @@ impl Test {
             ],
             Test::Mr => vec![1, 8, 64, 512, 4096],
             Test::Alltoall => vec![8, 512, 4096, 65536],
+            Test::Mem => vec![8, 65536],
             Test::PutLat | Test::GetLat | Test::EpochPingpong => vec![8, 64, 256, 4096, 65536],
             Test::AccLat => vec![8, 64, 256, 4096],
             Test::PutBw | Test::GetBw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20],
@@ -263,6 +272,7 @@ impl Test {
             Test::Latency => 20_000,
             Test::Bw | Test::Bibw | Test::Mr => 200,
             Test::Alltoall => 1000,
+            Test::Mem => 20,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => 5000,
             Test::PutBw | Test::GetBw | Test::EpochMix => 500,
             Test::VerbsSendLat

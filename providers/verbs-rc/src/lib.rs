@@ -59,7 +59,9 @@ use weft_provider::provider::{
 };
 use weft_provider::types::{AtomicTable, BasicType, Op, Rank};
 use weft_provider::{Error, ErrorDetail, Result};
-use weft_verbs::{self as verbs, Endpoint, Hca, QpType, SendWr, WcOpcode, WcStatus, WrOpcode};
+use weft_verbs::{
+    self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus, WrOpcode,
+};
 use wire::{CmKind, CmMsg, Frame, FrameKind, Offer, CM_LEN, FRAME_HDR};
 
 /// Bytes after a ring's memory ([`Shape::mem_len`]) in a peer block: basic's tail word (the
@@ -137,108 +139,6 @@ const K_UDS: u64 = 5 << 56;
 const K_KA: u64 = 6 << 56;
 const K_RING: u64 = 7 << 56;
 const K_MASK: u64 = 0xff << 56;
-
-/// Where a pool's memory comes from.
-enum Backing {
-    /// Words, so that the eager rings' flags are 8-byte aligned.
-    Host(#[allow(dead_code)] Box<[u64]>),
-    /// Memory of the HCA (`alloc_dm`): on the soft HCA a peer's requester writes it with plain
-    /// stores instead of Cross-Memory Attach, which is what makes small messages cheap.
-    Device(verbs::Dm),
-}
-
-/// A registered array of equal slots.
-struct Pool {
-    base: *mut u8,
-    backing: Backing,
-    mr: verbs::Mr,
-    slot: usize,
-    free: Vec<u32>,
-}
-
-impl Pool {
-    /// `n` slots of `slot` bytes; in device memory when `device` and the HCA has enough.
-    fn new(hca: &dyn Hca, pd: verbs::Pd, n: usize, slot: usize, device: bool) -> Result<Pool> {
-        Self::with_access(hca, pd, n, slot, device, verbs::Access::LOCAL_WRITE)
-    }
-
-    /// One region of `len` bytes peers may write (an eager ring).
-    fn remote(hca: &dyn Hca, pd: verbs::Pd, len: usize, device: bool) -> Result<Pool> {
-        let a = verbs::Access::LOCAL_WRITE | verbs::Access::REMOTE_WRITE;
-        Self::with_access(hca, pd, 1, len, device, a)
-    }
-
-    fn with_access(
-        hca: &dyn Hca,
-        pd: verbs::Pd,
-        n: usize,
-        slot: usize,
-        device: bool,
-        access: verbs::Access,
-    ) -> Result<Pool> {
-        let len = n * slot;
-        let backing = match device.then(|| hca.alloc_dm(len)) {
-            Some(Ok(dm)) => Backing::Device(dm),
-            _ => Backing::Host(vec![0u64; len.div_ceil(8)].into_boxed_slice()),
-        };
-        let base = match &backing {
-            Backing::Host(b) => b.as_ptr() as *mut u8,
-            Backing::Device(d) => d.ptr,
-        };
-        // SAFETY: the memory lives in the pool, which deregisters it (the provider's Drop,
-        // after its QPs are destroyed) before freeing it; it never moves.
-        let mr = match unsafe { hca.reg_mr(pd, base, len, access) } {
-            Ok(mr) => mr,
-            Err(e) => {
-                if let Backing::Device(d) = backing {
-                    let _ = hca.free_dm(d);
-                }
-                return Err(e);
-            }
-        };
-        Ok(Pool {
-            base,
-            backing,
-            mr,
-            slot,
-            free: (0..n as u32).rev().collect(),
-        })
-    }
-
-    fn sge(&self, i: u32, len: usize) -> verbs::Sge {
-        self.mr.sge(i as usize * self.slot, len)
-    }
-
-    /// Bytes of a one-slot pool (a ring's mirror).
-    fn all(&mut self) -> &mut [u8] {
-        self.buf(0)
-    }
-
-    /// Not for a pool peers write ([`Pool::remote`]): those are reached through raw pointers
-    /// only ([`BlockView`]).
-    fn buf(&mut self, i: u32) -> &mut [u8] {
-        // SAFETY: slot `i` lies within the pool (indexes come from the pool's own slots, and a
-        // completion's index is masked to them). The pool is registered without remote rights,
-        // so even device memory that peers map is written only by a send into a *posted*
-        // receive slot, and slots are read or written here only while they are not posted.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(i as usize * self.slot), self.slot) }
-    }
-
-    fn bytes(&self, i: u32, n: usize) -> &[u8] {
-        // SAFETY: as in `buf`, read-only.
-        unsafe {
-            std::slice::from_raw_parts(self.base.add(i as usize * self.slot), n.min(self.slot))
-        }
-    }
-
-    /// Deregister and give device memory back (the provider's Drop, QPs already gone).
-    fn release(&self, hca: &dyn Hca) {
-        let _ = hca.dereg_mr(self.mr);
-        if let Backing::Device(d) = &self.backing {
-            let _ = hca.free_dm(*d);
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Conn {
@@ -639,6 +539,31 @@ impl Config {
 }
 
 impl VerbsRc {
+    /// Memory this process holds for communication, in bytes: the HCA's structures (queue
+    /// pairs, completion and shared receive queues, registration tables), the buffers (device
+    /// and host pools, eager rings and their mirrors), and the per-peer tables.
+    fn memory(&self) -> (u64, u64, u64) {
+        let a = self.hca.accounting();
+        let mut host: usize = [
+            &self.recv,
+            &self.send,
+            &self.ud_recv,
+            &self.ud_send,
+            &self.scratch,
+        ]
+        .iter()
+        .map(|p| p.host_bytes())
+        .sum();
+        for p in &self.peers {
+            host += p.etx.as_ref().map_or(0, |e| e.staging.host_bytes());
+            host += p.erx.as_ref().map_or(0, |e| e.block.host_bytes());
+        }
+        let peers = self.peers.len() * std::mem::size_of::<Peer>()
+            + self.ud_addrs.len() * std::mem::size_of::<Option<Endpoint>>()
+            + self.by_qpn.len() * 8;
+        (a.queues(), a.dm_bytes + host as u64, peers as u64)
+    }
+
     fn open_with(boot: &mut dyn Bootstrap, cfg: &Config) -> Result<VerbsRc> {
         let hca = verbs::open_default()?;
         let attr = hca.attr().clone();
@@ -741,7 +666,7 @@ impl VerbsRc {
     }
 
     fn post_srq(&mut self, i: u32) -> Result<()> {
-        let sge = self.recv.sge(i, self.recv.slot);
+        let sge = self.recv.sge(i, self.recv.slot());
         self.hca
             .post_srq_recv(self.srq, &[verbs::RecvWr::new(K_SRQ | i as u64, &[sge])])
     }
@@ -1396,8 +1321,8 @@ impl VerbsRc {
             return Ok(());
         };
         let o = Offer {
-            addr: e.block.mr.addr,
-            rkey: e.block.mr.rkey,
+            addr: e.block.mr().addr,
+            rkey: e.block.mr().rkey,
             design: self.shape.design as u8,
             size: self.shape.size as u32,
             slot: self.shape.slot as u32,
@@ -1457,7 +1382,7 @@ impl VerbsRc {
         if len > e.tx.shape().max_body() || inflight + n > sq || ring_posted + n > RING_IN_FLIGHT {
             return Ok(false);
         }
-        let Some(placed) = e.tx.place(e.staging.all(), len) else {
+        let Some(placed) = e.tx.place(e.staging.buf(0), len) else {
             self.stats.ring_full += 1;
             return Ok(false);
         };
@@ -1486,10 +1411,10 @@ impl VerbsRc {
                 .min(placed.body + len)
                 .saturating_sub(placed.body);
             if to > from {
-                let dst = &mut e.staging.all()[placed.body + from..placed.body + to];
+                let dst = &mut e.staging.buf(0)[placed.body + from..placed.body + to];
                 copy_range(dst, &parts, from);
             }
-            let sge = e.staging.mr.sge(w.off, w.len);
+            let sge = e.staging.mr().sge(w.off, w.len);
             let wr = SendWr::write(K_RING | r as u64, &[sge], addr + w.off as u64, rkey);
             if self.shape.design == Design::Pipeline {
                 self.hca.post_send(qp, std::slice::from_ref(&wr))?;
@@ -1500,8 +1425,8 @@ impl VerbsRc {
         let mut posted = placed.writes.len();
         if let Some(h) = placed.head {
             let at = self.shape.mem_len();
-            e.staging.all()[at..at + 8].copy_from_slice(&h.to_le_bytes());
-            let sge = e.staging.mr.sge(at, 8);
+            e.staging.buf(0)[at..at + 8].copy_from_slice(&h.to_le_bytes());
+            let sge = e.staging.mr().sge(at, 8);
             let head = addr + self.shape.head_at() as u64;
             wrs.push(SendWr::write(K_RING | r as u64, &[sge], head, rkey));
             posted += 1;
@@ -1534,8 +1459,8 @@ impl VerbsRc {
                 return Ok(n);
             };
             let mut view = BlockView {
-                base: e.block.base,
-                len: e.block.slot,
+                base: e.block.base(),
+                len: e.block.slot(),
             };
             match e.rx.peek(&mut view) {
                 Peek::Empty => break,
@@ -1548,7 +1473,7 @@ impl VerbsRc {
                     // write it again before we acknowledge it (after `consume`). A peer that
                     // broke the protocol could change bytes while we read them, which only
                     // garbles what it sends us: the block is ours and stays allocated.
-                    let b = unsafe { std::slice::from_raw_parts(e.block.base.add(off), len) };
+                    let b = unsafe { std::slice::from_raw_parts(e.block.base().add(off), len) };
                     let f = match Frame::read(b, MAX_HDR) {
                         Some(f) if f.kind == FrameKind::Am => f,
                         _ => {
@@ -1611,8 +1536,8 @@ impl VerbsRc {
         };
         // Our tail word (the peer's acknowledgement of our ring) is beside its ring here.
         let mut view = BlockView {
-            base: rx.block.base,
-            len: rx.block.slot,
+            base: rx.block.base(),
+            len: rx.block.slot(),
         };
         if tx.tx.tail_word(view.load(mem)) {
             view.clear_flag(mem);
@@ -1620,7 +1545,7 @@ impl VerbsRc {
         let mut wrs: SmallVec<[SendWr; 2]> = SmallVec::new();
         if due && basic_room {
             view.store(mem + 8, eager::pointer_word(rx.rx.report()));
-            let sge = rx.block.mr.sge(mem + 8, 8);
+            let sge = rx.block.mr().sge(mem + 8, 8);
             wrs.push(SendWr::write(
                 K_RING | r as u64,
                 &[sge],
@@ -1630,8 +1555,8 @@ impl VerbsRc {
         }
         if basic_room {
             if let Some(h) = tx.tx.head_due() {
-                tx.staging.all()[mem..mem + 8].copy_from_slice(&h.to_le_bytes());
-                let sge = tx.staging.mr.sge(mem, 8);
+                tx.staging.buf(0)[mem..mem + 8].copy_from_slice(&h.to_le_bytes());
+                let sge = tx.staging.mr().sge(mem, 8);
                 let at = tx.addr + self.shape.head_at() as u64;
                 wrs.push(SendWr::write(K_RING | r as u64, &[sge], at, tx.rkey));
             }
@@ -1878,6 +1803,7 @@ impl Provider for VerbsRc {
             .filter(|p| matches!(p.conn, Conn::Up | Conn::Accepted))
             .count() as u64;
         let hc = self.hca.counters();
+        let mem = self.memory();
         vec![
             ("am_sent", s.am_sent),
             ("am_received", s.am_recv),
@@ -1912,6 +1838,9 @@ impl Provider for VerbsRc {
             ),
             ("hca_packets", hc.packets),
             ("hca_wire_bytes", hc.wire_bytes),
+            ("mem_hca_bytes", mem.0),
+            ("mem_buffer_bytes", mem.1),
+            ("mem_peer_bytes", mem.2),
         ]
     }
 

@@ -43,7 +43,7 @@ use weft_provider::provider::{
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::reliable::{self, Header, Link};
-use weft_verbs::{self as verbs, Endpoint, Hca, QpType, SendWr, WcOpcode, WcStatus};
+use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus};
 
 weft_provider::param!(MTU: Uint = "verbs", "UD_MTU", "2048",
     "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two)");
@@ -87,6 +87,12 @@ const SQ: u32 = 512;
 /// Largest active-message payload (the core's rendezvous chunk).
 const MAX_PAYLOAD: usize = 64 << 10;
 const POLL: usize = 32;
+/// Receive buffers given back to the QP in one post.
+const REPOST: usize = 16;
+/// Packet buffers kept for reuse.
+const SPARE: usize = 256;
+/// Idle progress calls between two runs of the timers.
+const IDLE_CHECK: u32 = 16;
 // wr_id kinds.
 const K_RECV: u64 = 1 << 56;
 const K_SEND: u64 = 2 << 56;
@@ -177,85 +183,6 @@ impl Config {
             peer_timeout: self.timeout,
             ..reliable::Config::default()
         }
-    }
-}
-
-/// Where a pool's memory comes from.
-enum Backing {
-    Host(#[allow(dead_code)] Box<[u64]>),
-    /// Memory of the HCA (`alloc_dm`): on the soft HCA a peer's requester writes it with plain
-    /// stores instead of Cross-Memory Attach (the receive pool, where every packet lands).
-    Device(verbs::Dm),
-}
-
-/// A registered array of equal slots.
-struct Pool {
-    base: *mut u8,
-    len: usize,
-    backing: Backing,
-    mr: verbs::Mr,
-    slot: usize,
-    free: Vec<u32>,
-}
-
-impl Pool {
-    /// `n` slots of `slot` bytes; in device memory when `device` and the HCA has enough.
-    fn new(hca: &dyn Hca, pd: verbs::Pd, n: usize, slot: usize, device: bool) -> Result<Pool> {
-        let len = n * slot;
-        let backing = match device.then(|| hca.alloc_dm(len)) {
-            Some(Ok(dm)) => Backing::Device(dm),
-            _ => Backing::Host(vec![0u64; len.div_ceil(8)].into_boxed_slice()),
-        };
-        let base = match &backing {
-            Backing::Host(b) => b.as_ptr() as *mut u8,
-            Backing::Device(d) => d.ptr,
-        };
-        // SAFETY: the memory lives in the pool, which is deregistered (the provider's Drop,
-        // after its QP is destroyed) before it is freed; it never moves.
-        let mr = match unsafe { hca.reg_mr(pd, base, len, verbs::Access::LOCAL_WRITE) } {
-            Ok(mr) => mr,
-            Err(e) => {
-                if let Backing::Device(d) = backing {
-                    let _ = hca.free_dm(d);
-                }
-                return Err(e);
-            }
-        };
-        Ok(Pool {
-            base,
-            len,
-            backing,
-            mr,
-            slot,
-            free: (0..n as u32).rev().collect(),
-        })
-    }
-
-    /// Deregister and give device memory back (the provider's Drop, the QP already gone).
-    fn release(&self, hca: &dyn Hca) {
-        let _ = hca.dereg_mr(self.mr);
-        if let Backing::Device(d) = &self.backing {
-            let _ = hca.free_dm(*d);
-        }
-    }
-
-    fn sge(&self, i: u32, len: usize) -> verbs::Sge {
-        self.mr.sge(i as usize * self.slot, len)
-    }
-
-    /// Slot `i`, which must not be posted (receive) or read by the HCA (send) meanwhile.
-    fn buf(&mut self, i: u32) -> &mut [u8] {
-        let s = self.slot;
-        assert!(
-            (i as usize + 1) * s <= self.len,
-            "slot {i} outside its pool"
-        );
-        // SAFETY: bytes of the pool's memory (host words or device memory, mapped for as long
-        // as the pool lives); the slot lies within it (checked above) and only it is
-        // borrowed: other slots may be in the HCA's hands. The provider touches a receive
-        // slot only between its completion and its repost, and a send slot only while no post
-        // of it is outstanding (`send_refs` == 0).
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(i as usize * s), s) }
     }
 }
 
@@ -364,6 +291,12 @@ pub struct VerbsUd {
     scratch: Pool,
     /// Control messages delivered by the links, handled after the drain.
     zin: Vec<(Rank, Vec<u8>)>,
+    /// Idle progress calls since the timers last ran.
+    idle: u32,
+    /// Buffers of delivered packets, for the next arrivals.
+    spare: Vec<Vec<u8>>,
+    /// Receive buffers consumed and not posted again yet (fewer than `REPOST`).
+    repost: Vec<u32>,
 }
 
 fn put_u16(b: &mut [u8], v: u16) {
@@ -391,29 +324,17 @@ impl VerbsUd {
     fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<VerbsUd> {
         let hca = verbs::open_default()?;
         let pd = hca.alloc_pd()?;
-        let cqe = cfg.recvs as u32 + SQ + 16 + cfg.zcopy_qps as u32 * ZDEPTH;
-        let cq = hca.create_cq(cqe.min(hca.attr().max_cqe.max(64)))?;
-        let qp = hca.create_qp(pd, &qp_init(cq, cfg.recvs as u32))?;
         let qkey = job_qkey(boot.job_id());
-        verbs::activate_ud(&*hca, qp, qkey)?;
-        let mut zqps = Vec::with_capacity(cfg.zcopy_qps);
-        for _ in 0..cfg.zcopy_qps {
-            let mut init = qp_init(cq, ZDEPTH);
-            init.cap.max_send_wr = 1;
-            init.cap.max_recv_sge = 2;
-            let q = hca.create_qp(pd, &init)?;
-            verbs::activate_ud(&*hca, q, qkey)?;
-            zqps.push(ZQp {
-                qp: q,
+        let (cq, qp, zqps) = create_queues(&*hca, pd, &cfg, Some(qkey))?;
+        let zqps = zqps
+            .into_iter()
+            .map(|qp| ZQp {
+                qp,
                 gen: 0,
                 user: None,
-            });
-        }
-        let scratch = Pool::new(&*hca, pd, 1, 64, false)?;
-        // Every packet lands in a receive buffer: HCA memory where there is enough of it.
-        let recv = Pool::new(&*hca, pd, cfg.recvs, GRH + cfg.mtu, true)?;
-        let send = Pool::new(&*hca, pd, cfg.send_bufs, cfg.mtu, false)?;
-        let ctl = Pool::new(&*hca, pd, CTL, PKT, false)?;
+            })
+            .collect();
+        let [scratch, recv, send, ctl] = create_pools(&*hca, pd, &cfg)?;
         let (rank, size) = (boot.rank(), boot.size());
         let n = cfg.send_bufs;
         let mut me = VerbsUd {
@@ -460,6 +381,9 @@ impl VerbsUd {
             locals: HashMap::new(),
             scratch,
             zin: Vec::new(),
+            idle: 0,
+            spare: Vec::new(),
+            repost: Vec::with_capacity(POLL + REPOST),
         };
         for i in 0..me.cfg.recvs as u32 {
             me.post_recv(i)?;
@@ -479,9 +403,23 @@ impl VerbsUd {
     }
 
     fn post_recv(&mut self, i: u32) -> Result<()> {
-        let sge = self.recv.sge(i, self.recv.slot);
+        let sge = self.recv.sge(i, self.recv.slot());
         self.hca
             .post_recv(self.qp, &[verbs::RecvWr::new(K_RECV | i as u64, &[sge])])
+    }
+
+    /// Give the consumed receive buffers back to the QP, in one post.
+    fn repost(&mut self) -> Result<()> {
+        if self.repost.is_empty() {
+            return Ok(());
+        }
+        let slot = self.recv.slot();
+        let wrs: smallvec::SmallVec<[verbs::RecvWr; REPOST]> = self
+            .repost
+            .drain(..)
+            .map(|i| verbs::RecvWr::new(K_RECV | i as u64, &[self.recv.sge(i, slot)]))
+            .collect();
+        self.hca.post_recv(self.qp, &wrs)
     }
 
     fn check_rank(&self, r: Rank) -> Result<usize> {
@@ -534,6 +472,19 @@ impl VerbsUd {
             self.active.push(r);
         }
         self.peers[i].link.as_mut().expect("made above")
+    }
+
+    /// Memory this process holds for communication, in bytes: the HCA's structures (queue
+    /// pairs, completion queue, registration tables), the buffers (device and host pools), and
+    /// the per-peer tables (address book, link state of the peers talked to).
+    fn memory(&self) -> (u64, u64, u64) {
+        let a = self.hca.accounting();
+        let pools = [&self.recv, &self.send, &self.ctl, &self.scratch];
+        let host: usize = pools.iter().map(|p| p.host_bytes()).sum();
+        let peers = self.peers.len() * std::mem::size_of::<Peer>()
+            + self.addrs.len() * std::mem::size_of::<Option<Endpoint>>()
+            + self.active.len() * std::mem::size_of::<Link<u32, Vec<u8>>>();
+        (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
 
     fn peer_gone(&self, r: Rank) -> Error {
@@ -661,8 +612,10 @@ impl VerbsUd {
             ack,
         };
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
+        let spare = &mut self.spare;
         let payload = (kind == KIND_DATA).then(|| {
-            let mut v = Vec::with_capacity(b.len() - 1);
+            let mut v = spare.pop().unwrap_or_default();
+            v.clear();
             v.push(flags);
             v.extend_from_slice(&b[2..4]);
             v.extend_from_slice(&b[16..20]);
@@ -685,59 +638,14 @@ impl VerbsUd {
                 break;
             };
             let (flags, hlen, total) = (p[0], get_u16(&p[1..3]) as usize, get_u32(&p[3..7]));
-            let body = &p[7..];
-            if flags & F_PING != 0 {
-                continue;
-            }
             if flags & F_CTRL != 0 {
-                self.zin.push((r, body.to_vec()));
-                continue;
+                self.zin.push((r, p[7..].to_vec()));
+            } else if flags & F_PING == 0 {
+                n += self.assemble(r, flags, hlen, total, &p[7..], sink);
             }
-            let rx = &mut self.peers[i].rx;
-            if flags & F_FIRST != 0 {
-                if body.len() < hlen || rx.active {
-                    self.stats.malformed += 1;
-                    rx.active = false;
-                    continue;
-                }
-                if flags & F_LAST != 0 {
-                    if body.len() - hlen != total as usize {
-                        self.stats.malformed += 1;
-                        continue;
-                    }
-                    self.stats.am_recv += 1;
-                    sink.am(r, &body[..hlen], &body[hlen..]);
-                    n += 1;
-                    continue;
-                }
-                rx.active = true;
-                rx.hlen = hlen;
-                rx.total = total as usize;
-                rx.data.clear();
-                rx.data.extend_from_slice(body);
-                continue;
-            }
-            if !rx.active {
-                self.stats.malformed += 1;
-                continue;
-            }
-            rx.data.extend_from_slice(body);
-            if rx.data.len() > rx.hlen + rx.total {
-                self.stats.malformed += 1;
-                rx.active = false;
-                continue;
-            }
-            if flags & F_LAST != 0 {
-                rx.active = false;
-                if rx.data.len() != rx.hlen + rx.total {
-                    self.stats.malformed += 1;
-                    continue;
-                }
-                let data = std::mem::take(&mut rx.data);
-                self.stats.am_recv += 1;
-                sink.am(r, &data[..rx.hlen], &data[rx.hlen..]);
-                self.peers[i].rx.data = data;
-                n += 1;
+            // The packet's buffer serves a later arrival (no allocation per packet).
+            if self.spare.len() < SPARE {
+                self.spare.push(p);
             }
         }
         while let Some(slot) = self.peers[i].link.as_mut().and_then(|l| l.poll_acked()) {
@@ -745,6 +653,66 @@ impl VerbsUd {
             self.maybe_free(slot);
         }
         n
+    }
+
+    /// Put `r`'s next packet in order (`body`, with its flags and lengths) into the message
+    /// being assembled; deliver a message it completes. Returns the messages delivered.
+    fn assemble(
+        &mut self,
+        r: Rank,
+        flags: u8,
+        hlen: usize,
+        total: u32,
+        body: &[u8],
+        sink: &mut dyn Sink,
+    ) -> usize {
+        let i = r as usize;
+        let rx = &mut self.peers[i].rx;
+        if flags & F_FIRST != 0 {
+            if body.len() < hlen || rx.active {
+                self.stats.malformed += 1;
+                rx.active = false;
+                return 0;
+            }
+            if flags & F_LAST != 0 {
+                if body.len() - hlen != total as usize {
+                    self.stats.malformed += 1;
+                    return 0;
+                }
+                self.stats.am_recv += 1;
+                sink.am(r, &body[..hlen], &body[hlen..]);
+                return 1;
+            }
+            rx.active = true;
+            rx.hlen = hlen;
+            rx.total = total as usize;
+            rx.data.clear();
+            rx.data.extend_from_slice(body);
+            return 0;
+        }
+        if !rx.active {
+            self.stats.malformed += 1;
+            return 0;
+        }
+        rx.data.extend_from_slice(body);
+        if rx.data.len() > rx.hlen + rx.total {
+            self.stats.malformed += 1;
+            rx.active = false;
+            return 0;
+        }
+        if flags & F_LAST != 0 {
+            rx.active = false;
+            if rx.data.len() != rx.hlen + rx.total {
+                self.stats.malformed += 1;
+                return 0;
+            }
+            let data = std::mem::take(&mut rx.data);
+            self.stats.am_recv += 1;
+            sink.am(r, &data[..rx.hlen], &data[rx.hlen..]);
+            self.peers[i].rx.data = data;
+            return 1;
+        }
+        0
     }
 }
 
@@ -1171,11 +1139,33 @@ impl Provider for VerbsUd {
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
         let mut events = 0;
+        // An idle call (nothing completed, nothing waiting here) only polls: timers
+        // (retransmission, delayed acknowledgements, keepalives) run on every IDLE_CHECK-th
+        // idle call, which keeps the clock and the links out of the spin loop.
+        let n = self.hca.poll_cq(self.cq, &mut self.wcs)?;
+        if n == 0
+            && self.zin.is_empty()
+            && self.failures.is_empty()
+            && self.zsends.iter().all(Option::is_none)
+        {
+            self.idle = self.idle.wrapping_add(1);
+            if self.idle % IDLE_CHECK != 0 {
+                return Ok(0);
+            }
+        }
+        if n == 0 {
+            // Timers' turn: nothing is arriving, so the buffers consumed so far go back now.
+            self.repost()?;
+        }
+        self.idle = 0;
         let now = Instant::now();
-        let mut touched: Vec<Rank> = Vec::new();
+        let mut first = Some(n);
         loop {
             let mut wcs = std::mem::take(&mut self.wcs);
-            let n = self.hca.poll_cq(self.cq, &mut wcs)?;
+            let n = match first.take() {
+                Some(n) => n,
+                None => self.hca.poll_cq(self.cq, &mut wcs)?,
+            };
             for wc in &wcs[..n] {
                 let idx = (wc.wr_id & 0xffff_ffff) as u32;
                 match wc.wr_id & K_MASK {
@@ -1184,7 +1174,7 @@ impl Provider for VerbsUd {
                             let len = (wc.byte_len as usize).saturating_sub(GRH);
                             self.on_recv(idx, len, now);
                         }
-                        self.post_recv(idx)?;
+                        self.repost.push(idx);
                     }
                     K_SEND => {
                         self.sq_used -= 1;
@@ -1236,6 +1226,10 @@ impl Provider for VerbsUd {
                 }
             }
             self.wcs = wcs;
+            // Consumed receive buffers go back in batches (one post for several).
+            if self.repost.len() >= REPOST {
+                self.repost()?;
+            }
             if n < POLL {
                 break;
             }
@@ -1266,7 +1260,6 @@ impl Provider for VerbsUd {
                 }
                 self.failures.push_back((r, why));
             }
-            touched.push(r);
         }
         for (src, body) in std::mem::take(&mut self.zin) {
             self.zctl(src, &body)?;
@@ -1275,9 +1268,11 @@ impl Provider for VerbsUd {
         events += self.zcomplete(sink);
         // Links made while draining (a first packet from a new peer) joined `self.active`.
         let mut active = active;
+        let old = active.len();
         active.append(&mut self.active);
         self.active = active;
-        for r in touched {
+        for k in 0..old {
+            let r = self.active[k];
             if !self.peers[r as usize].ctl_out.is_empty() {
                 self.flush_ctl(r);
             }
@@ -1433,6 +1428,7 @@ impl Provider for VerbsUd {
             }
         }
         let hc = self.hca.counters();
+        let mem = self.memory();
         vec![
             ("am_sent", s.am_sent),
             ("am_received", s.am_recv),
@@ -1455,6 +1451,9 @@ impl Provider for VerbsUd {
             ("zcopy_refused", s.zrefused),
             ("hca_ud_dropped", hc.ud_dropped),
             ("hca_ud_duplicated", hc.ud_duplicated),
+            ("mem_hca_bytes", mem.0),
+            ("mem_buffer_bytes", mem.1),
+            ("mem_peer_bytes", mem.2),
         ]
     }
 
@@ -1532,6 +1531,83 @@ weft_provider::register_provider!(
     priority = 7,
     summary = "InfiniBand Unreliable Datagram on the verbs layer (soft HCA or rdma-core): one UD queue pair for every peer, constant memory per peer, reliability and order by a sans-IO engine; RMA and atomics by active messages"
 );
+
+/// The completion queue, the UD QP every peer reaches and the zero-copy pool's QPs, activated
+/// with `qkey` when given.
+fn create_queues(
+    hca: &dyn Hca,
+    pd: verbs::Pd,
+    cfg: &Config,
+    qkey: Option<u32>,
+) -> Result<(verbs::Cq, verbs::Qp, Vec<verbs::Qp>)> {
+    let cqe = cfg.recvs as u32 + SQ + 16 + cfg.zcopy_qps as u32 * ZDEPTH;
+    let cq = hca.create_cq(cqe.min(hca.attr().max_cqe.max(64)))?;
+    let qp = hca.create_qp(pd, &qp_init(cq, cfg.recvs as u32))?;
+    if let Some(k) = qkey {
+        verbs::activate_ud(hca, qp, k)?;
+    }
+    let mut zqps = Vec::with_capacity(cfg.zcopy_qps);
+    for _ in 0..cfg.zcopy_qps {
+        let mut init = qp_init(cq, ZDEPTH);
+        init.cap.max_send_wr = 1;
+        init.cap.max_recv_sge = 2;
+        let q = hca.create_qp(pd, &init)?;
+        if let Some(k) = qkey {
+            verbs::activate_ud(hca, q, k)?;
+        }
+        zqps.push(q);
+    }
+    Ok((cq, qp, zqps))
+}
+
+/// The buffer pools: scratch (zero-copy GRHs), receive (where every packet lands: HCA memory
+/// where there is enough of it), send, control.
+fn create_pools(hca: &dyn Hca, pd: verbs::Pd, cfg: &Config) -> Result<[Pool; 4]> {
+    Ok([
+        Pool::new(hca, pd, 1, 64, false)?,
+        Pool::new(hca, pd, cfg.recvs, GRH + cfg.mtu, true)?,
+        Pool::new(hca, pd, cfg.send_bufs, cfg.mtu, false)?,
+        Pool::new(hca, pd, CTL, PKT, false)?,
+    ])
+}
+
+/// What verbs-ud costs in memory with the current parameters, from the HCA's accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Per process, whatever the number of peers: the completion queue, the UD QP and the
+    /// zero-copy pool's QPs (HCA side) ...
+    pub hca: u64,
+    /// ... and the receive, send and control buffers.
+    pub buffers: u64,
+    /// Per peer of the job: its entry in the address book and link table (provider side).
+    pub per_peer: u64,
+}
+
+/// Measure [`Footprint`] on the device `WEFT_VERBS_DEVICE` names.
+pub fn footprint() -> Result<Footprint> {
+    let cfg = Config::from_env()?;
+    let hca = verbs::open_default()?;
+    let pd = hca.alloc_pd()?;
+    let a0 = hca.accounting();
+    let (cq, qp, zqps) = create_queues(&*hca, pd, &cfg, None)?;
+    let a1 = hca.accounting();
+    let pools = create_pools(&*hca, pd, &cfg)?;
+    let a2 = hca.accounting();
+    let host: usize = pools.iter().map(Pool::host_bytes).sum();
+    for p in &pools {
+        p.release(&*hca);
+    }
+    for q in zqps.into_iter().chain([qp]) {
+        let _ = hca.destroy_qp(q);
+    }
+    let _ = hca.destroy_cq(cq);
+    let _ = hca.dealloc_pd(pd);
+    Ok(Footprint {
+        hca: a1.queues() - a0.queues(),
+        buffers: a2.dm_bytes - a1.dm_bytes + host as u64,
+        per_peer: (std::mem::size_of::<Peer>() + std::mem::size_of::<Option<Endpoint>>()) as u64,
+    })
+}
 
 /// The UD queue pair: receives from the shared pool.
 fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {

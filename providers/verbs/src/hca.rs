@@ -25,6 +25,12 @@ pub struct Accounting {
 }
 
 impl Accounting {
+    /// The device's and driver's own structures: queue pairs, completion and shared receive
+    /// queues, and registration tables (what `mem_hca_bytes` reports; buffers apart).
+    pub fn queues(&self) -> u64 {
+        self.rc_qp_bytes + self.ud_qp_bytes + self.cq_bytes + self.srq_bytes + self.mr_bytes
+    }
+
     /// Everything the device and its driver hold (buffers of posted receives included).
     pub fn total(&self) -> u64 {
         self.rc_qp_bytes

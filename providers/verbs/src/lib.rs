@@ -25,6 +25,7 @@
 //! ```
 
 pub mod hca;
+pub mod pool;
 #[cfg(feature = "rdma-core")]
 pub mod rdma;
 pub mod reliable;
@@ -33,6 +34,7 @@ mod sync;
 pub mod types;
 
 pub use hca::{Accounting, Counters, Hca};
+pub use pool::Pool;
 pub use types::*;
 
 use std::sync::Arc;

@@ -155,6 +155,16 @@ struct Held {
     since: Instant,
 }
 
+impl Held {
+    /// The held datagram's bytes as a local range (valid while `self` lives).
+    fn ranges(&self) -> [Range; 1] {
+        [Range {
+            base: self.data.as_ptr() as u64,
+            len: self.data.len(),
+        }]
+    }
+}
+
 struct QpLocal {
     qpn: u32,
     ty: QpType,
@@ -484,7 +494,8 @@ impl SoftHca {
             if h.since.elapsed() > Duration::from_millis(1) {
                 let h = q.held.take();
                 if let Some(h) = h {
-                    self.deliver_ud(inner, &q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &h.data);
+                    let l = h.ranges();
+                    self.deliver_ud(inner, &q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &l);
                 }
             }
         }
@@ -707,19 +718,6 @@ impl SoftHca {
         let Some(Some((peer, _))) = inner.ahs.get(ud.ah.0 as usize).cloned() else {
             return (WcStatus::LocQpOpErr, 0);
         };
-        let mut data = vec![0u8; len];
-        let mut off = 0;
-        for r in local {
-            // SAFETY: validated local memory of this process (or the inline copy).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    r.base as *const u8,
-                    data.as_mut_ptr().add(off),
-                    r.len,
-                )
-            };
-            off += r.len;
-        }
         let rng = inner.rng.as_mut();
         let (drop, dup, hold) = match rng {
             Some(r) => (
@@ -738,7 +736,7 @@ impl SoftHca {
                 qkey: ud.remote_qkey,
                 op: p.wr.opcode,
                 imm: p.wr.imm,
-                data,
+                data: gather(local, len),
                 since: Instant::now(),
             });
         } else {
@@ -752,12 +750,13 @@ impl SoftHca {
                     ud.remote_qkey,
                     p.wr.opcode,
                     p.wr.imm,
-                    &data,
+                    local,
                 );
             }
             inner.ctr.ud_duplicated += dup as u64;
             if let Some(h) = q.held.take() {
-                self.deliver_ud(inner, q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &h.data);
+                let l = h.ranges();
+                self.deliver_ud(inner, q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &l);
             }
         }
         inner.served += 1;
@@ -775,11 +774,13 @@ impl SoftHca {
         qkey: u32,
         op: WrOpcode,
         imm: u32,
-        data: &[u8],
+        local: &[Range],
     ) {
+        let len: usize = local.iter().map(|r| r.len).sum();
         let peer = match peer {
             Target::Local(p) => p,
             Target::Remote(to) => {
+                let data = gather(local, len);
                 let hdr = wire::ReqHdr {
                     ud: true,
                     op,
@@ -795,28 +796,24 @@ impl SoftHca {
                     len: data.len() as u32,
                     qkey,
                 };
-                self.wire.ud(*to, &hdr, data);
+                self.wire.ud(*to, &hdr, &data);
                 return;
             }
         };
-        let grh = wire::grh(&self.seg.gid(), data.len());
-        let local = [Range {
-            base: data.as_ptr() as u64,
-            len: data.len(),
-        }];
+        let grh = wire::grh(&self.seg.gid(), len);
         let req = Request {
             op,
             src_qpn: q.qpn,
             src_gid: self.seg.gid(),
             dest_qpn,
             psn: 0,
-            local: &local,
+            local,
             remote_addr: 0,
             rkey: 0,
             imm,
             compare_add: 0,
             swap: 0,
-            len: data.len(),
+            len,
             qkey,
             grh: Some(grh),
         };

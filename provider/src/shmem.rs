@@ -204,8 +204,9 @@ impl RankSlot {
 }
 
 /// Whether process `pid` no longer runs: it does not exist, or it is a zombie (`kill(pid, 0)`
-/// alone calls a zombie alive).
-fn pid_gone(pid: i32) -> bool {
+/// alone calls a zombie alive). A killed process whose parent has not reaped it yet (`weft run`
+/// keeps a killed rank's status until it reports it) will never finish what it was doing.
+pub fn pid_gone(pid: i32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence.
     let r = unsafe { libc::kill(pid, 0) };
     if r != 0 {

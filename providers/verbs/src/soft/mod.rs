@@ -368,7 +368,7 @@ impl SoftHca {
                 // Asked only once the wait is not short: a copy under way ends within
                 // microseconds.
                 if t0.get_or_insert_with(Instant::now).elapsed() > Duration::from_micros(50) {
-                    if pid != me && process_gone(pid as i32) {
+                    if pid != me && weft_provider::shmem::pid_gone(pid as i32) {
                         break;
                     }
                     std::thread::yield_now();
@@ -834,22 +834,6 @@ impl SoftHca {
     }
 }
 
-/// Has process `pid` ended? A killed process whose parent has not reaped it yet (a zombie:
-/// `weft run` keeps a killed rank's status until it reports it) still answers signal 0, but
-/// it will never finish a copy.
-fn process_gone(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks for existence.
-    if unsafe { libc::kill(pid, 0) } != 0 {
-        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-    }
-    // `/proc/PID/stat`: "pid (comm) S ...": the state follows the last ')'.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| {
-        st.rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|c| c == 'Z' || c == 'X')
-    })
-}
-
 fn flush_wc(wr: &SendWr, qpn: u32) -> Wc {
     Wc {
         wr_id: wr.wr_id,
@@ -902,30 +886,3 @@ impl Drop for SoftHca {
 }
 
 mod verbs;
-
-#[cfg(test)]
-mod tests {
-    use super::process_gone;
-    use std::time::{Duration, Instant};
-
-    /// A child that exited but is not reaped (a zombie) holds no copy under way: it counts as
-    /// gone (a deregistration waited forever for a killed rank's hazard before).
-    #[test]
-    fn an_unreaped_child_is_gone() {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id() as i32;
-        let t0 = Instant::now();
-        while !process_gone(pid) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "a child that exited still counts as running"
-            );
-            std::thread::yield_now();
-        }
-        // Not reaped yet: the pid still exists.
-        // SAFETY: signal 0 only checks for existence.
-        assert_eq!(unsafe { libc::kill(pid, 0) }, 0);
-        child.wait().unwrap();
-        assert!(!process_gone(std::process::id() as i32));
-    }
-}

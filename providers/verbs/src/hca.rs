@@ -63,6 +63,10 @@ pub struct Counters {
     pub ud_dropped: u64,
     /// UD datagrams delivered twice by fault injection.
     pub ud_duplicated: u64,
+    /// UD datagrams handed over in batches (several of one post to one process), and the
+    /// batches: each batch's bytes move with one copy (soft HCA).
+    pub ud_batched: u64,
+    pub ud_batches: u64,
     /// QP-context cache misses (timing model).
     pub qp_cache_misses: u64,
     /// Requests from other hosts this context's soft-HCA wire service executed (RC requests

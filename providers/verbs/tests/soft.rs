@@ -8,4 +8,7 @@ fn open(_host: usize, cfg: Config) -> SoftHca {
     SoftHca::with_config(cfg).expect("open a soft HCA")
 }
 
+/// Whether both contexts of the suite are on one host (no wire between them).
+const ONE_HOST: bool = true;
+
 mod suite;

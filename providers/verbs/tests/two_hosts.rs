@@ -110,6 +110,9 @@ fn open(host: usize, cfg: Config) -> SoftHca {
     }
 }
 
+/// Whether both contexts of the suite are on one host (no wire between them).
+const ONE_HOST: bool = false;
+
 mod suite;
 
 /// The two contexts really are on two hosts: each advertises its own namespace's address,

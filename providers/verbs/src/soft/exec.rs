@@ -912,3 +912,260 @@ fn ud_inner(peer: &Peer, req: &Request) -> bool {
     peer.push_cqe(cq, &wc);
     true
 }
+
+/// Deliver datagrams to one UD QP of the peer (every request names the same `dest_qpn` and
+/// `qkey`), each exactly as [`ud`] would, in order, but with one Cross-Memory Attach call for
+/// the bytes of all of them that land in user memory (device memory is stored to at once).
+/// A system call per datagram is most of the cost of streaming MTU-sized pieces.
+///
+/// Each receive's region keys stay published in a hazard slot until the copy that fills it
+/// has run; a key already published by an earlier datagram of the batch keeps its slot, and
+/// when a datagram needs more new keys than slots are free, what is collected so far is
+/// copied and completed first. Completions are pushed only after their bytes landed, in
+/// the order of the requests. Returns how many datagrams were delivered (the others were
+/// dropped: the QP not ready, no receive posted).
+pub fn ud_batch(peer: &Peer, reqs: &[Request]) -> usize {
+    let n = ud_batch_inner(peer, reqs);
+    peer.clear_all();
+    n
+}
+
+/// A datagram of a batch waiting for the copy: its completion, and its local and remote
+/// ranges in the batch's lists (`lv[l.0..l.1]`, `rv[r.0..r.1]`).
+struct Staged {
+    wc: Wc,
+    cq: u32,
+    l: (usize, usize),
+    r: (usize, usize),
+}
+
+fn ud_batch_inner(peer: &Peer, reqs: &[Request]) -> usize {
+    let Some(first) = reqs.first() else {
+        return 0;
+    };
+    let qi = (first.dest_qpn & 0xffff) as usize;
+    let Some(q) = peer.seg.qp(qi) else {
+        return 0;
+    };
+    if !peer.hold(seg::HZ_QP, seg::TAG_QP | first.dest_qpn as u64, || {
+        q.qpn.load(SC) == first.dest_qpn
+    }) {
+        return 0;
+    }
+    let st = q.state.load(Ordering::Acquire);
+    if q.qpn.load(RLX) != first.dest_qpn
+        || q.qp_type.load(RLX) != QpType::Ud as u32
+        || !(st == QpState::Rtr as u32 || st == QpState::Rts as u32)
+        || q.qkey.load(RLX) != first.qkey
+    {
+        return 0;
+    }
+    const SLOTS: usize = seg::HZ_QP - seg::HZ_RECV;
+    let mut keys = [0u32; SLOTS];
+    let mut staged: Vec<Staged> = Vec::with_capacity(reqs.len());
+    // Local and remote ranges, and for each remote range its local ones (`lv[a..b]`).
+    let (mut lv, mut rv, mut rl) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tmp = Ranges::new();
+    let mut delivered = 0;
+    for req in reqs {
+        debug_assert!(req.dest_qpn == first.dest_qpn && req.qkey == first.qkey);
+        let Some((pd, w)) = take_recv(peer, q) else {
+            continue;
+        };
+        delivered += 1;
+        let sges = seg::wqe_sges(&w);
+        let total = GRH_LEN + req.len;
+        let mut wc = Wc {
+            wr_id: w[0],
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: total as u32,
+            imm: req.op.has_imm().then_some(req.imm),
+            qp_num: req.dest_qpn,
+            src_qp: req.src_qpn,
+            grh: true,
+        };
+        let cq = q.recv_cq.load(RLX);
+        let room: usize = sges.iter().map(|s| s.length as usize).sum();
+        // The SGEs the datagram fills, and the slots their keys need.
+        let mut used = 0;
+        let mut left = total;
+        while used < sges.len() && left > 0 {
+            left -= (sges[used].length as usize).min(left);
+            used += 1;
+        }
+        let mut fresh: smallvec::SmallVec<[u32; SLOTS]> = smallvec::SmallVec::new();
+        for s in &sges[..used] {
+            if !keys.contains(&s.lkey) && !fresh.contains(&s.lkey) {
+                fresh.push(s.lkey);
+            }
+        }
+        let free = keys.iter().filter(|&&k| k == 0).count();
+        if fresh.len() > free {
+            ud_copy(peer, &mut staged, &mut lv, &mut rv, &mut rl);
+            peer.clear();
+            keys = [0; SLOTS];
+        }
+        let l0 = lv.len();
+        let r0 = rv.len();
+        let mut ok = room >= total;
+        if !ok {
+            wc.status = WcStatus::LocLenErr;
+        }
+        let grh = req.grh.as_ref().map_or(&[0u8; GRH_LEN], |g| g);
+        let src: smallvec::SmallVec<[Range; 5]> = std::iter::once(Range {
+            base: grh.as_ptr() as u64,
+            len: GRH_LEN,
+        })
+        .chain(req.local.iter().copied())
+        .collect();
+        let mut off = 0;
+        for s in &sges[..if ok { used } else { 0 }] {
+            let n = (s.length as usize).min(total - off);
+            let slot = match keys.iter().position(|&k| k == s.lkey) {
+                Some(i) => i,
+                None => {
+                    // Enough free slots were made above for every fresh key.
+                    let Some(i) = keys.iter().position(|&k| k == 0) else {
+                        ok = false;
+                        wc.status = WcStatus::LocProtErr;
+                        break;
+                    };
+                    keys[i] = s.lkey;
+                    i
+                }
+            };
+            match peer.lookup(
+                seg::HZ_RECV + slot,
+                s.lkey,
+                pd,
+                s.addr,
+                n as u64,
+                Access::LOCAL_WRITE,
+            ) {
+                Some(Place::Dm(p)) => {
+                    sub(&src, off, n, &mut tmp);
+                    let mut d = p;
+                    for r in &tmp {
+                        // SAFETY: `r` is memory of this process the caller validated against
+                        // a registration; `d` stays inside the `n` bytes of the peer's heap
+                        // that lookup checked (and holds under the hazard); never overlapping.
+                        unsafe { std::ptr::copy_nonoverlapping(r.base as *const u8, d, r.len) };
+                        // SAFETY: advancing within those `n` bytes.
+                        d = unsafe { d.add(r.len) };
+                    }
+                }
+                Some(Place::User(a)) => {
+                    sub(&src, off, n, &mut tmp);
+                    rl.push((lv.len(), lv.len() + tmp.len()));
+                    lv.extend_from_slice(&tmp);
+                    rv.push(Range { base: a, len: n });
+                }
+                None => {
+                    wc.status = WcStatus::LocProtErr;
+                    ok = false;
+                    break;
+                }
+            }
+            off += n;
+        }
+        if !ok {
+            // Nothing of it is copied: drop what it staged.
+            lv.truncate(l0);
+            rv.truncate(r0);
+            rl.truncate(r0);
+            wc.byte_len = 0;
+            wc.imm = None;
+        }
+        staged.push(Staged {
+            wc,
+            cq,
+            l: (l0, lv.len()),
+            r: (r0, rv.len()),
+        });
+    }
+    ud_copy(peer, &mut staged, &mut lv, &mut rv, &mut rl);
+    delivered
+}
+
+/// Copy the staged datagrams' bytes with one call, then push their completions in order.
+///
+/// The call writes each distinct remote range once (a range written by several datagrams —
+/// a scratch buffer for GRHs — gets the last one's bytes, as writing them in order would
+/// leave it), in address order with adjacent ranges merged: the kernel pins pages per remote
+/// range, so pieces of one user buffer go as one range. Only when the ranges are disjoint;
+/// otherwise in order as posted. A copy that fails is redone datagram by datagram, so each
+/// gets its own status (rewriting the same bytes is harmless).
+fn ud_copy(
+    peer: &Peer,
+    staged: &mut Vec<Staged>,
+    lv: &mut Vec<Range>,
+    rv: &mut Vec<Range>,
+    rl: &mut Vec<(usize, usize)>,
+) {
+    let pid = peer.pid() as i32;
+    let mut ok = true;
+    if !rv.is_empty() {
+        let mut order: Vec<usize> = (0..rv.len()).collect();
+        order.sort_unstable_by_key(|&i| (rv[i].base, rv[i].len, std::cmp::Reverse(i)));
+        order.dedup_by_key(|i| (rv[*i].base, rv[*i].len));
+        let disjoint = order
+            .windows(2)
+            .all(|w| rv[w[0]].base + rv[w[0]].len as u64 <= rv[w[1]].base);
+        let (mut fl, mut fr) = (
+            Vec::with_capacity(lv.len()),
+            Vec::with_capacity(order.len()),
+        );
+        let (l, r): (&[Range], &[Range]) = if disjoint {
+            for &i in &order {
+                match fr.last_mut() {
+                    Some(Range { base, len }) if *base + *len as u64 == rv[i].base => {
+                        *len += rv[i].len
+                    }
+                    _ => fr.push(rv[i]),
+                }
+                fl.extend_from_slice(&lv[rl[i].0..rl[i].1]);
+            }
+            (&fl, &fr)
+        } else {
+            (lv, rv)
+        };
+        let want: usize = r.iter().map(|r| r.len).sum();
+        // SAFETY: the local ranges are this process's registered memory (validated by the
+        // caller) or the GRHs of the requests, alive for the call; the remote ranges were
+        // checked against the peer's registrations and are held by hazards until the caller
+        // clears them after this copy; the kernel checks the rest.
+        match unsafe { cma::copy(pid, Dir::Push, l, r, usize::MAX) } {
+            Ok(n) if n == want => {}
+            Err(CopyError::Gone) => {
+                // Nobody will read these completions.
+                staged.clear();
+                lv.clear();
+                rv.clear();
+                rl.clear();
+                return;
+            }
+            _ => ok = false,
+        }
+    }
+    for s in staged.iter_mut() {
+        if ok || s.wc.status != WcStatus::Success || s.r.0 == s.r.1 {
+            continue;
+        }
+        let (l, r) = (&lv[s.l.0..s.l.1], &rv[s.r.0..s.r.1]);
+        let want: usize = r.iter().map(|r| r.len).sum();
+        // SAFETY: as above, for this datagram's ranges alone.
+        let got = unsafe { cma::copy(pid, Dir::Push, l, r, usize::MAX) };
+        if !matches!(got, Ok(n) if n == want) {
+            s.wc.status = WcStatus::LocProtErr;
+            s.wc.byte_len = 0;
+            s.wc.imm = None;
+        }
+    }
+    for s in staged.drain(..) {
+        peer.push_cqe(s.cq, &s.wc);
+    }
+    lv.clear();
+    rv.clear();
+    rl.clear();
+}

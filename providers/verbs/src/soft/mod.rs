@@ -165,6 +165,25 @@ impl Held {
     }
 }
 
+/// Datagrams collected for one process during a `drive`, delivered together.
+#[derive(Default)]
+struct UdBatch {
+    peer: Option<Arc<Target>>,
+    dest_qpn: u32,
+    qkey: u32,
+    items: Vec<UdItem>,
+}
+
+struct UdItem {
+    op: WrOpcode,
+    imm: u32,
+    /// The payload: our validated memory (or the inline copy of a request that completes
+    /// only after the batch is delivered).
+    local: SmallVec<[Range; 4]>,
+    len: usize,
+    grh: [u8; GRH_LEN],
+}
+
 struct QpLocal {
     qpn: u32,
     ty: QpType,
@@ -208,6 +227,8 @@ struct Inner {
     ctr: Counters,
     rng: Option<Rng>,
     timing: Option<Timing>,
+    /// Reused by `drive` (no allocation per call).
+    batch: UdBatch,
     served: u64,
 }
 
@@ -499,13 +520,21 @@ impl SoftHca {
                 }
             }
         }
+        // UD datagrams to one process go out in batches (one copy for many); their sends
+        // complete only once the batch is delivered, in order.
+        let mut batch = std::mem::take(&mut inner.batch);
+        let mut deferred: Vec<(Pending, WcStatus, u32)> = Vec::new();
         while q.state == QpState::Rts {
             let Some(mut p) = q.sq.pop_front() else { break };
-            match self.step(inner, &mut q, &mut p) {
+            match self.step(inner, &mut q, &mut p, &mut batch) {
                 Some((st, len)) => {
                     q.rnr_tries = 0;
                     q.retries = 0;
                     q.wait_until = None;
+                    if !deferred.is_empty() || !batch.items.is_empty() {
+                        deferred.push((p, st, len));
+                        continue;
+                    }
                     self.complete(&q, &p, st, len);
                     if st != WcStatus::Success && q.ty == QpType::Rc {
                         self.to_error(&mut q);
@@ -517,12 +546,23 @@ impl SoftHca {
                 }
             }
         }
+        self.flush_ud(inner, &q, &mut batch);
+        for (p, st, len) in deferred {
+            self.complete(&q, &p, st, len);
+        }
+        inner.batch = batch;
         inner.qps[qi] = Some(q);
     }
 
     /// One attempt at the request at the head of the send queue: its completion status and
     /// length, or `None` to wait (a timer, or the timing model).
-    fn step(&self, inner: &mut Inner, q: &mut QpLocal, p: &mut Pending) -> Option<(WcStatus, u32)> {
+    fn step(
+        &self,
+        inner: &mut Inner,
+        q: &mut QpLocal,
+        p: &mut Pending,
+        batch: &mut UdBatch,
+    ) -> Option<(WcStatus, u32)> {
         // The clock is read only when a timer or the timing model needs it.
         if q.wait_until.is_some_and(|t| Instant::now() < t) {
             return None;
@@ -562,7 +602,7 @@ impl SoftHca {
             inner.ctr.wire_bytes += b;
         }
         if q.ty == QpType::Ud {
-            return Some(self.step_ud(inner, q, p, &local));
+            return Some(self.step_ud(inner, q, p, &local, batch));
         }
         let (peer, dest_qpn, _) = q.dest.clone()?;
         let rng = inner.rng.as_mut();
@@ -707,6 +747,7 @@ impl SoftHca {
         q: &mut QpLocal,
         p: &Pending,
         local: &[Range],
+        batch: &mut UdBatch,
     ) -> (WcStatus, u32) {
         let len = p.wr.len();
         if len > q.mtu.bytes() {
@@ -741,7 +782,31 @@ impl SoftHca {
             });
         } else {
             let n = if dup { 2 } else { 1 };
+            // Batched when more datagrams follow (a lone one goes at once, no batch to fill).
+            let batched = self.cfg.ud_batch > 1
+                && matches!(*peer, Target::Local(_))
+                && (!q.sq.is_empty() || !batch.items.is_empty());
             for _ in 0..n {
+                if batched {
+                    let same = batch.dest_qpn == ud.remote_qpn
+                        && batch.qkey == ud.remote_qkey
+                        && batch.peer.as_ref().is_some_and(|b| Arc::ptr_eq(b, &peer));
+                    let full = batch.items.len() >= self.cfg.ud_batch;
+                    if !batch.items.is_empty() && (full || !same) {
+                        self.flush_ud(inner, q, batch);
+                    }
+                    batch.peer = Some(peer.clone());
+                    batch.dest_qpn = ud.remote_qpn;
+                    batch.qkey = ud.remote_qkey;
+                    batch.items.push(UdItem {
+                        op: p.wr.opcode,
+                        imm: p.wr.imm,
+                        local: local.iter().copied().collect(),
+                        len,
+                        grh: wire::grh(&self.seg.gid(), len),
+                    });
+                    continue;
+                }
                 self.deliver_ud(
                     inner,
                     q,
@@ -755,6 +820,7 @@ impl SoftHca {
             }
             inner.ctr.ud_duplicated += dup as u64;
             if let Some(h) = q.held.take() {
+                self.flush_ud(inner, q, batch);
                 let l = h.ranges();
                 self.deliver_ud(inner, q, &h.peer, h.dest_qpn, h.qkey, h.op, h.imm, &l);
             }
@@ -762,6 +828,40 @@ impl SoftHca {
         inner.served += 1;
         self.maybe_mute(inner);
         (WcStatus::Success, len as u32)
+    }
+
+    /// Deliver the datagrams collected in `batch` (see [`exec::ud_batch`]).
+    fn flush_ud(&self, inner: &mut Inner, q: &QpLocal, batch: &mut UdBatch) {
+        let Some(peer) = batch.peer.take() else {
+            return;
+        };
+        if let Target::Local(p) = &*peer {
+            let reqs: Vec<Request> = batch
+                .items
+                .iter()
+                .map(|it| Request {
+                    op: it.op,
+                    src_qpn: q.qpn,
+                    src_gid: self.seg.gid(),
+                    dest_qpn: batch.dest_qpn,
+                    psn: 0,
+                    local: &it.local,
+                    remote_addr: 0,
+                    rkey: 0,
+                    imm: it.imm,
+                    compare_add: 0,
+                    swap: 0,
+                    len: it.len,
+                    qkey: batch.qkey,
+                    grh: Some(it.grh),
+                })
+                .collect();
+            let delivered = exec::ud_batch(p, &reqs);
+            inner.ctr.ud_dropped += (reqs.len() - delivered) as u64;
+            inner.ctr.ud_batched += reqs.len() as u64;
+            inner.ctr.ud_batches += 1;
+        }
+        batch.items.clear();
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -22,6 +22,8 @@ weft_provider::param!(UD_DROP: Float = "verbs", "SOFT_UD_DROP", "0", "soft HCA f
 weft_provider::param!(UD_DUP: Float = "verbs", "SOFT_UD_DUP", "0", "soft HCA fault injection: probability that a UD datagram is delivered twice");
 weft_provider::param!(UD_REORDER: Float = "verbs", "SOFT_UD_REORDER", "0",
     "soft HCA fault injection: probability that a UD datagram is held back behind the next one");
+weft_provider::param!(UD_BATCH: Uint = "verbs", "SOFT_UD_BATCH", "64",
+    "soft HCA: UD datagrams of one post to one process delivered with one Cross-Memory Attach copy at most (1: a copy each)");
 weft_provider::param!(RC_LOSS: Float = "verbs", "SOFT_RC_LOSS", "0",
     "soft HCA fault injection: probability that an RC request or its acknowledgement is lost (the requester retries)");
 weft_provider::param!(SEED: Uint = "verbs", "SOFT_SEED", "1", "soft HCA fault injection: random seed");
@@ -44,6 +46,8 @@ pub struct Config {
     pub ud_drop: f64,
     pub ud_dup: f64,
     pub ud_reorder: f64,
+    /// UD datagrams delivered together (one copy) at most.
+    pub ud_batch: usize,
     pub rc_loss: f64,
     pub seed: u64,
     pub mute_after: u64,
@@ -68,6 +72,7 @@ impl Default for Config {
             ud_drop: 0.0,
             ud_dup: 0.0,
             ud_reorder: 0.0,
+            ud_batch: 64,
             rc_loss: 0.0,
             seed: 1,
             mute_after: 0,
@@ -135,6 +140,7 @@ impl Config {
             ud_drop: prob(&UD_DROP)?,
             ud_dup: prob(&UD_DUP)?,
             ud_reorder: prob(&UD_REORDER)?,
+            ud_batch: bounded(&UD_BATCH, 1, 1024)? as usize,
             rc_loss: prob(&RC_LOSS)?,
             seed: SEED.get_u64()?,
             mute_after: MUTE_AFTER.get_u64()?,

@@ -950,6 +950,132 @@ fn ud_faults_are_seeded() {
     assert!(g1.windows(2).any(|w| w[0] == w[1]), "some duplicates");
 }
 
+/// Many datagrams of one post to one process are handed over together on one host (one
+/// copy for the lot); each still fills its own receive, completes in order, and fails alone.
+#[test]
+fn ud_datagrams_of_one_post_each_land_in_their_own_receive() {
+    const N: usize = 64;
+    const P: usize = 256;
+    let (a, b, ah) = ud_pair(Config::default(), 7);
+    let (_s, smr) = buf(&a, N * P, 0, Access::ALL);
+    for i in 0..N * P {
+        // SAFETY: our registered buffer, not in use by a request.
+        unsafe { *(smr.addr as *mut u8).add(i) = (i * 7 + i / P) as u8 };
+    }
+    // SAFETY: as above; read-only from here.
+    let want = unsafe { std::slice::from_raw_parts(smr.addr as *const u8, N * P) }.to_vec();
+    let send = |n: usize, len: usize, stride: usize| {
+        let wrs: Vec<SendWr> = (0..n)
+            .map(|i| {
+                SendWr::send_imm(i as u64, &[smr.sge(i * stride, len)], i as u32)
+                    .to(ah, b.qp.qpn, 7)
+            })
+            .collect();
+        a.h.post_send(a.qp, &wrs).unwrap();
+        let c = wait_cq(&*a.h, a.cq, n, T).unwrap();
+        assert!(c.iter().all(|w| w.status == WcStatus::Success), "{c:?}");
+        wait_cq(&*b.h, b.cq, n, T).unwrap()
+    };
+    let before = a.h.counters();
+
+    // The zero-copy shape: every GRH into one scratch buffer, the pieces side by side.
+    let (rb, rmr) = buf(&b, N * P, 0, Access::LOCAL_WRITE);
+    let (grh, gmr) = buf(&b, GRH_LEN, 0, Access::LOCAL_WRITE);
+    let recvs: Vec<RecvWr> = (0..N)
+        .map(|i| RecvWr::new(i as u64, &[gmr.sge(0, GRH_LEN), rmr.sge(i * P, P)]))
+        .collect();
+    b.h.post_recv(b.qp, &recvs).unwrap();
+    let got = send(N, P, P);
+    for (i, w) in got.iter().enumerate() {
+        assert_eq!(
+            (w.wr_id, w.status, w.byte_len, w.imm),
+            (
+                i as u64,
+                WcStatus::Success,
+                (GRH_LEN + P) as u32,
+                Some(i as u32)
+            )
+        );
+    }
+    assert!(rb[..] == want[..], "pieces in place");
+    assert_eq!(grh[0] >> 4, 6, "GRH version");
+    if super::ONE_HOST {
+        let c = a.h.counters();
+        assert_eq!(c.ud_batched - before.ud_batched, N as u64, "{c:?}");
+        assert!(c.ud_batches - before.ud_batches <= N as u64 / 8, "{c:?}");
+    }
+
+    // Receives that overlap: the memory ends as if the datagrams landed one by one, in order.
+    let (rb2, rmr2) = buf(&b, 4 * N + GRH_LEN + 8, 0, Access::LOCAL_WRITE);
+    let recvs: Vec<RecvWr> = (0..N)
+        .map(|i| RecvWr::new(i as u64, &[rmr2.sge(4 * i, GRH_LEN + 8)]))
+        .collect();
+    b.h.post_recv(b.qp, &recvs).unwrap();
+    let got = send(N, 8, P);
+    assert!(got.iter().all(|w| w.status == WcStatus::Success));
+    let mut model = vec![0u8; rb2.len()];
+    for i in 0..N {
+        let at = 4 * i + GRH_LEN;
+        // The GRH bytes are the same for every datagram of one sender and length.
+        model[4 * i..at].copy_from_slice(&rb2[4 * (N - 1)..4 * (N - 1) + GRH_LEN]);
+        model[at..at + 8].copy_from_slice(&want[i * P..i * P + 8]);
+    }
+    assert!(rb2[..] == model[..], "overlapping receives as in order");
+    // Receives into one and the same place: the last datagram's bytes stay.
+    let recvs: Vec<RecvWr> = (0..8)
+        .map(|i| RecvWr::new(i as u64, &[rmr2.sge(0, GRH_LEN + 8)]))
+        .collect();
+    b.h.post_recv(b.qp, &recvs).unwrap();
+    send(8, 8, P);
+    assert!(
+        rb2[GRH_LEN..GRH_LEN + 8] == want[7 * P..7 * P + 8],
+        "the last one wins"
+    );
+
+    // A receive the kernel cannot write (registered, then made read-only): that datagram
+    // completes with a protection error, its neighbours land.
+    let page = 4096;
+    // SAFETY: a fresh anonymous mapping, ours alone; unmapped below after its last use.
+    let ro = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(ro, libc::MAP_FAILED);
+    // SAFETY: the mapping above, alive until munmap after the completions.
+    let romr = unsafe { b.h.reg_mr(b.pd, ro as *mut u8, page, Access::LOCAL_WRITE) }.unwrap();
+    // SAFETY: our mapping; made read-only so that a copy into it faults.
+    assert_eq!(unsafe { libc::mprotect(ro, page, libc::PROT_READ) }, 0);
+    let (rb3, rmr3) = buf(&b, 8 * P, 0, Access::LOCAL_WRITE);
+    let recvs: Vec<RecvWr> = (0..8)
+        .map(|i| {
+            let m = if i == 3 { &romr } else { &rmr3 };
+            RecvWr::new(i as u64, &[gmr.sge(0, GRH_LEN), m.sge(i * P % page, P)])
+        })
+        .collect();
+    b.h.post_recv(b.qp, &recvs).unwrap();
+    let got = send(8, P, P);
+    for (i, w) in got.iter().enumerate() {
+        let st = if i == 3 {
+            WcStatus::LocProtErr
+        } else {
+            WcStatus::Success
+        };
+        assert_eq!((w.wr_id, w.status), (i as u64, st), "{got:?}");
+        if i != 3 {
+            assert!(rb3[i * P..(i + 1) * P] == want[i * P..(i + 1) * P]);
+        }
+    }
+    b.h.dereg_mr(romr).unwrap();
+    // SAFETY: the mapping above; its registration is gone and no request names it.
+    unsafe { libc::munmap(ro, page) };
+}
+
 #[test]
 fn srq_serves_many_qps_and_fires_its_limit_event_once() {
     let b = hca_b(Config::default());

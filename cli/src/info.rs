@@ -157,6 +157,9 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
     for f in failures {
         writeln!(s, "not loaded: {}: {}", f.path.display(), f.error).unwrap();
     }
+    let boot = weft::bootstrap::Choice::from_env().map_err(|e| e.to_string())?;
+    writeln!(s).unwrap();
+    writeln!(s, "bootstrap (WEFT_PMI): {}", boot.describe()).unwrap();
     s.push_str(&verbs_report());
     Ok(s)
 }

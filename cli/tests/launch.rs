@@ -64,6 +64,47 @@ fn ring_alone_is_a_world_of_one() {
     );
 }
 
+/// Started by a launcher weft cannot join (the variables Open MPI's mpirun, Slurm's srun and
+/// a PMIx server set for a job of two): each process must fail and say why, not run as a job
+/// of one and report success, as it did before.
+#[test]
+fn ring_under_a_launcher_it_cannot_join_refuses_to_run_alone() {
+    let ring = example("weft-cli", "ring");
+    let jobs: [&[(&str, &str)]; 3] = [
+        &[
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("PMIX_NAMESPACE", "prterun-h-1@1"),
+            ("PMIX_RANK", "0"),
+        ],
+        &[("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_PROCID", "1")],
+        &[("PMIX_NAMESPACE", "slurm.pmix.7.0"), ("PMIX_RANK", "1")],
+    ];
+    for env in jobs {
+        let mut c = Command::new(&ring);
+        c.env_remove("PMI_FD")
+            .env_remove("PMI_PORT")
+            .env_remove("WEFT_PMI");
+        c.envs(env.iter().copied());
+        let o = run_bounded(&mut c, 60);
+        assert!(!o.status.success(), "{env:?}: {}", stdout(&o));
+        assert!(!stdout(&o).contains("ring: ok"), "{}", stdout(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains(env[0].0) && e.contains("weft run") && e.contains("WEFT_PMI=singleton"),
+            "{env:?}: {e}"
+        );
+        // On purpose: alone.
+        let o = run_bounded(c.env("WEFT_PMI", "singleton"), 60);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stdout(&o).contains("ring: ok over 1 ranks"),
+            "{}",
+            stdout(&o)
+        );
+    }
+}
+
 #[test]
 fn tag_output_prefixes_ranks() {
     let ring = example("weft-cli", "ring");

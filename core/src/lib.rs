@@ -97,13 +97,17 @@ pub fn init_logging() {
     });
 }
 
-/// The bootstrap the environment describes: PMI-1 when a launcher started us, else a singleton.
+/// The bootstrap the environment describes ([`bootstrap::Choice`]): PMI-1 when a launcher
+/// that speaks it started us, a singleton when none did, an error under a launcher we cannot
+/// join (rather than a job of one per process).
 pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
-    if Pmi::in_env() {
-        let t = pmi_timeout()?;
-        Ok(Box::new(Pmi::from_env(t)?))
-    } else {
-        Ok(Box::new(Singleton::new()))
+    match bootstrap::Choice::from_env()? {
+        bootstrap::Choice::Pmi1 => {
+            let t = pmi_timeout()?;
+            Ok(Box::new(Pmi::from_env(t)?))
+        }
+        bootstrap::Choice::Singleton(_) => Ok(Box::new(Singleton::new())),
+        bootstrap::Choice::Refused(why) => Err(Error::from(ErrorDetail::Bootstrap(why))),
     }
 }
 

@@ -3,6 +3,8 @@
 # missing. Tests never install anything themselves: without these they skip with the reason
 # (or fail, under WEFT_REQUIRE_TOOLS=1, as in CI).
 #   mpich      mpiexec.hydra, for the Hydra interop and two-host tests
+#   openmpi-bin libpmix-dev   Open MPI's mpirun (a PMIx server) for the PMIx launch tests, and
+#              PMIx's header, against which a test checks the layouts weft declares by hand
 #   iproute2   ip, for the two-network-namespace tests
 #   valgrind   memcheck runs of the soundness tests in .ci/run
 #   fonts-dejavu-core   the font `weft bench --plot` draws with
@@ -13,6 +15,8 @@ set -euo pipefail
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
+command -v mpirun.openmpi >/dev/null 2>&1 || need+=(openmpi-bin)
+[ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ] || need+=(libpmix-dev)
 command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 [ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)

@@ -64,21 +64,17 @@ fn ring_alone_is_a_world_of_one() {
     );
 }
 
-/// Started by a launcher weft cannot join (the variables Open MPI's mpirun, Slurm's srun and
-/// a PMIx server set for a job of two): each process must fail and say why, not run as a job
-/// of one and report success, as it did before.
+/// Started by a launcher weft cannot join (the variables an Open MPI without PMIx, Slurm's srun
+/// without PMI and MVAPICH's mpirun_rsh set for a job of two): each process must fail and say
+/// why, not run as a job of one and report success, as it did before. And a PMIx namespace
+/// without a server behind it fails at once, saying so.
 #[test]
 fn ring_under_a_launcher_it_cannot_join_refuses_to_run_alone() {
     let ring = example("weft-cli", "ring");
     let jobs: [&[(&str, &str)]; 3] = [
-        &[
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("OMPI_COMM_WORLD_RANK", "0"),
-            ("PMIX_NAMESPACE", "prterun-h-1@1"),
-            ("PMIX_RANK", "0"),
-        ],
+        &[("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")],
         &[("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_PROCID", "1")],
-        &[("PMIX_NAMESPACE", "slurm.pmix.7.0"), ("PMIX_RANK", "1")],
+        &[("MV2_COMM_WORLD_SIZE", "2"), ("MV2_COMM_WORLD_RANK", "1")],
     ];
     for env in jobs {
         let mut c = Command::new(&ring);
@@ -103,6 +99,21 @@ fn ring_under_a_launcher_it_cannot_join_refuses_to_run_alone() {
             stdout(&o)
         );
     }
+    let o = run_bounded(
+        Command::new(&ring)
+            .env_remove("PMI_FD")
+            .env_remove("PMI_PORT")
+            .env_remove("WEFT_PMI")
+            .env("PMIX_NAMESPACE", "nobody-serves-this")
+            .env("PMIX_RANK", "0"),
+        60,
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("PMIX_NAMESPACE=nobody-serves-this"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

@@ -6,12 +6,14 @@
 pub use weft_provider::bootstrap::*;
 
 pub mod pmi;
+pub mod pmix;
 
-crate::param!(PMI: Enum(&["auto", "pmi1", "singleton"]) = "", "PMI", "auto",
-    "bootstrap: auto (PMI-1 under a launcher that speaks it — weft run, MPICH's mpiexec (Hydra); refused under a launcher weft cannot join yet, such as Open MPI's mpirun or Slurm's srun; else a singleton), pmi1 (PMI-1 or fail), singleton (this process alone, whatever launched it)");
+crate::param!(PMI: Enum(&["auto", "pmi1", "pmix", "singleton"]) = "", "PMI", "auto",
+    "bootstrap: auto (PMI-1 under a launcher that speaks it — weft run, MPICH's mpiexec (Hydra); PMIx under a PMIx server — Open MPI's mpirun, srun --mpi=pmix; refused under a launcher weft cannot join, such as srun without PMI; else a singleton), pmi1 or pmix (that one or fail), singleton (this process alone, whatever launched it)");
 
-/// Launchers weft cannot join, by a variable each sets in every process it starts, and the
-/// variable holding the job's size (`None`: the environment does not say).
+/// Launchers weft cannot join (when they offer neither PMI-1 nor PMIx), by a variable each
+/// sets in every process it starts, and the variable holding the job's size (`None`: the
+/// environment does not say).
 const FOREIGN: &[(&str, &str, Option<&str>)] = &[
     (
         "Open MPI's mpirun",
@@ -41,6 +43,8 @@ const FOREIGN: &[(&str, &str, Option<&str>)] = &[
 pub enum Choice {
     /// PMI-1 through the server the environment names (`PMI_FD`, `PMI_PORT`).
     Pmi1,
+    /// PMIx through the server that started us (`PMIX_NAMESPACE`, `PMIX_RANK`).
+    Pmix,
     /// A job of one process; the reason, for `weft info`.
     Singleton(&'static str),
     /// Started by a launcher weft cannot join: running alone would make each process an
@@ -57,6 +61,7 @@ impl Choice {
     /// The choice for `mode` (a `WEFT_PMI` value) in an environment read through `var`.
     pub fn decide(mode: &str, var: impl Fn(&str) -> Option<String>) -> Choice {
         let pmi1 = var("PMI_FD").is_some() || var("PMI_PORT").is_some();
+        let pmix = pmix::Pmix::in_env(&var);
         match mode {
             "singleton" => return Choice::Singleton("WEFT_PMI=singleton"),
             "pmi1" if !pmi1 => {
@@ -66,7 +71,16 @@ impl Choice {
                         .into(),
                 )
             }
+            "pmix" if !pmix => {
+                return Choice::Refused(
+                    "WEFT_PMI=pmix, but no PMIx server in the environment (PMIX_NAMESPACE and \
+                     PMIX_RANK); start the program with Open MPI's mpirun or srun --mpi=pmix"
+                        .into(),
+                )
+            }
+            "pmix" => return Choice::Pmix,
             _ if pmi1 => return Choice::Pmi1,
+            _ if pmix => return Choice::Pmix,
             _ => {}
         }
         for &(who, mark, size) in FOREIGN {
@@ -81,11 +95,11 @@ impl Choice {
                 _ => "a job".into(),
             };
             return Choice::Refused(format!(
-                "this process was started by {who} ({mark}={seen}) as part of {job}, but weft \
-                 cannot join that launcher's job yet (it speaks PMI-1 only): on its own each \
-                 process would run as a separate job of one rank. Start weft programs with \
-                 `weft run -n N` or MPICH's `mpiexec` (Hydra), or set WEFT_PMI=singleton to \
-                 run this process alone on purpose"
+                "this process was started by {who} ({mark}={seen}) as part of {job}, but that \
+                 launcher offers neither PMI-1 nor PMIx here: on its own each process would run \
+                 as a separate job of one rank. Start weft programs with `weft run -n N`, \
+                 MPICH's `mpiexec` (Hydra), Open MPI's `mpirun` or `srun --mpi=pmix`, or set \
+                 WEFT_PMI=singleton to run this process alone on purpose"
             ));
         }
         Choice::Singleton("no launcher in the environment")
@@ -95,6 +109,10 @@ impl Choice {
     pub fn describe(&self) -> String {
         match self {
             Choice::Pmi1 => "PMI-1 (the launcher's server in PMI_FD / PMI_PORT)".into(),
+            Choice::Pmix => format!(
+                "PMIx (the server that started this process; library {})",
+                pmix::PMIX_LIB.get_str()
+            ),
             Choice::Singleton(why) => format!("singleton, a job of one process ({why})"),
             Choice::Refused(why) => format!("none: {why}"),
         }
@@ -128,10 +146,10 @@ mod tests {
     #[test]
     fn foreign_launchers_of_more_than_one_process_are_refused_with_the_way_out() {
         for kv in [
-            &[("OMPI_COMM_WORLD_SIZE", "2"), ("PMIX_NAMESPACE", "x")][..],
+            &[("OMPI_COMM_WORLD_SIZE", "2")][..],
             &[("SLURM_STEP_NUM_TASKS", "4"), ("SLURM_PROCID", "0")][..],
             &[("MV2_COMM_WORLD_SIZE", "8")][..],
-            &[("PMIX_NAMESPACE", "prterun-h-1@1"), ("PMIX_RANK", "0")][..],
+            &[("PMIX_NAMESPACE", "prterun-h-1@1")][..],
             &[("PMI_SIZE", "2"), ("PMI_RANK", "1")][..],
         ] {
             match Choice::decide("auto", env(kv)) {
@@ -159,5 +177,23 @@ mod tests {
             Choice::decide("pmi1", env(&[])),
             Choice::Refused(_)
         ));
+        assert!(matches!(
+            Choice::decide("pmix", env(&[("PMI_FD", "5")])),
+            Choice::Refused(_)
+        ));
+    }
+
+    #[test]
+    fn a_pmix_server_is_joined_unless_pmi1_is_there_too() {
+        let ompi = [
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("PMIX_NAMESPACE", "prterun-h-1@1"),
+            ("PMIX_RANK", "0"),
+        ];
+        assert_eq!(Choice::decide("auto", env(&ompi)), Choice::Pmix);
+        assert_eq!(Choice::decide("pmix", env(&ompi)), Choice::Pmix);
+        let both = [("PMIX_NAMESPACE", "x"), ("PMIX_RANK", "0"), ("PMI_FD", "4")];
+        assert_eq!(Choice::decide("auto", env(&both)), Choice::Pmi1);
+        assert_eq!(Choice::decide("pmix", env(&both)), Choice::Pmix);
     }
 }

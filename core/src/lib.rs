@@ -106,6 +106,7 @@ pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
             let t = pmi_timeout()?;
             Ok(Box::new(Pmi::from_env(t)?))
         }
+        bootstrap::Choice::Pmix => Ok(Box::new(bootstrap::pmix::Pmix::from_env(pmi_timeout()?)?)),
         bootstrap::Choice::Singleton(_) => Ok(Box::new(Singleton::new())),
         bootstrap::Choice::Refused(why) => Err(Error::from(ErrorDetail::Bootstrap(why))),
     }

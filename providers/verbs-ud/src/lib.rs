@@ -497,13 +497,46 @@ impl VerbsUd {
         })
     }
 
+    /// Peer `r` failed: its zero-copy sends fail, and the core hears of it at the next
+    /// progress call.
+    fn fail_peer(&mut self, r: Rank, why: String) {
+        self.peers[r as usize].failed = true;
+        for z in self.zsends.iter_mut().flatten() {
+            if z.dest == r && z.result.is_none() {
+                z.result = Some(Err(Error::peer_failed(r, why.clone())));
+            }
+        }
+        self.failures.push_back((r, why));
+    }
+
+    /// The address handle of `r`; a peer whose process is gone is failed (`None`), not an
+    /// error of this call: a rank that finished may exit before a slower one first answers it.
+    fn reach(&mut self, r: Rank) -> Result<Option<(verbs::Ah, u32)>> {
+        match self.ah_of(r) {
+            Ok(a) => Ok(Some(a)),
+            Err(e) if e.kind() == weft_provider::ErrorKind::PeerFailed => {
+                if !self.peers[r as usize].failed {
+                    let why = match e.detail() {
+                        weft_provider::ErrorDetail::PeerFailed { reason, .. } => reason.clone(),
+                        _ => e.to_string(),
+                    };
+                    self.fail_peer(r, why);
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Post what `r`'s link has to send, while the send queue has room.
     fn transmit(&mut self, r: Rank, now: Instant) -> Result<()> {
         let i = r as usize;
         if self.peers[i].link.is_none() || self.peers[i].failed {
             return Ok(());
         }
-        let (ah, qpn) = self.ah_of(r)?;
+        let Some((ah, qpn)) = self.reach(r)? else {
+            return Ok(());
+        };
         while self.sq_used < SQ {
             let link = self.peers[i].link.as_mut().expect("checked above");
             let Some(tx) = link.poll_transmit(now) else {
@@ -895,7 +928,9 @@ impl VerbsUd {
                 continue;
             }
             let dest = z.dest;
-            let (ah, _) = self.ah_of(dest)?;
+            let Some((ah, _)) = self.reach(dest)? else {
+                continue;
+            };
             let z = self.zsends[s].as_mut().expect("checked above");
             let room = (SQ - SQ_RESERVE).saturating_sub(self.sq_used) as usize;
             let n = room.min(z.queue.len());
@@ -1248,17 +1283,11 @@ impl Provider for VerbsUd {
                 link.on_timeout(now);
             }
             if link.failed() && !self.peers[r as usize].failed {
-                self.peers[r as usize].failed = true;
                 let why = format!(
                     "no acknowledgement for {} s",
                     self.cfg.timeout.as_secs_f64()
                 );
-                for z in self.zsends.iter_mut().flatten() {
-                    if z.dest == r && z.result.is_none() {
-                        z.result = Some(Err(Error::peer_failed(r, why.clone())));
-                    }
-                }
-                self.failures.push_back((r, why));
+                self.fail_peer(r, why);
             }
         }
         for (src, body) in std::mem::take(&mut self.zin) {

@@ -285,6 +285,13 @@ impl Seg {
         // SAFETY: closing the pidfd we opened.
         unsafe { libc::close(pfd) };
         if mine < 0 {
+            // ESRCH: the process has exited (a zombie still has a pid, no descriptors).
+            if err.raw_os_error() == Some(libc::ESRCH) {
+                return Err(Error::peer_failed(
+                    0,
+                    format!("soft HCA of process {pid} is gone (it exited)"),
+                ));
+            }
             return Err(bad(format!(
                 "cannot reach the segment of process {pid} (pidfd_getfd: {err})"
             )));

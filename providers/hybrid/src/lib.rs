@@ -2,9 +2,19 @@
 //! verbs-rc and verbs-ud at once, chosen per message by a chain of send rules, with RC channels
 //! opened lazily under per-process limits.
 //!
-//! Built so far: the send-rule chain ([`rules`]) — parsing `WEFT_HYBRID_RULES`, the paper's
-//! default chain, the check that a peer reached by UD alone can be sent every message, and the
-//! choice of a channel for a message. The provider itself (composing the channels, ordering
-//! across them, lazy allocation) is not built yet and is not registered.
+//! Built so far, each without I/O and tested on its own:
+//! - [`rules`]: the send-rule chain — parsing `WEFT_HYBRID_RULES`, the paper's default chain,
+//!   the check that a peer reached by UD alone can be sent every message, and the choice of a
+//!   channel for a message;
+//! - [`order`]: per-peer sequence numbers across channels and the receiver's reordering, so
+//!   that a message on a newly opened RC connection cannot overtake one still on UD-SR;
+//! - [`budget`]: lazy RC allocation under `max_rc` / `max_fp` with the agreement of both
+//!   sides (crossing requests make one connection), back-off after a refusal, and the
+//!   rebalancing that closes an idle connection, both sides draining first, for a busier peer.
+//!
+//! The provider that drives them over verbs-rc's and verbs-ud's channels is not built yet and
+//! is not registered.
 
+pub mod budget;
+pub mod order;
 pub mod rules;

@@ -1,0 +1,652 @@
+//! Lazy RC allocation under per-process limits, without I/O (paper 001, section on channel
+//! allocation; issue 21).
+//!
+//! Every peer starts on UD alone. A peer that exchanges `threshold` messages with this process
+//! earns an RC connection if this process and the peer both have one to spare (`max_rc` each);
+//! each process offers RC-FP rings to at most `max_fp` of its RC peers. The two sides agree by
+//! control messages that the provider carries over UD-SR (in order per peer):
+//!
+//! - `Ask` → `Yes` (both sides count the connection, then connect) or `No` (the asker backs
+//!   off: it asks again after twice as many messages). Two processes that ask each other at
+//!   once both answer `Yes` to the other's `Ask` and end with one connection, counted once on
+//!   each side — Aptus allowed up to two extra connections in that race; here there are none.
+//! - With `rebalance`, a process at its limit that sees a busier peer closes its least-recently
+//!   used connection, if that one has been idle for `threshold` messages: `Close`, each side
+//!   stops sending on RC to the other and waits until what it sent there has completed
+//!   ([`Budget::drained`]), then sends `Closed`; each side tears down once it has drained and
+//!   received `Closed`. Messages sent meanwhile go over UD and the receiver's reordering
+//!   ([`crate::order`]) puts them after the ones still on RC, so none is lost or reordered.
+//!
+//! The provider feeds it [`Budget::note`] for each message to or from a peer, the control
+//! messages that arrive ([`Budget::on_ctrl`]) and drain notices, and carries out the
+//! [`Action`]s it returns.
+
+use std::collections::HashMap;
+
+/// Peer rank.
+pub type Rank = u32;
+
+/// The limits (`WEFT_HYBRID_RC_THRESHOLD`, `WEFT_HYBRID_MAX_RC`, `WEFT_HYBRID_MAX_FP`,
+/// `WEFT_HYBRID_REBALANCE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Messages exchanged with a peer before it earns an RC connection (MVAPICH: 100).
+    pub threshold: u64,
+    /// RC connections per process (paper 001: 16).
+    pub max_rc: usize,
+    /// RC-FP rings offered per process (paper 001: 8).
+    pub max_fp: usize,
+    /// Give the least-recently-used connection to a busier peer when at the limit.
+    pub rebalance: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            threshold: 100,
+            max_rc: 16,
+            max_fp: 8,
+            rebalance: false,
+        }
+    }
+}
+
+/// A control message between the budgets of two processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ctrl {
+    Ask,
+    Yes,
+    No,
+    Close,
+    Closed,
+}
+
+impl Ctrl {
+    /// One byte on the wire.
+    pub fn code(self) -> u8 {
+        match self {
+            Ctrl::Ask => 1,
+            Ctrl::Yes => 2,
+            Ctrl::No => 3,
+            Ctrl::Close => 4,
+            Ctrl::Closed => 5,
+        }
+    }
+
+    /// Undo [`Ctrl::code`].
+    pub fn from_code(b: u8) -> Option<Ctrl> {
+        Some(match b {
+            1 => Ctrl::Ask,
+            2 => Ctrl::Yes,
+            3 => Ctrl::No,
+            4 => Ctrl::Close,
+            5 => Ctrl::Closed,
+            _ => return None,
+        })
+    }
+}
+
+/// What the provider must do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Send this control message to the peer (over UD-SR).
+    Send(Rank, Ctrl),
+    /// Both sides agreed: make the RC connection (the connection manager settles who answers
+    /// whom) and send over it from now on.
+    Connect(Rank),
+    /// Stop sending to the peer over RC; call [`Budget::drained`] once every RC send to it has
+    /// completed.
+    Drain(Rank),
+    /// Both sides drained: take in what already arrived over RC, then destroy the connection.
+    Teardown(Rank),
+    /// Offer the peer an RC-FP ring (receive buffers dedicated to it).
+    OpenFp(Rank),
+    /// Withdraw the peer's RC-FP ring (before its connection goes).
+    CloseFp(Rank),
+}
+
+/// The RC state towards one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RcState {
+    /// UD only.
+    #[default]
+    Ud,
+    /// `Ask` sent, no answer yet (a slot is held for it).
+    Asked,
+    /// Connected (or connecting): sends may use RC.
+    Up,
+    /// Tearing down: no new RC sends.
+    Closing { drained: bool, closed: bool },
+}
+
+#[derive(Debug, Default, Clone)]
+struct Peer {
+    rc: RcState,
+    /// Messages exchanged since the peer last went to UD.
+    msgs: u64,
+    /// Ask again only from this many messages on (after a `No`).
+    retry_at: u64,
+    refusals: u32,
+    /// The budget's message clock at the last message with this peer.
+    last_use: u64,
+    fp: bool,
+}
+
+/// Counts for `WEFT_HYBRID_STATS`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetStats {
+    pub asked: u64,
+    pub refused: u64,
+    pub opened: u64,
+    pub closed: u64,
+    pub fp_opened: u64,
+    pub fp_closed: u64,
+}
+
+/// One process's RC and RC-FP budget.
+#[derive(Debug)]
+pub struct Budget {
+    me: Rank,
+    limits: Limits,
+    peers: HashMap<Rank, Peer>,
+    clock: u64,
+    stats: BudgetStats,
+}
+
+impl Budget {
+    pub fn new(me: Rank, limits: Limits) -> Self {
+        Budget {
+            me,
+            limits,
+            peers: HashMap::new(),
+            clock: 0,
+            stats: BudgetStats::default(),
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    pub fn stats(&self) -> BudgetStats {
+        self.stats
+    }
+
+    /// The RC state towards `peer`.
+    pub fn state(&self, peer: Rank) -> RcState {
+        self.peers.get(&peer).map_or(RcState::Ud, |p| p.rc)
+    }
+
+    /// Sends to `peer` may use RC (and RC-FP where [`Budget::has_fp`]).
+    pub fn rc_open(&self, peer: Rank) -> bool {
+        self.state(peer) == RcState::Up
+    }
+
+    /// This process offered `peer` an RC-FP ring.
+    pub fn has_fp(&self, peer: Rank) -> bool {
+        self.peers.get(&peer).is_some_and(|p| p.fp)
+    }
+
+    /// RC slots in use: asked, up or closing.
+    pub fn rc_used(&self) -> usize {
+        self.peers.values().filter(|p| p.rc != RcState::Ud).count()
+    }
+
+    /// RC-FP rings offered.
+    pub fn fp_used(&self) -> usize {
+        self.peers.values().filter(|p| p.fp).count()
+    }
+
+    /// A message was sent to or received from `peer`.
+    pub fn note(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        if peer == self.me {
+            return;
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let p = self.peers.entry(peer).or_default();
+        p.msgs += 1;
+        p.last_use = clock;
+        let t = self.limits.threshold;
+        if p.rc != RcState::Ud || p.msgs < t.max(1) || p.msgs < p.retry_at {
+            return;
+        }
+        if self.rc_used() < self.limits.max_rc {
+            if let Some(p) = self.peers.get_mut(&peer) {
+                p.rc = RcState::Asked;
+            }
+            self.stats.asked += 1;
+            out.push(Action::Send(peer, Ctrl::Ask));
+        } else {
+            self.evict_for(peer, out);
+        }
+    }
+
+    /// With rebalancing on, start closing the least-recently-used connection that has been
+    /// idle for `threshold` messages, to make room for `busier`.
+    fn evict_for(&mut self, busier: Rank, out: &mut Vec<Action>) {
+        if !self.limits.rebalance {
+            return;
+        }
+        let idle = self.limits.threshold.max(1);
+        let victim = self
+            .peers
+            .iter()
+            .filter(|(&r, p)| r != busier && p.rc == RcState::Up && self.clock - p.last_use >= idle)
+            .min_by_key(|(&r, p)| (p.last_use, r))
+            .map(|(&r, _)| r);
+        if let Some(v) = victim {
+            self.start_close(v, out);
+            out.push(Action::Send(v, Ctrl::Close));
+        }
+    }
+
+    fn start_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        let p = self.peers.entry(peer).or_default();
+        p.rc = RcState::Closing {
+            drained: false,
+            closed: false,
+        };
+        if p.fp {
+            p.fp = false;
+            self.stats.fp_closed += 1;
+            out.push(Action::CloseFp(peer));
+        }
+        out.push(Action::Drain(peer));
+    }
+
+    fn go_up(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        let fp_free = self.fp_used() < self.limits.max_fp;
+        let p = self.peers.entry(peer).or_default();
+        p.rc = RcState::Up;
+        p.refusals = 0;
+        self.stats.opened += 1;
+        out.push(Action::Connect(peer));
+        if fp_free {
+            p.fp = true;
+            self.stats.fp_opened += 1;
+            out.push(Action::OpenFp(peer));
+        }
+    }
+
+    /// A control message from `peer` arrived.
+    pub fn on_ctrl(&mut self, peer: Rank, msg: Ctrl, out: &mut Vec<Action>) {
+        if peer == self.me {
+            return;
+        }
+        let state = self.state(peer);
+        match (msg, state) {
+            (Ctrl::Ask, RcState::Up) => out.push(Action::Send(peer, Ctrl::Yes)),
+            // Both asked at once: each says yes to the other; one connection, one slot each.
+            (Ctrl::Ask, RcState::Asked) => {
+                out.push(Action::Send(peer, Ctrl::Yes));
+                self.go_up(peer, out);
+            }
+            (Ctrl::Ask, RcState::Ud) => {
+                if self.rc_used() < self.limits.max_rc {
+                    out.push(Action::Send(peer, Ctrl::Yes));
+                    self.go_up(peer, out);
+                } else {
+                    self.stats.refused += 1;
+                    out.push(Action::Send(peer, Ctrl::No));
+                    // Make room for next time if this asker is busier than an idle connection.
+                    self.evict_for(peer, out);
+                }
+            }
+            (Ctrl::Ask, RcState::Closing { .. }) => {
+                self.stats.refused += 1;
+                out.push(Action::Send(peer, Ctrl::No));
+            }
+            (Ctrl::Yes, RcState::Asked) => self.go_up(peer, out),
+            (Ctrl::No, RcState::Asked) => {
+                let t = self.limits.threshold.max(1);
+                let p = self.peers.entry(peer).or_default();
+                p.rc = RcState::Ud;
+                p.refusals += 1;
+                p.retry_at = p.msgs + (t << p.refusals.min(16));
+            }
+            (Ctrl::Close, RcState::Up) => self.start_close(peer, out),
+            (Ctrl::Closed, RcState::Closing { drained, .. }) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.rc = RcState::Closing {
+                        drained,
+                        closed: true,
+                    };
+                }
+                self.finish_close(peer, out);
+            }
+            // Crossing or stale messages: a Yes after the crossing asks, a Close from a peer
+            // that is closing too (both send Closed once drained), answers that raced a close.
+            _ => {}
+        }
+    }
+
+    /// Every RC send to `peer` has completed since [`Action::Drain`].
+    pub fn drained(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        if let RcState::Closing {
+            drained: false,
+            closed,
+        } = self.state(peer)
+        {
+            if let Some(p) = self.peers.get_mut(&peer) {
+                p.rc = RcState::Closing {
+                    drained: true,
+                    closed,
+                };
+            }
+            out.push(Action::Send(peer, Ctrl::Closed));
+            self.finish_close(peer, out);
+        }
+    }
+
+    fn finish_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        if p.rc
+            == (RcState::Closing {
+                drained: true,
+                closed: true,
+            })
+        {
+            p.rc = RcState::Ud;
+            p.msgs = 0;
+            p.retry_at = 0;
+            self.stats.closed += 1;
+            out.push(Action::Teardown(peer));
+            // A freed RC-FP ring goes to the most recently used connection without one.
+            if self.fp_used() < self.limits.max_fp {
+                let next = self
+                    .peers
+                    .iter()
+                    .filter(|(_, p)| p.rc == RcState::Up && !p.fp)
+                    .max_by_key(|(&r, p)| (p.last_use, std::cmp::Reverse(r)))
+                    .map(|(&r, _)| r);
+                if let Some(r) = next {
+                    if let Some(p) = self.peers.get_mut(&r) {
+                        p.fp = true;
+                    }
+                    self.stats.fp_opened += 1;
+                    out.push(Action::OpenFp(r));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    /// Processes whose control messages travel in order per (from, to) pair, delivered in an
+    /// order the test chooses; RC sends drain when the test says so.
+    struct Job {
+        b: Vec<Budget>,
+        links: HashMap<(Rank, Rank), VecDeque<Ctrl>>,
+        draining: Vec<(Rank, Rank)>,
+        connected: HashMap<(Rank, Rank), bool>,
+        torn: Vec<(Rank, Rank)>,
+    }
+
+    impl Job {
+        fn new(n: u32, limits: Limits) -> Self {
+            Job {
+                b: (0..n).map(|r| Budget::new(r, limits)).collect(),
+                links: HashMap::new(),
+                draining: vec![],
+                connected: HashMap::new(),
+                torn: vec![],
+            }
+        }
+
+        fn apply(&mut self, me: Rank, acts: Vec<Action>) {
+            for a in acts {
+                match a {
+                    Action::Send(to, c) => self.links.entry((me, to)).or_default().push_back(c),
+                    Action::Connect(p) => {
+                        self.connected.insert((me, p), true);
+                    }
+                    Action::Drain(p) => self.draining.push((me, p)),
+                    Action::Teardown(p) => {
+                        // Only after both sides drained: the peer is not sending on RC.
+                        assert!(
+                            !self.draining.contains(&(p, me)),
+                            "{me} tore down {p} early"
+                        );
+                        assert!(!self.draining.contains(&(me, p)));
+                        self.connected.remove(&(me, p));
+                        self.torn.push((me, p));
+                    }
+                    Action::OpenFp(p) => assert!(self.b[me as usize].rc_open(p)),
+                    Action::CloseFp(_) => {}
+                }
+            }
+            let b = &self.b[me as usize];
+            assert!(b.rc_used() <= b.limits.max_rc, "{me} over its RC limit");
+            assert!(b.fp_used() <= b.limits.max_fp, "{me} over its FP limit");
+        }
+
+        /// A message between `a` and `b` (both note it).
+        fn traffic(&mut self, a: Rank, b: Rank) {
+            for (x, y) in [(a, b), (b, a)] {
+                let mut out = vec![];
+                self.b[x as usize].note(y, &mut out);
+                self.apply(x, out);
+            }
+        }
+
+        /// Deliver the next control message on link `k`, if any.
+        fn deliver(&mut self, k: (Rank, Rank)) -> bool {
+            let Some(c) = self.links.get_mut(&k).and_then(|q| q.pop_front()) else {
+                return false;
+            };
+            let mut out = vec![];
+            self.b[k.1 as usize].on_ctrl(k.0, c, &mut out);
+            self.apply(k.1, out);
+            true
+        }
+
+        fn drain_one(&mut self, i: usize) {
+            if i < self.draining.len() {
+                let (me, p) = self.draining.remove(i);
+                let mut out = vec![];
+                self.b[me as usize].drained(p, &mut out);
+                self.apply(me, out);
+            }
+        }
+
+        /// Deliver everything, drains included, in a fixed order.
+        fn settle(&mut self) {
+            loop {
+                let keys: Vec<_> = self.links.keys().copied().collect();
+                let mut moved = false;
+                for k in keys {
+                    moved |= self.deliver(k);
+                }
+                if !self.draining.is_empty() {
+                    self.drain_one(0);
+                    moved = true;
+                }
+                if !moved {
+                    break;
+                }
+            }
+        }
+
+        /// Both sides agree on every pair, and no transient state is left.
+        fn check_agreement(&self) {
+            let n = self.b.len() as u32;
+            for a in 0..n {
+                for b in 0..n {
+                    let (sa, sb) = (self.b[a as usize].state(b), self.b[b as usize].state(a));
+                    assert!(
+                        matches!(sa, RcState::Ud | RcState::Up),
+                        "{a}->{b} left in {sa:?}"
+                    );
+                    assert_eq!(sa, sb, "{a} and {b} disagree");
+                    assert_eq!(
+                        sa == RcState::Up,
+                        self.connected.contains_key(&(a, b)),
+                        "{a}->{b}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn limits(threshold: u64, max_rc: usize, max_fp: usize, rebalance: bool) -> Limits {
+        Limits {
+            threshold,
+            max_rc,
+            max_fp,
+            rebalance,
+        }
+    }
+
+    #[test]
+    fn a_peer_earns_rc_at_the_threshold_and_fp_within_its_limit() {
+        let mut j = Job::new(3, limits(5, 4, 1, false));
+        for _ in 0..4 {
+            j.traffic(0, 1);
+        }
+        j.settle();
+        assert_eq!(j.b[0].state(1), RcState::Ud);
+        j.traffic(0, 1);
+        j.settle();
+        j.check_agreement();
+        assert!(j.b[0].rc_open(1) && j.b[1].rc_open(0));
+        assert!(j.b[0].has_fp(1));
+        for _ in 0..5 {
+            j.traffic(0, 2);
+        }
+        j.settle();
+        j.check_agreement();
+        assert!(j.b[0].rc_open(2));
+        assert!(!j.b[0].has_fp(2), "max_fp = 1");
+        assert_eq!(j.b[0].stats().opened, 2);
+    }
+
+    #[test]
+    fn asks_that_cross_make_one_connection() {
+        let mut j = Job::new(2, limits(1, 1, 1, false));
+        // Both note the message before either hears the other's ask.
+        j.traffic(0, 1);
+        assert_eq!(j.b[0].state(1), RcState::Asked);
+        assert_eq!(j.b[1].state(0), RcState::Asked);
+        j.settle();
+        j.check_agreement();
+        assert!(j.b[0].rc_open(1));
+        assert_eq!(j.b[0].rc_used(), 1);
+        assert_eq!(j.b[1].rc_used(), 1);
+        assert_eq!(j.b[0].stats().opened, 1);
+    }
+
+    #[test]
+    fn the_limit_refuses_and_the_asker_backs_off() {
+        let mut j = Job::new(3, limits(2, 1, 0, false));
+        j.traffic(0, 1);
+        j.traffic(0, 1);
+        j.settle();
+        assert!(j.b[0].rc_open(1));
+        // Rank 2 wants rank 0, which is full.
+        for _ in 0..2 {
+            j.traffic(2, 0);
+        }
+        j.settle();
+        j.check_agreement();
+        assert_eq!(j.b[0].state(2), RcState::Ud);
+        assert_eq!(j.b[0].stats().refused, 1);
+        // Backs off: no new ask for the next 2<<1 messages.
+        for _ in 0..3 {
+            j.traffic(2, 0);
+        }
+        assert!(j.links.values().all(|q| q.is_empty()));
+        assert_eq!(j.b[2].stats().asked, 1);
+    }
+
+    #[test]
+    fn rebalance_gives_an_idle_connection_to_a_busier_peer() {
+        let mut j = Job::new(3, limits(3, 1, 1, true));
+        for _ in 0..3 {
+            j.traffic(0, 1);
+        }
+        j.settle();
+        assert!(j.b[0].rc_open(1) && j.b[0].has_fp(1));
+        // Rank 2 gets busy with rank 0; rank 1 goes quiet.
+        for _ in 0..20 {
+            j.traffic(0, 2);
+            j.settle();
+        }
+        j.check_agreement();
+        assert!(j.b[0].rc_open(2), "the busier peer got the connection");
+        assert!(!j.b[0].rc_open(1), "the idle one was closed");
+        assert!(j.b[0].has_fp(2));
+        assert!(j.torn.contains(&(0, 1)) && j.torn.contains(&(1, 0)));
+        assert_eq!(j.b[0].stats().closed, 1);
+    }
+
+    #[test]
+    fn a_close_waits_for_both_sides_to_drain() {
+        let mut j = Job::new(2, limits(1, 1, 0, false));
+        j.traffic(0, 1);
+        j.settle();
+        assert!(j.b[0].rc_open(1));
+        let mut out = vec![];
+        j.b[0].start_close(1, &mut out);
+        out.push(Action::Send(1, Ctrl::Close));
+        j.apply(0, out);
+        assert!(j.deliver((0, 1)));
+        // Rank 1 drained and said so; rank 0 has not drained: no teardown yet anywhere.
+        let i = j.draining.iter().position(|&d| d == (1, 0)).unwrap();
+        j.drain_one(i);
+        assert!(j.deliver((1, 0)));
+        assert!(j.torn.is_empty());
+        assert!(!j.b[0].rc_open(1) && !j.b[1].rc_open(0));
+        j.settle();
+        j.check_agreement();
+        assert_eq!(j.torn.len(), 2);
+    }
+
+    #[test]
+    fn ctrl_codes_round_trip() {
+        for c in [Ctrl::Ask, Ctrl::Yes, Ctrl::No, Ctrl::Close, Ctrl::Closed] {
+            assert_eq!(Ctrl::from_code(c.code()), Some(c));
+        }
+        assert_eq!(Ctrl::from_code(0), None);
+        assert_eq!(Ctrl::from_code(6), None);
+    }
+
+    proptest! {
+        /// Any traffic among 5 processes, control messages and drains in any order: limits
+        /// hold at every step, nobody tears down before both sides drained, and once quiet
+        /// both sides of every pair agree (each state Ud or Up on both).
+        #[test]
+        fn any_schedule_keeps_limits_and_ends_in_agreement(
+            steps in prop::collection::vec((0u8..4, 0u32..5, 0u32..5, any::<u8>()), 1..400),
+            max_rc in 1usize..4,
+            rebalance in any::<bool>(),
+        ) {
+            let mut j = Job::new(5, limits(3, max_rc, 1, rebalance));
+            for (kind, a, b, k) in steps {
+                match kind {
+                    0 | 1 if a != b => j.traffic(a, b),
+                    2 => {
+                        let keys: Vec<_> = j.links.iter().filter(|(_, q)| !q.is_empty()).map(|(k, _)| *k).collect();
+                        if !keys.is_empty() {
+                            j.deliver(keys[k as usize % keys.len()]);
+                        }
+                    }
+                    3 if !j.draining.is_empty() => {
+                        let i = k as usize % j.draining.len();
+                        j.drain_one(i);
+                    }
+                    _ => {}
+                }
+            }
+            j.settle();
+            j.check_agreement();
+        }
+    }
+}

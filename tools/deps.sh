@@ -5,6 +5,8 @@
 #   mpich      mpiexec.hydra, for the Hydra interop and two-host tests
 #   openmpi-bin libpmix-dev   Open MPI's mpirun (a PMIx server) for the PMIx launch tests, and
 #              PMIx's header, against which a test checks the layouts weft declares by hand
+#   munge slurmctld slurmd slurm-client   a single-node Slurm (tools/slurm.sh starts it) for the
+#              `srun --mpi=pmix` launch tests and the start-up table
 #   iproute2   ip, for the two-network-namespace tests
 #   valgrind   memcheck runs of the soundness tests in .ci/run
 #   fonts-dejavu-core   the font `weft bench --plot` draws with
@@ -17,6 +19,10 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
 command -v mpirun.openmpi >/dev/null 2>&1 || need+=(openmpi-bin)
 [ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ] || need+=(libpmix-dev)
+command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
+[ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+[ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 [ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)

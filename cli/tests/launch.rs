@@ -474,3 +474,24 @@ fn job_status_is_the_failing_ranks() {
         stderr(&o)
     );
 }
+
+/// Beyond 32 ranks the bootstrap's exchanges go through rank 0's table (one key read per
+/// rank instead of one per peer): the host map of two (simulated) hosts, the provider vote,
+/// tcp-sim's addresses (one distinct value per rank) and the host provider's vote all arrive
+/// whole and in rank order, or the ring would not close.
+#[test]
+fn forty_ranks_on_two_hosts_start_through_the_gathered_tables() {
+    let ring = example("weft-cli", "ring");
+    let o = run_bounded(
+        weft_run(&["-n", "40", "--hosts", "2", "--provider", "tcp-sim", "--"])
+            .arg(&ring)
+            .env("RING_LAPS", "1"),
+        240,
+    );
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("ring: ok over 40 ranks on 2 host(s), provider tcp-sim+shm"),
+        "{}",
+        stdout(&o)
+    );
+}

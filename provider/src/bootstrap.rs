@@ -135,20 +135,118 @@ pub trait Bootstrap {
     }
 }
 
-/// Collective helper: every rank publishes `value` under `key`, then reads everyone's.
+/// Jobs up to this size gather directly: every rank reads every other rank's key.
+pub const DIRECT_GATHER_MAX: u32 = 32;
+
+/// Collective helper: every rank publishes `value` under `key`, then learns everyone's.
+///
+/// Up to [`DIRECT_GATHER_MAX`] ranks, every rank reads every other rank's key after one fence.
+/// Beyond, that is `size²` requests to the launcher (three million for the three exchanges of
+/// a 1024-rank start-up, answered one at a time by a PMI-1 server), so rank 0 reads the `size`
+/// keys, publishes them as one table (each distinct value once, then the ranks' indices in
+/// runs: ranks of one host share a host identity and a selection verdict, so the table stays
+/// small) under `{key}.all`, and after a second fence every rank reads that one key (which the
+/// bootstrap splits over several where the launcher's value length asks).
 pub fn allgather(boot: &mut dyn Bootstrap, key: &str, value: &str) -> Result<Vec<String>> {
-    let me = boot.rank();
+    let (me, n) = (boot.rank(), boot.size());
     boot.put(&format!("{key}.{me}"), value)?;
     boot.fence()?;
-    (0..boot.size())
-        .map(|r| {
-            if r == me {
-                Ok(value.to_string())
-            } else {
-                boot.get(&format!("{key}.{r}"))
+    if n <= DIRECT_GATHER_MAX {
+        return (0..n)
+            .map(|r| {
+                if r == me {
+                    Ok(value.to_string())
+                } else {
+                    boot.get(&format!("{key}.{r}"))
+                }
+            })
+            .collect();
+    }
+    let table = if me == 0 {
+        let mut all = Vec::with_capacity(n as usize);
+        all.push(value.to_string());
+        for r in 1..n {
+            all.push(boot.get(&format!("{key}.{r}"))?);
+        }
+        let t = encode_table(&all);
+        boot.put(&format!("{key}.all"), &t)?;
+        boot.fence()?;
+        return Ok(all);
+    } else {
+        boot.fence()?;
+        boot.get(&format!("{key}.all"))?
+    };
+    decode_table(&table, n as usize).map_err(|why| {
+        Error::from(ErrorDetail::Bootstrap(format!(
+            "the table of '{key}' that rank 0 published is malformed: {why}"
+        )))
+    })
+}
+
+/// `values` as `<distinct>;<len>:<value>...;<index>*<run>,...` (lengths in bytes).
+fn encode_table(values: &[String]) -> String {
+    let mut distinct: Vec<&str> = vec![];
+    let mut runs: Vec<(usize, usize)> = vec![];
+    for v in values {
+        let i = match distinct.iter().position(|d| *d == v.as_str()) {
+            Some(i) => i,
+            None => {
+                distinct.push(v);
+                distinct.len() - 1
             }
-        })
-        .collect()
+        };
+        match runs.last_mut() {
+            Some((j, c)) if *j == i => *c += 1,
+            _ => runs.push((i, 1)),
+        }
+    }
+    let mut t = format!("{};", distinct.len());
+    for d in &distinct {
+        t.push_str(&format!("{}:{d}", d.len()));
+    }
+    t.push(';');
+    let runs: Vec<String> = runs.iter().map(|(i, c)| format!("{i}*{c}")).collect();
+    t.push_str(&runs.join(","));
+    t
+}
+
+/// Undo [`encode_table`], checking that it covers exactly `n` ranks.
+fn decode_table(t: &str, n: usize) -> std::result::Result<Vec<String>, String> {
+    let (count, mut rest) = t.split_once(';').ok_or("no distinct-value count")?;
+    let count: usize = count.parse().map_err(|_| format!("bad count '{count}'"))?;
+    if count > n {
+        return Err(format!("{count} distinct values for {n} ranks"));
+    }
+    let mut distinct = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (len, tail) = rest.split_once(':').ok_or("a value without its length")?;
+        let len: usize = len.parse().map_err(|_| format!("bad length '{len}'"))?;
+        let v = tail
+            .get(..len)
+            .ok_or_else(|| format!("a value of {len} bytes cut short"))?;
+        distinct.push(v.to_string());
+        rest = &tail[len..];
+    }
+    let runs = rest.strip_prefix(';').ok_or("no ';' before the runs")?;
+    let mut all = Vec::with_capacity(n);
+    for run in runs.split(',').filter(|r| !r.is_empty()) {
+        let (i, c) = run
+            .split_once('*')
+            .ok_or_else(|| format!("bad run '{run}'"))?;
+        let i: usize = i.parse().map_err(|_| format!("bad index in '{run}'"))?;
+        let c: usize = c.parse().map_err(|_| format!("bad count in '{run}'"))?;
+        let v = distinct
+            .get(i)
+            .ok_or_else(|| format!("index {i} beyond {count} values"))?;
+        if c > n - all.len() {
+            return Err(format!("runs cover more than {n} ranks"));
+        }
+        all.extend(std::iter::repeat_n(v.clone(), c));
+    }
+    if all.len() != n {
+        return Err(format!("runs cover {} of {n} ranks", all.len()));
+    }
+    Ok(all)
 }
 
 /// A program started without a launcher: a world of one.
@@ -401,6 +499,66 @@ mod tests {
         assert_eq!(m.local_ranks(), vec![0, 2]);
         assert_eq!(m.local_index(2), Some(1));
         assert!(!m.is_local(1));
+    }
+
+    #[test]
+    fn gathered_allgather_beyond_the_direct_size() {
+        // 40 ranks on 3 "hosts" (runs of equal values) plus one unique value per rank.
+        let n = DIRECT_GATHER_MAX + 8;
+        let job = InProcessJob::new(n, Duration::from_secs(30));
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let mut b = job.rank(r);
+                std::thread::spawn(move || {
+                    let host = allgather(&mut b, "h", &format!("host {}", r * 3 / n)).unwrap();
+                    let uniq = allgather(&mut b, "u", &format!("addr:{r};")).unwrap();
+                    (host, uniq)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (host, uniq) = h.join().unwrap();
+            let want: Vec<String> = (0..n).map(|r| format!("host {}", r * 3 / n)).collect();
+            assert_eq!(host, want);
+            let want: Vec<String> = (0..n).map(|r| format!("addr:{r};")).collect();
+            assert_eq!(uniq, want);
+        }
+        // Rank 0 published one table per exchange, and it is small when values repeat.
+        let kv = job.rank(1).kv().unwrap();
+        let t = kv.get("h.all").unwrap().unwrap();
+        assert!(t.len() < 60, "{t}");
+    }
+
+    #[test]
+    fn malformed_tables_are_errors() {
+        for t in [
+            "",
+            "x;",
+            "1;",
+            "1;3:ab",
+            "1;2:ab",
+            "1;2:ab;0*2",
+            "1;2:ab;1*3",
+            "1;2:ab;0*4",
+            "1;2:ab;0x3",
+            "5;1:a;0*3",
+            "1;9:ab;0*3",
+            "1;2:ab;0*3,",
+        ] {
+            if t == "1;2:ab;0*3," {
+                assert!(decode_table(t, 3).is_ok());
+                continue;
+            }
+            assert!(decode_table(t, 3).is_err(), "{t:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn table_round_trip(values in proptest::collection::vec("[a-c;:*,0-9é]{0,6}", 1..80)) {
+            let t = encode_table(&values);
+            proptest::prop_assert_eq!(decode_table(&t, values.len()).unwrap(), values);
+        }
     }
 
     #[test]

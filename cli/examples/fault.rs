@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use weft::ErrorKind;
 
 // The providers that span processes.
+use weft_hybrid as _;
 use weft_limic as _;
 use weft_shm as _;
 use weft_tcp_sim as _;

@@ -13,6 +13,7 @@
 use std::process::ExitCode;
 
 // The providers that span processes.
+use weft_hybrid as _;
 use weft_limic as _;
 use weft_shm as _;
 use weft_tcp_sim as _;

@@ -237,6 +237,10 @@ pub fn verbs_report() -> String {
         .unwrap(),
         Err(e) => writeln!(s, "  verbs-ud memory: {e}").unwrap(),
     }
+    match weft_hybrid::chain_in_force(2) {
+        Ok(c) => writeln!(s, "  hybrid send rules (WEFT_HYBRID_RULES): {c}").unwrap(),
+        Err(e) => writeln!(s, "  hybrid send rules: {e}").unwrap(),
+    }
     s
 }
 

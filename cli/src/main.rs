@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 // Every built-in provider, linked so that it registers itself.
+use weft_hybrid as _;
 use weft_limic as _;
 use weft_loopback as _;
 use weft_shm as _;

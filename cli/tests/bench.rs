@@ -274,3 +274,77 @@ fn mem_shows_rc_growing_and_ud_flat_with_job_size() {
         "{two:?} {six:?}"
     );
 }
+
+/// hybrid's RC memory is bounded by WEFT_HYBRID_MAX_RC: every pair earns RC at the first
+/// message, but each process holds two RC QPs at most (no RC-FP slots, which would add 128 KiB
+/// per connected peer).
+#[test]
+fn hybrid_rc_memory_is_bounded_by_its_limit() {
+    let o = bench(&[
+        "mem",
+        "--providers",
+        "hybrid",
+        "--variant",
+        "hybrid/rc2:WEFT_HYBRID_RC_THRESHOLD=1,WEFT_HYBRID_MAX_RC=2,WEFT_HYBRID_MAX_FP=0",
+        "-n",
+        "6",
+        "--sizes",
+        "8",
+        "--reps",
+        "1",
+        "--iters",
+        "2",
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}\n{err}");
+    let row = out.lines().find(|l| l.starts_with("8 ")).expect(&out);
+    let v: Vec<f64> = row
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    assert_eq!(v.len(), 2, "{out}");
+    // Two RC QPs (26.3 KiB each in the soft HCA's model) and their bookkeeping; not five.
+    let extra = v[1] - v[0];
+    assert!((2.0 * 26.0..3.0 * 26.0).contains(&extra), "{v:?}\n{out}");
+}
+
+/// The application patterns run on every rank and report a time per step.
+#[test]
+fn halo_sparse_and_mixed_patterns_run() {
+    let o = bench(&[
+        "halo,sparse,mixed",
+        "--providers",
+        "shm,hybrid",
+        "-n",
+        "4",
+        "--sizes",
+        "64,4K",
+        "--reps",
+        "1",
+        "--iters",
+        "20",
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}\n{err}");
+    for t in ["# halo:", "# sparse:", "# mixed:"] {
+        assert!(out.contains(t), "{out}");
+    }
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("64 ") || l.starts_with("4K "))
+        .collect();
+    assert_eq!(rows.len(), 6, "{out}");
+    for r in rows {
+        let v: Vec<f64> = r
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().unwrap())
+            .collect();
+        assert!(v.len() == 2 && v.iter().all(|x| *x > 0.0), "{r}");
+    }
+}

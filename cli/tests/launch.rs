@@ -6,7 +6,7 @@ use common::*;
 use std::process::Command;
 
 /// Built-in providers whose ranks may be separate processes.
-const PROCESS_PROVIDERS: &[&str] = &["shm", "limic", "tcp-sim", "verbs-rc", "verbs-ud"];
+const PROCESS_PROVIDERS: &[&str] = &["shm", "limic", "tcp-sim", "verbs-rc", "verbs-ud", "hybrid"];
 
 fn weft_run(args: &[&str]) -> Command {
     let mut c = Command::new(weft());

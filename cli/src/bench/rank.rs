@@ -168,6 +168,102 @@ fn alltoall(c: &Comm<DynProvider>, size: usize, iters: usize, warmup: usize) -> 
     Ok(worst[0])
 }
 
+/// The peers of `r` in a job of `n` for the pattern tests: `halo` the ranks at ring distance
+/// 1 and 2; `sparse` up to 16 ranks at distances spread from 1 to (n-1)/2 both ways. The
+/// relation is symmetric (r is a peer of each of its peers), so every send has its receive.
+pub fn pattern_peers(r: u32, n: u32, sparse: bool) -> Vec<u32> {
+    let dists: Vec<u32> = if sparse {
+        let half = ((n - 1) / 2).max(1);
+        let k = (n - 1).min(16).div_ceil(2).max(1);
+        (0..k)
+            .map(|j| 1 + if k > 1 { j * (half - 1) / (k - 1) } else { 0 })
+            .collect()
+    } else {
+        vec![1, 2]
+    };
+    let mut v: Vec<u32> = dists
+        .iter()
+        .flat_map(|&d| [(r + d) % n, (r + n - d % n) % n])
+        .filter(|&p| p != r)
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// One step of a pattern: with each peer of `near` exchange `size` bytes, with each peer of
+/// `far` exchange `far_size` bytes, all at once.
+fn pattern_step(
+    c: &Comm<DynProvider>,
+    near: &[u32],
+    size: usize,
+    far: &[u32],
+    far_size: usize,
+    out: &[u8],
+    bufs: &mut [Vec<u8>],
+) -> Result<()> {
+    c.scope(|s| -> Result<()> {
+        let mut reqs = Vec::with_capacity(2 * (near.len() + far.len()));
+        let mut it = bufs.iter_mut();
+        for (&p, n) in near
+            .iter()
+            .map(|p| (p, size))
+            .chain(far.iter().map(|p| (p, far_size)))
+        {
+            let b = it.next().expect("one buffer per peer");
+            reqs.push(c.irecv(s, &mut b[..n], p, 5)?);
+        }
+        for (&p, n) in near
+            .iter()
+            .map(|p| (p, size))
+            .chain(far.iter().map(|p| (p, far_size)))
+        {
+            reqs.push(c.isend(s, &out[..n], p, 5)?);
+        }
+        weft::waitall(reqs)?;
+        Ok(())
+    })
+}
+
+/// µs per step of `test` (halo, sparse, mixed) with `size` bytes, slowest rank.
+fn pattern_test(
+    c: &Comm<DynProvider>,
+    test: Test,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+) -> Result<f64> {
+    let (r, n) = (c.rank(), c.size());
+    let (near, far, far_size) = match test {
+        Test::Halo => (pattern_peers(r, n, false), vec![], 0),
+        Test::Sparse => (pattern_peers(r, n, true), vec![], 0),
+        _ => {
+            let near = pattern_peers(r, n, false);
+            let far: Vec<u32> = pattern_peers(r, n, true)
+                .into_iter()
+                .filter(|p| !near.contains(p))
+                .collect();
+            (near, far, 64)
+        }
+    };
+    let out = vec![7u8; size.max(far_size)];
+    let mut bufs: Vec<Vec<u8>> = (0..near.len() + far.len())
+        .map(|_| vec![0u8; size.max(far_size)])
+        .collect();
+    let mut t0 = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            c.barrier()?;
+            t0 = Instant::now();
+        }
+        pattern_step(c, &near, size, &far, far_size, &out, &mut bufs)?;
+    }
+    let mine = [t0.elapsed().as_secs_f64() * 1e6 / iters as f64];
+    let mut worst = [0f64];
+    c.allreduce(&mine, &mut worst, weft::Op::Max)?;
+    Ok(worst[0])
+}
+
 /// Memory for communication after `iters` alltoalls of `size` bytes per pair (every rank has
 /// talked to every other): the sum of the provider's `mem_*` counters, in KiB, of the rank that
 /// holds the most. A provider without them is an error naming the test, not a zero.
@@ -344,6 +440,10 @@ pub fn run(a: &RankArgs) -> Result<()> {
                 let it = scaled(a.iters, size * c.size() as usize, 512 << 20, 10);
                 alltoall(c, size, it, scaled(a.warmup, size, 64 << 20, 2))?
             }
+            Test::Halo | Test::Sparse | Test::Mixed => {
+                let it = scaled(a.iters, size * 4, 256 << 20, 10);
+                pattern_test(c, a.test, size, it, scaled(a.warmup, size, 64 << 20, 2))?
+            }
             Test::Mem => memory(c, size, a.iters)?,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => {
                 let it = scaled(a.iters, size, 256 << 20, 20);
@@ -378,4 +478,28 @@ pub fn run(a: &RankArgs) -> Result<()> {
         }
     }
     world.finalize()
+}
+
+#[cfg(test)]
+mod peers {
+    use super::pattern_peers;
+
+    #[test]
+    fn pattern_peers_are_symmetric_and_bounded() {
+        for n in [3u32, 4, 5, 8, 17, 64, 256] {
+            for sparse in [false, true] {
+                for r in 0..n {
+                    let p = pattern_peers(r, n, sparse);
+                    assert!(!p.contains(&r));
+                    assert!(p.len() <= if sparse { 16 } else { 4 }, "{n} {r} {p:?}");
+                    assert!(!p.is_empty());
+                    for &q in &p {
+                        assert!(pattern_peers(q, n, sparse).contains(&r), "{n} {r} {q}");
+                    }
+                }
+            }
+        }
+        assert_eq!(pattern_peers(0, 64, true).len(), 16);
+        assert_eq!(pattern_peers(5, 8, false), vec![3, 4, 6, 7]);
+    }
 }

@@ -8,6 +8,9 @@ pub enum Test {
     Bibw,
     Mr,
     Alltoall,
+    Halo,
+    Sparse,
+    Mixed,
     Mem,
     PutLat,
     GetLat,
@@ -39,6 +42,18 @@ pub const ALL: &[(&str, &str)] = &[
     (
         "alltoall",
         "time of one alltoall with SIZE bytes per pair, µs (slowest rank)",
+    ),
+    (
+        "halo",
+        "one exchange step with the 4 nearest ranks on a ring (r±1, r±2), SIZE bytes each way; µs per step (slowest rank); where RC channels pay",
+    ),
+    (
+        "sparse",
+        "one exchange step with up to 16 ranks spread over the job, SIZE bytes each way; µs per step (slowest rank); where UD pays",
+    ),
+    (
+        "mixed",
+        "one step of halo with SIZE bytes and sparse with 64 bytes; µs per step (slowest rank)",
     ),
     (
         "mem",
@@ -118,6 +133,9 @@ impl Test {
             "bibw" => Test::Bibw,
             "mr" => Test::Mr,
             "alltoall" => Test::Alltoall,
+            "halo" => Test::Halo,
+            "sparse" => Test::Sparse,
+            "mixed" => Test::Mixed,
             "mem" => Test::Mem,
             "put_lat" => Test::PutLat,
             "get_lat" => Test::GetLat,
@@ -151,6 +169,9 @@ impl Test {
             Test::Bibw => "bibw",
             Test::Mr => "mr",
             Test::Alltoall => "alltoall",
+            Test::Halo => "halo",
+            Test::Sparse => "sparse",
+            Test::Mixed => "mixed",
             Test::Mem => "mem",
             Test::PutLat => "put_lat",
             Test::GetLat => "get_lat",
@@ -175,6 +196,9 @@ impl Test {
         match self {
             Test::Latency
             | Test::Alltoall
+            | Test::Halo
+            | Test::Sparse
+            | Test::Mixed
             | Test::PutLat
             | Test::GetLat
             | Test::AccLat
@@ -232,7 +256,10 @@ impl Test {
     }
 
     pub fn min_ranks(self) -> u32 {
-        2
+        match self {
+            Test::Halo | Test::Sparse | Test::Mixed => 3,
+            _ => 2,
+        }
     }
 
     pub fn default_sizes(self) -> Vec<usize> {
@@ -249,6 +276,9 @@ impl Test {
             ],
             Test::Mr => vec![1, 8, 64, 512, 4096],
             Test::Alltoall => vec![8, 512, 4096, 65536],
+            Test::Halo => vec![2048, 8192, 65536],
+            Test::Sparse => vec![8, 256, 1024],
+            Test::Mixed => vec![4096, 32768],
             Test::Mem => vec![8, 65536],
             Test::PutLat | Test::GetLat | Test::EpochPingpong => vec![8, 64, 256, 4096, 65536],
             Test::AccLat => vec![8, 64, 256, 4096],
@@ -271,7 +301,7 @@ impl Test {
         match self {
             Test::Latency => 20_000,
             Test::Bw | Test::Bibw | Test::Mr => 200,
-            Test::Alltoall => 1000,
+            Test::Alltoall | Test::Halo | Test::Sparse | Test::Mixed => 1000,
             Test::Mem => 20,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => 5000,
             Test::PutBw | Test::GetBw | Test::EpochMix => 500,

@@ -17,4 +17,7 @@
 
 pub mod budget;
 pub mod order;
+mod provider;
 pub mod rules;
+
+pub use provider::{chain_in_force, Hybrid};

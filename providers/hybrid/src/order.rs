@@ -28,6 +28,11 @@ pub struct Sequencer {
 }
 
 impl Sequencer {
+    /// The number the next message will carry.
+    pub fn peek(&self) -> u32 {
+        self.next
+    }
+
     /// The number of the next message, which is then taken.
     pub fn take(&mut self) -> u32 {
         let s = self.next;

@@ -85,6 +85,8 @@ pub struct Open(u8);
 impl Open {
     /// What every peer has from the start.
     pub const UD: Open = Open(1 << Channel::UdSr as u8 | 1 << Channel::UdZcopy as u8);
+    /// Every channel.
+    pub const ALL: Open = Open(0x1f);
 
     pub fn with(self, c: Channel) -> Open {
         Open(self.0 | c.bit())
@@ -531,6 +533,29 @@ impl JobChain {
     pub fn rules(&self) -> &[Rule] {
         &self.0
     }
+
+    /// The largest size up to which a peer with only UD open is sent every message by UD-SR
+    /// (`None`: not even the smallest). Sizes beyond go by UD-ZCOPY.
+    pub fn ud_sr_upto(&self) -> Option<u64> {
+        // The answer changes only where some rule's range begins or ends.
+        let mut edges: Vec<u64> = vec![0];
+        for r in &self.0 {
+            edges.push(r.cond.size.lo);
+            if r.cond.size.hi < u64::MAX {
+                edges.push(r.cond.size.hi + 1);
+            }
+        }
+        edges.sort_unstable();
+        edges.dedup();
+        let mut upto = None;
+        for (k, &e) in edges.iter().enumerate() {
+            if self.pick(e, Open::UD) != Some(Channel::UdSr) {
+                return upto;
+            }
+            upto = Some(edges.get(k + 1).map_or(u64::MAX, |n| n - 1));
+        }
+        upto
+    }
 }
 
 #[cfg(test)]
@@ -540,6 +565,23 @@ mod tests {
 
     const PAPER: &str = "{size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, \
                          {size<=8192: UD-SR}, {TRUE: RC-RDMA}, {TRUE: UD-ZCOPY}";
+
+    #[test]
+    fn ud_sr_reach() {
+        let j = |t: &str| Chain::parse(t).unwrap().for_job(4).unwrap().ud_sr_upto();
+        assert_eq!(
+            Chain::default().for_job(4).unwrap().ud_sr_upto(),
+            Some(8192)
+        );
+        assert_eq!(j("{true: UD-SR}"), Some(u64::MAX));
+        assert_eq!(j("{true: UD-ZCOPY}"), None);
+        assert_eq!(j("{size<=100: UD-SR}, {true: UD-ZCOPY}"), Some(100));
+        assert_eq!(
+            j("{size<=100: UD-SR}, {size<=50: UD-ZCOPY}, {true: UD-SR}"),
+            Some(u64::MAX)
+        );
+        assert_eq!(j("{size<100: UD-ZCOPY}, {true: UD-SR}"), None);
+    }
 
     #[test]
     fn the_issue_and_the_paper_spell_the_default_chain() {

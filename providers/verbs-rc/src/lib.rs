@@ -564,6 +564,44 @@ impl VerbsRc {
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
 
+    /// Open as one channel of a composition (the hybrid provider): the parameters of the
+    /// environment, but RC-FP slots for at most `fp_peers` peers, and the slots' threshold, the
+    /// eager buffer size and the shared pools' sizes given in `sizing` where the environment
+    /// does not set them (the hybrid connects a few peers, not all, and only those that earned
+    /// it).
+    pub fn open_sized(boot: &mut dyn Bootstrap, sizing: Sizing) -> Result<VerbsRc> {
+        let mut cfg = Config::from_env()?;
+        cfg.fp_peers = sizing.fp_peers;
+        if !FP_THRESHOLD.is_set() {
+            cfg.fp_threshold = sizing.fp_threshold;
+        }
+        if !BUF.is_set() {
+            cfg.buf = sizing.buf.clamp(1024, 1 << 20);
+        }
+        if !SRQ.is_set() {
+            cfg.srq = sizing.pool.clamp(16, 16384);
+        }
+        if !SEND_BUFS.is_set() {
+            cfg.send_bufs = sizing.pool.clamp(16, 16384);
+        }
+        Self::open_with(boot, &cfg)
+    }
+
+    /// This process writes into an eager ring (RC-FP slots) in `peer`'s memory: RC-FP is open
+    /// towards it.
+    pub fn fast_path_to(&self, peer: Rank) -> bool {
+        self.peers
+            .get(peer as usize)
+            .is_some_and(|p| p.etx.is_some())
+    }
+
+    /// The RC connection to `peer` is up (sends to it go out now rather than wait).
+    pub fn connected(&self, peer: Rank) -> bool {
+        self.peers
+            .get(peer as usize)
+            .is_some_and(|p| p.conn == Conn::Up)
+    }
+
     fn open_with(boot: &mut dyn Bootstrap, cfg: &Config) -> Result<VerbsRc> {
         let hca = verbs::open_default()?;
         let attr = hca.attr().clone();
@@ -1360,6 +1398,69 @@ impl VerbsRc {
         Ok(())
     }
 
+    /// Send an active message, through the peer's eager ring where `ring` allows and the ring
+    /// takes it, else by RC send/receive (the hybrid provider picks RC-FP or RC-SR per message;
+    /// order between the two is kept by the frames' sequence numbers either way).
+    pub fn am_send_via(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+        ring: bool,
+    ) -> Result<SendOutcome> {
+        let i = self.check_rank(dest)?;
+        let plen: usize = payload.iter().map(|p| p.len()).sum();
+        if header.len() > MAX_HDR || plen > self.caps.max_am_payload {
+            return Err(Error::invalid(format!(
+                "verbs-rc: active message of {} + {plen} bytes exceeds {MAX_HDR} + {}",
+                header.len(),
+                self.caps.max_am_payload
+            )));
+        }
+        match self.peers[i].conn {
+            Conn::Up => {}
+            Conn::Failed => return Err(self.peer_gone(dest)),
+            Conn::Idle => {
+                self.start(dest)?;
+                if self.peers[i].conn != Conn::Up {
+                    self.stats.busy += 1;
+                    return Ok(SendOutcome::Busy);
+                }
+            }
+            _ => {
+                self.stats.busy += 1;
+                return Ok(SendOutcome::Busy);
+            }
+        }
+        if !self.peers[i].queued.is_empty() {
+            self.flush_queued(dest)?;
+            if !self.peers[i].queued.is_empty() {
+                self.stats.busy += 1;
+                return Ok(SendOutcome::Busy);
+            }
+        }
+        if ring && self.ring_send(dest, header, payload)? {
+            self.stats.am_sent += 1;
+            return Ok(SendOutcome::Sent);
+        }
+        if FRAME_HDR + header.len() + plen > self.slot {
+            // Only the ring takes it (a ring design's larger messages): wait for room.
+            self.stats.busy += 1;
+            return Ok(SendOutcome::Busy);
+        }
+        let seq = self.peers[i].seq_out;
+        let o = self.send_frame(dest, FrameKind::Am, seq, header, payload)?;
+        match o {
+            SendOutcome::Sent => {
+                self.peers[i].seq_out = seq.wrapping_add(1);
+                self.stats.am_sent += 1;
+                self.stats.eager_sr += 1;
+            }
+            _ => self.stats.busy += 1,
+        }
+        Ok(o)
+    }
+
     /// Try to send an active message through `r`'s ring: `false` if it cannot go that way
     /// now (no ring yet, too large, full, or the send queue is).
     fn ring_send(&mut self, r: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<bool> {
@@ -1645,57 +1746,7 @@ impl Provider for VerbsRc {
         header: &[u8],
         payload: &[IoSlice<'_>],
     ) -> Result<SendOutcome> {
-        let i = self.check_rank(dest)?;
-        let plen: usize = payload.iter().map(|p| p.len()).sum();
-        if header.len() > MAX_HDR || plen > self.caps.max_am_payload {
-            return Err(Error::invalid(format!(
-                "verbs-rc: active message of {} + {plen} bytes exceeds {MAX_HDR} + {}",
-                header.len(),
-                self.caps.max_am_payload
-            )));
-        }
-        match self.peers[i].conn {
-            Conn::Up => {}
-            Conn::Failed => return Err(self.peer_gone(dest)),
-            Conn::Idle => {
-                self.start(dest)?;
-                if self.peers[i].conn != Conn::Up {
-                    self.stats.busy += 1;
-                    return Ok(SendOutcome::Busy);
-                }
-            }
-            _ => {
-                self.stats.busy += 1;
-                return Ok(SendOutcome::Busy);
-            }
-        }
-        if !self.peers[i].queued.is_empty() {
-            self.flush_queued(dest)?;
-            if !self.peers[i].queued.is_empty() {
-                self.stats.busy += 1;
-                return Ok(SendOutcome::Busy);
-            }
-        }
-        if self.ring_send(dest, header, payload)? {
-            self.stats.am_sent += 1;
-            return Ok(SendOutcome::Sent);
-        }
-        if FRAME_HDR + header.len() + plen > self.slot {
-            // Only the ring takes it (a ring design's larger messages): wait for room.
-            self.stats.busy += 1;
-            return Ok(SendOutcome::Busy);
-        }
-        let seq = self.peers[i].seq_out;
-        let o = self.send_frame(dest, FrameKind::Am, seq, header, payload)?;
-        match o {
-            SendOutcome::Sent => {
-                self.peers[i].seq_out = seq.wrapping_add(1);
-                self.stats.am_sent += 1;
-                self.stats.eager_sr += 1;
-            }
-            _ => self.stats.busy += 1,
-        }
-        Ok(o)
+        self.am_send_via(dest, header, payload, true)
     }
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
@@ -2051,6 +2102,21 @@ weft_provider::register_provider!(
     priority = 8,
     summary = "InfiniBand Reliable Connection on the verbs layer (soft HCA or rdma-core): lazy RC connections, RC send/receive over a shared receive queue, native RDMA read/write and HCA atomics"
 );
+
+/// Sizes for [`VerbsRc::open_sized`].
+#[derive(Debug, Clone, Copy)]
+pub struct Sizing {
+    /// Peers with RC-FP slots at most (`WEFT_VERBS_RC_FP_PEERS`).
+    pub fp_peers: usize,
+    /// Messages received from a peer over RC before its slots are set up
+    /// (`WEFT_VERBS_RC_FP_THRESHOLD`; 0: at connection).
+    pub fp_threshold: u64,
+    /// Active-message payload of one RC send (`WEFT_VERBS_RC_BUF`).
+    pub buf: usize,
+    /// Receive buffers in the shared receive queue, and send buffers
+    /// (`WEFT_VERBS_RC_SRQ`, `WEFT_VERBS_RC_SEND_BUFS`).
+    pub pool: usize,
+}
 
 /// What verbs-rc costs in memory with the current parameters, measured with the HCA's own
 /// accounting (the soft HCA counts queue entries and registrations exactly).

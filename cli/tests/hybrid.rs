@@ -1,0 +1,158 @@
+//! The `hybrid` provider across processes (soft HCA): the conformance suite with RC channels
+//! opening in the middle of it, with a chain that keeps everything on UD, and with an RC limit
+//! of one; the statistics that show which channels carried the traffic; the chain in `weft
+//! info`; chains and settings it refuses.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+/// `weft test` over hybrid with `env`, passing all checks; returns the ranks' statistics lines.
+fn conformance(env: &[&str]) -> Vec<String> {
+    let mut c = Command::new(weft());
+    c.arg("test")
+        .args(["--provider", "hybrid", "-n", "4"])
+        .args([
+            "--env",
+            "WEFT_VERBS_DEVICE=soft",
+            "--env",
+            "WEFT_HYBRID_STATS=1",
+        ]);
+    for e in env {
+        c.args(["--env", e]);
+    }
+    let o = run_bounded(&mut c, 600);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{env:?}:\n{out}\n{err}");
+    let n = weft_conformance::CHECKS.len();
+    assert!(
+        out.contains(&format!("PASS: {n}/{n} checks passed")),
+        "{out}"
+    );
+    let stats: Vec<String> = format!("{out}\n{err}")
+        .lines()
+        .filter(|l| l.starts_with("hybrid: rank "))
+        .map(str::to_string)
+        .collect();
+    assert!(!stats.is_empty(), "no statistics printed:\n{err}");
+    stats
+}
+
+/// `(asked, refused, opened)` of every rank's summary line.
+fn budgets(stats: &[String]) -> Vec<(u64, u64, u64)> {
+    let num = |l: &str, k: &str| -> u64 {
+        let at = l.find(k).unwrap_or_else(|| panic!("{k} in {l}")) + k.len();
+        l[at..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    stats
+        .iter()
+        .filter(|l| l.contains(" RC asked "))
+        .map(|l| (num(l, "RC asked "), num(l, " refused "), num(l, " opened ")))
+        .collect()
+}
+
+/// Messages sent over `channel` in all the per-peer lines.
+fn sent_over(stats: &[String], channel: &str) -> u64 {
+    let mut n = 0;
+    for l in stats {
+        for part in l.split(", ").chain(l.split(": ").skip(1)) {
+            if let Some(rest) = part.trim().strip_prefix(&format!("{channel} ")) {
+                if let Some(m) = rest
+                    .strip_suffix(" B")
+                    .and_then(|r| r.split(" msgs").next())
+                {
+                    n += m.parse::<u64>().unwrap_or(0);
+                }
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn conformance_with_rc_opening_mid_suite() {
+    // Two messages earn a peer its RC connection: the suite's traffic moves from UD-SR to
+    // RC-SR and RC-FP while messages are in flight, so order across channels is exercised.
+    let stats = conformance(&["WEFT_HYBRID_RC_THRESHOLD=2"]);
+    let b = budgets(&stats);
+    assert_eq!(b.len(), 4, "{stats:#?}");
+    assert!(b.iter().all(|&(_, _, opened)| opened >= 1), "{stats:#?}");
+    assert!(sent_over(&stats, "RC-SR") > 0, "{stats:#?}");
+    assert!(sent_over(&stats, "RC-FP") > 0, "{stats:#?}");
+    assert!(sent_over(&stats, "UD-SR") > 0, "{stats:#?}");
+}
+
+#[test]
+fn conformance_with_everything_on_ud() {
+    let stats = conformance(&[
+        "WEFT_HYBRID_RULES={true: UD-SR}",
+        "WEFT_HYBRID_RC_THRESHOLD=1",
+    ]);
+    assert!(
+        budgets(&stats).iter().all(|&b| b == (0, 0, 0)),
+        "a chain without RC opened connections: {stats:#?}"
+    );
+    assert_eq!(sent_over(&stats, "RC-SR") + sent_over(&stats, "RC-FP"), 0);
+}
+
+#[test]
+fn conformance_with_an_rc_limit_of_one() {
+    let stats = conformance(&["WEFT_HYBRID_MAX_RC=1", "WEFT_HYBRID_RC_THRESHOLD=1"]);
+    let b = budgets(&stats);
+    assert_eq!(b.len(), 4);
+    assert!(b.iter().all(|&(_, _, opened)| opened <= 1), "{stats:#?}");
+    assert!(b.iter().any(|&(_, _, opened)| opened == 1), "{stats:#?}");
+}
+
+#[test]
+fn weft_info_prints_the_chain_in_force() {
+    let o = run_bounded(
+        Command::new(weft())
+            .arg("info")
+            .env("WEFT_HYBRID_RULES", "{size<=4K: RC-SR}; {true: ud_sr}"),
+        60,
+    );
+    assert!(
+        stdout(&o).contains(
+            "hybrid send rules (WEFT_HYBRID_RULES): {size<=4096: RC-SR}, {true: UD-SR} (UD-SR up to any bytes)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn refused_settings_say_why() {
+    let ring = example("weft-cli", "ring");
+    for (k, v, why) in [
+        (
+            "WEFT_HYBRID_RULES",
+            "{size<=2K: RC-FP}, {size<=2K UD-SR}",
+            "WEFT_HYBRID_RULES",
+        ),
+        (
+            "WEFT_HYBRID_RULES",
+            "{size<=4K: RC-SR}",
+            "no rule on a UD channel",
+        ),
+        (
+            "WEFT_HYBRID_RULES",
+            "{size<=512: UD-SR}, {true: UD-ZCOPY}",
+            "not composed yet",
+        ),
+        ("WEFT_HYBRID_RULES", "auto", "not built yet"),
+        ("WEFT_HYBRID_REBALANCE", "1", "not available yet"),
+    ] {
+        let o = run_bounded(
+            Command::new(weft())
+                .args(["run", "-n", "2", "--provider", "hybrid", "--"])
+                .arg(&ring)
+                .env("WEFT_VERBS_DEVICE", "soft")
+                .env(k, v),
+            60,
+        );
+        assert!(!o.status.success(), "{k}={v}");
+        let all = format!("{}{}", stdout(&o), stderr(&o));
+        assert!(all.contains(why), "{k}={v}: {all}");
+    }
+}

@@ -1,0 +1,763 @@
+//! The `hybrid` provider: verbs-ud and verbs-rc opened side by side, each active message sent
+//! over the channel the send-rule chain picks among those open to its peer, RC connections
+//! opened by the budget's agreement, and order across channels restored on receipt.
+//!
+//! Every peer starts on UD-SR (verbs-ud's one UD QP). A message to or from a peer counts
+//! towards its RC threshold; past it the two budgets agree ([`crate::budget`], control
+//! messages over UD-SR) and both sides connect verbs-rc's RC QP, after which the chain may pick
+//! RC-SR (send/receive over the shared receive queue) or, once verbs-rc has set up the peer's
+//! eager slots, RC-FP. Each data message carries a per-peer sequence number (5 bytes before
+//! the core's header: kind, number); the receiver hands messages to the core in that order
+//! ([`crate::order`]), holding a copy of any that overtook its predecessors on another channel.
+//!
+//! Large messages: this version offers active messages only, so the core's rendezvous moves
+//! them in chunks as large as the chain sends by UD-SR (8 KiB by default), each chunk on the
+//! channel the chain picks for its size; the zero-copy channels (RC-RDMA, UD-ZCOPY) are not
+//! composed yet, nor the teardown that rebalancing needs.
+
+use crate::budget::{Action, Budget, Ctrl, Limits, RcState};
+use crate::order::{Arrival, Reorder, Sequencer};
+use crate::rules::{Chain, Channel, JobChain, Open};
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use weft_provider::bootstrap::Bootstrap;
+use weft_provider::provider::{
+    Caps, Completed, ConnEvent, ProbeContext, Provider, SendOutcome, Sink, StaticProvider, Token,
+};
+use weft_provider::types::Rank;
+use weft_provider::{Error, Result};
+use weft_verbs_rc::{Sizing, VerbsRc};
+use weft_verbs_ud::VerbsUd;
+
+weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
+    "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's)");
+weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
+    "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
+weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
+    "hybrid: RC connections per process at most (paper 001: 16); 0: UD only");
+weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
+    "hybrid: peers with RC-FP slots at most (paper 001: 8)");
+weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
+    "hybrid: give the least-recently-used RC connection to a busier peer at the limit (not available yet: 1 is refused)");
+weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
+    "hybrid: print messages and bytes per peer and channel, and RC connections opened, at finalize (standard error)");
+
+/// Kind byte of a data message (then a 4-byte sequence number, then the core's header).
+const K_DATA: u8 = 0;
+/// Kind byte of a budget control message (then its code).
+const K_CTRL: u8 = 1;
+/// Bytes the hybrid provider puts before the core's header.
+const PREFIX: usize = 5;
+/// Receive and send buffers of the RC channel (verbs-rc alone: 256 each).
+const RC_POOL: usize = 128;
+/// Channels counted per peer (index by [`slot`]).
+const COUNTED: [Channel; 3] = [Channel::UdSr, Channel::RcSr, Channel::RcFp];
+
+fn slot(c: Channel) -> usize {
+    match c {
+        Channel::RcSr => 1,
+        Channel::RcFp => 2,
+        _ => 0,
+    }
+}
+
+/// The parameters, checked.
+#[derive(Debug, Clone)]
+struct Config {
+    chain: Chain,
+    limits: Limits,
+    stats: bool,
+}
+
+impl Config {
+    fn from_env() -> Result<Config> {
+        let text = RULES.get_str();
+        let chain = if text.trim().is_empty() {
+            Chain::default()
+        } else if text.trim().eq_ignore_ascii_case("auto") {
+            return Err(Error::invalid(
+                "WEFT_HYBRID_RULES=auto: calibrated chains are not built yet; give a chain or leave it empty for paper 001's",
+            ));
+        } else {
+            Chain::parse(&text).map_err(|e| Error::invalid(format!("WEFT_HYBRID_RULES: {e}")))?
+        };
+        if REBALANCE.get_bool()? {
+            return Err(Error::invalid(
+                "WEFT_HYBRID_REBALANCE=1: not available yet (closing an RC connection under traffic is not built); leave it at 0",
+            ));
+        }
+        Ok(Config {
+            chain,
+            limits: Limits {
+                threshold: RC_THRESHOLD.get_u64()?,
+                max_rc: MAX_RC.get_u64()? as usize,
+                max_fp: MAX_FP.get_u64()? as usize,
+                rebalance: false,
+            },
+            stats: STATS.get_bool()?,
+        })
+    }
+
+    /// The chain for a job of `size` ranks and the largest message (the core's header plus
+    /// payload) it sends by UD-SR to a peer with UD alone, which bounds what this provider
+    /// takes in one active message.
+    fn job(&self, size: u32) -> Result<(JobChain, u64)> {
+        let job = self
+            .chain
+            .for_job(u64::from(size))
+            .map_err(|e| Error::invalid(format!("WEFT_HYBRID_RULES: {e}")))?;
+        match job.ud_sr_upto() {
+            Some(n) if n >= 1024 => Ok((job, n)),
+            n => Err(Error::invalid(format!(
+                "WEFT_HYBRID_RULES: this version of hybrid moves every message as active messages, \
+                 so a peer with UD alone must be sent messages of up to 1024 bytes or more by \
+                 UD-SR (the chain stops at {}); UD-ZCOPY and RC-RDMA are not composed yet",
+                n.map_or("0 bytes".to_string(), |n| format!("{n} bytes"))
+            ))),
+        }
+    }
+}
+
+/// A message of `size` bytes counts towards its peer's RC threshold when the chain would send
+/// it over an RC channel were one open (paper 001 counts by send rule): a chain that never
+/// uses RC never opens a connection.
+fn rc_worthy(chain: &JobChain, size: u64) -> bool {
+    chain.pick(size, Open::ALL).is_some_and(|c| !c.is_ud())
+}
+
+/// A message that overtook others, held until its turn.
+struct Held {
+    header: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+#[derive(Default)]
+struct PeerState {
+    seq: Sequencer,
+    reorder: Reorder<Held>,
+    /// Messages and bytes sent per counted channel.
+    sent: [(u64, u64); 3],
+    failed: bool,
+}
+
+/// Totals for `counters()`.
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
+    held: u64,
+    rc_fallback: u64,
+    ctrl_sent: u64,
+}
+
+/// The `hybrid` provider.
+pub struct Hybrid {
+    rank: Rank,
+    size: u32,
+    ud: VerbsUd,
+    rc: VerbsRc,
+    chain: JobChain,
+    budget: Budget,
+    peers: Vec<PeerState>,
+    caps: Caps,
+    /// Control messages waiting for room on UD, in order.
+    ctrl_out: VecDeque<(Rank, Ctrl)>,
+    ctrl_in: Vec<(Rank, Ctrl)>,
+    actions: Vec<Action>,
+    totals: Totals,
+    stats: bool,
+}
+
+impl Hybrid {
+    fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<Hybrid> {
+        let (rank, size) = (boot.rank(), boot.size());
+        let (chain, ud_upto) = cfg.job(size)?;
+        let ud = VerbsUd::open(boot)?;
+        // RC serves at most max_rc peers and messages up to the chain's UD-SR reach: smaller
+        // shared pools than verbs-rc alone takes for a job where every peer may connect
+        // (unless WEFT_VERBS_RC_BUF, _SRQ or _SEND_BUFS say otherwise).
+        let rc = VerbsRc::open_sized(
+            boot,
+            Sizing {
+                fp_peers: cfg.limits.max_fp,
+                // A peer that earned RC gets RC-FP slots at once (within MAX_FP): small
+                // messages, which the chain sends by UD-SR until RC-FP opens, would otherwise
+                // never reach verbs-rc's own threshold.
+                fp_threshold: 0,
+                buf: usize::try_from(ud_upto).unwrap_or(usize::MAX).min(64 << 10),
+                pool: RC_POOL,
+            },
+        )?;
+        let (uc, rcc) = (ud.caps(), rc.caps());
+        let max_hdr = uc.max_am_header.min(rcc.max_am_header) - PREFIX;
+        // Every message (the core's header and payload) must fit UD-SR, which every peer has.
+        let by_chain = usize::try_from(ud_upto)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(max_hdr);
+        let max_payload = by_chain
+            .min(uc.max_am_payload)
+            .min(rcc.max_am_payload)
+            .min(64 << 10);
+        let mut caps = Caps::am_only(max_hdr, max_payload, uc.max_iov.min(rcc.max_iov));
+        caps.eager_limit = max_payload;
+        caps.spans_hosts = uc.spans_hosts && rcc.spans_hosts;
+        caps.lazy_connect = uc.lazy_connect;
+        Ok(Hybrid {
+            rank,
+            size,
+            ud,
+            rc,
+            chain,
+            budget: Budget::new(rank, cfg.limits),
+            peers: (0..size).map(|_| PeerState::default()).collect(),
+            caps,
+            ctrl_out: VecDeque::new(),
+            ctrl_in: vec![],
+            actions: vec![],
+            totals: Totals::default(),
+            stats: cfg.stats,
+        })
+    }
+
+    /// The chain in force (for `weft info` and the statistics).
+    pub fn chain(&self) -> &JobChain {
+        &self.chain
+    }
+
+    fn check_rank(&self, r: Rank) -> Result<usize> {
+        if r >= self.size {
+            return Err(Error::from(weft_provider::ErrorDetail::InvalidRank {
+                rank: r as i64,
+                size: self.size,
+            }));
+        }
+        Ok(r as usize)
+    }
+
+    /// The channels open to `peer` now.
+    fn open_to(&self, peer: Rank) -> Open {
+        let mut o = Open::UD;
+        if self.budget.state(peer) == RcState::Up && self.rc.connected(peer) {
+            o = o.with(Channel::RcSr);
+            if self.rc.fast_path_to(peer) {
+                o = o.with(Channel::RcFp);
+            }
+        }
+        o
+    }
+
+    /// Carry out what the budget asked for.
+    fn run_actions(&mut self) -> Result<()> {
+        for a in std::mem::take(&mut self.actions) {
+            match a {
+                Action::Send(p, c) => self.ctrl_out.push_back((p, c)),
+                Action::Connect(p) => {
+                    if !self.peers[p as usize].failed {
+                        self.rc.connect(p)?;
+                    }
+                }
+                // verbs-rc sets up RC-FP slots itself (at most WEFT_HYBRID_MAX_FP peers);
+                // without rebalancing no connection is drained or torn down.
+                Action::OpenFp(_) | Action::CloseFp(_) | Action::Drain(_) | Action::Teardown(_) => {
+                }
+            }
+        }
+        self.flush_ctrl()
+    }
+
+    /// Send the control messages waiting, in order, until UD has no room.
+    fn flush_ctrl(&mut self) -> Result<()> {
+        while let Some(&(p, c)) = self.ctrl_out.front() {
+            if self.peers[p as usize].failed {
+                self.ctrl_out.pop_front();
+                continue;
+            }
+            match self.ud.am_send(p, &[K_CTRL, c.code()], &[]) {
+                Ok(SendOutcome::Sent) => {
+                    self.totals.ctrl_sent += 1;
+                    self.ctrl_out.pop_front();
+                }
+                Ok(_) => break,
+                // The peer failed: verbs-ud reports it through progress.
+                Err(_) => {
+                    self.ctrl_out.pop_front();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn print_stats(&self) {
+        let mut lines = vec![format!(
+            "hybrid: rank {} chain {}",
+            self.rank,
+            crate::rules::Chain(self.chain.rules().to_vec())
+        )];
+        for (r, p) in self.peers.iter().enumerate() {
+            if p.sent.iter().all(|&(m, _)| m == 0) {
+                continue;
+            }
+            let per: Vec<String> = COUNTED
+                .iter()
+                .zip(p.sent)
+                .filter(|(_, (m, _))| *m > 0)
+                .map(|(c, (m, b))| format!("{} {m} msgs {b} B", c.name()))
+                .collect();
+            let rc = match self.budget.state(r as Rank) {
+                RcState::Up => " [RC]",
+                _ => "",
+            };
+            lines.push(format!(
+                "hybrid: rank {} -> {r}{rc}: {}",
+                self.rank,
+                per.join(", ")
+            ));
+        }
+        let s = self.budget.stats();
+        lines.push(format!(
+            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; held for order {} (at most {} at once)",
+            self.rank,
+            s.asked,
+            s.refused,
+            s.opened,
+            s.closed,
+            self.totals.held,
+            self.peers.iter().map(|p| p.reorder.held_max()).max().unwrap_or(0)
+        ));
+        eprintln!("{}", lines.join("\n"));
+    }
+}
+
+/// The sink the two channels report to: strips the hybrid prefix, restores order, feeds the
+/// budget, and passes everything else on to the core.
+struct Recv<'a> {
+    core: &'a mut dyn Sink,
+    chain: &'a JobChain,
+    peers: &'a mut [PeerState],
+    budget: &'a mut Budget,
+    actions: &'a mut Vec<Action>,
+    ctrl_in: &'a mut Vec<(Rank, Ctrl)>,
+    held: &'a mut u64,
+}
+
+impl Recv<'_> {
+    fn malformed(&mut self, src: Rank, why: &str) {
+        let p = &mut self.peers[src as usize];
+        if !p.failed {
+            p.failed = true;
+            self.core
+                .peer_failed(src, &format!("malformed hybrid message: {why}"));
+        }
+    }
+}
+
+impl Sink for Recv<'_> {
+    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        let Some(p) = self.peers.get(src as usize) else {
+            return;
+        };
+        if p.failed {
+            return;
+        }
+        match header {
+            [K_CTRL, code] => match Ctrl::from_code(*code) {
+                Some(c) => self.ctrl_in.push((src, c)),
+                None => self.malformed(src, &format!("control code {code}")),
+            },
+            [K_DATA, a, b, c, d, h @ ..] => {
+                let seq = u32::from_le_bytes([*a, *b, *c, *d]);
+                let p = &mut self.peers[src as usize];
+                match p.reorder.arrive(seq, || Held {
+                    header: h.to_vec(),
+                    payload: payload.to_vec(),
+                }) {
+                    Ok(Arrival::Deliver) => {
+                        self.core.am(src, h, payload);
+                        while let Some(m) = p.reorder.pop() {
+                            self.core.am(src, &m.header, &m.payload);
+                        }
+                    }
+                    Ok(Arrival::Held) => *self.held += 1,
+                    Err(e) => {
+                        let why = e.to_string();
+                        self.malformed(src, &why);
+                        return;
+                    }
+                }
+                if rc_worthy(self.chain, (h.len() + payload.len()) as u64) {
+                    self.budget.note(src, self.actions);
+                }
+            }
+            _ => self.malformed(src, &format!("a header of {} bytes", header.len())),
+        }
+    }
+
+    fn complete(&mut self, token: Token, result: Result<Completed>) {
+        self.core.complete(token, result);
+    }
+
+    fn peer_failed(&mut self, rank: Rank, reason: &str) {
+        // Both channels may report the same peer: once is enough.
+        if let Some(p) = self.peers.get_mut(rank as usize) {
+            if !p.failed {
+                p.failed = true;
+                self.core.peer_failed(rank, reason);
+            }
+        }
+    }
+
+    fn connection(&mut self, peer: Rank, event: ConnEvent) {
+        self.core.connection(peer, event);
+    }
+}
+
+impl Provider for Hybrid {
+    fn name(&self) -> &str {
+        "hybrid"
+    }
+
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn am_send(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+    ) -> Result<SendOutcome> {
+        let i = self.check_rank(dest)?;
+        let plen: usize = payload.iter().map(|p| p.len()).sum();
+        if header.len() > self.caps.max_am_header || plen > self.caps.max_am_payload {
+            return Err(Error::invalid(format!(
+                "hybrid: active message of {} + {plen} bytes exceeds {} + {}",
+                header.len(),
+                self.caps.max_am_header,
+                self.caps.max_am_payload
+            )));
+        }
+        if self.peers[i].failed {
+            return Err(Error::peer_failed(dest, "failed earlier"));
+        }
+        let size = (header.len() + plen) as u64;
+        let want = self
+            .chain
+            .pick(size, self.open_to(dest))
+            .unwrap_or(Channel::UdSr);
+        let mut hdr = smallvec::SmallVec::<[u8; 160]>::new();
+        hdr.push(K_DATA);
+        let seq = self.peers[i].seq.peek();
+        hdr.extend_from_slice(&seq.to_le_bytes());
+        hdr.extend_from_slice(header);
+        let mut used = want;
+        let mut out = match want {
+            Channel::RcSr | Channel::RcFp => {
+                self.rc
+                    .am_send_via(dest, &hdr, payload, want == Channel::RcFp)?
+            }
+            _ => SendOutcome::Busy,
+        };
+        if out != SendOutcome::Sent {
+            if want != Channel::UdSr && want != Channel::UdZcopy {
+                self.totals.rc_fallback += 1;
+            }
+            used = Channel::UdSr;
+            out = self.ud.am_send(dest, &hdr, payload)?;
+        }
+        if out == SendOutcome::Sent {
+            let p = &mut self.peers[i];
+            p.seq.take();
+            let c = &mut p.sent[slot(used)];
+            c.0 += 1;
+            c.1 += size;
+            if rc_worthy(&self.chain, size) {
+                self.budget.note(dest, &mut self.actions);
+            }
+            if !self.actions.is_empty() {
+                self.run_actions()?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
+        let mut held = 0;
+        let n = {
+            let mut up = Recv {
+                core: sink,
+                chain: &self.chain,
+                peers: &mut self.peers,
+                budget: &mut self.budget,
+                actions: &mut self.actions,
+                ctrl_in: &mut self.ctrl_in,
+                held: &mut held,
+            };
+            self.ud.progress(&mut up)? + self.rc.progress(&mut up)?
+        };
+        self.totals.held += held;
+        for (src, c) in std::mem::take(&mut self.ctrl_in) {
+            self.budget.on_ctrl(src, c, &mut self.actions);
+        }
+        if !self.actions.is_empty() || !self.ctrl_out.is_empty() {
+            self.run_actions()?;
+        }
+        Ok(n)
+    }
+
+    fn connect(&mut self, peer: Rank) -> Result<()> {
+        self.check_rank(peer)?;
+        self.ud.connect(peer)
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if self.stats {
+            self.print_stats();
+        }
+        let a = self.ud.close();
+        let b = self.rc.close();
+        a.and(b)
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let sum = |k: usize, f: fn(&(u64, u64)) -> u64| -> u64 {
+            self.peers.iter().map(|p| f(&p.sent[k])).sum()
+        };
+        let s = self.budget.stats();
+        let mut v = vec![
+            ("ud_sr_msgs", sum(0, |c| c.0)),
+            ("ud_sr_bytes", sum(0, |c| c.1)),
+            ("rc_sr_msgs", sum(1, |c| c.0)),
+            ("rc_sr_bytes", sum(1, |c| c.1)),
+            ("rc_fp_msgs", sum(2, |c| c.0)),
+            ("rc_fp_bytes", sum(2, |c| c.1)),
+            ("rc_asked", s.asked),
+            ("rc_refused", s.refused),
+            ("rc_opened", s.opened),
+            ("rc_closed", s.closed),
+            ("rc_fallback_ud", self.totals.rc_fallback),
+            ("ctrl_sent", self.totals.ctrl_sent),
+            ("held_for_order", self.totals.held),
+        ];
+        // Memory: both channels' accounting added up (`weft bench mem`).
+        let (u, r) = (self.ud.counters(), self.rc.counters());
+        for key in ["mem_hca_bytes", "mem_buffer_bytes", "mem_peer_bytes"] {
+            let get = |c: &[(&'static str, u64)]| {
+                c.iter().find(|(k, _)| *k == key).map_or(0, |(_, x)| *x)
+            };
+            v.push((key, get(&u) + get(&r)));
+        }
+        v
+    }
+}
+
+impl StaticProvider for Hybrid {
+    const NAME: &'static str = "hybrid";
+
+    fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {
+        VerbsUd::probe(ctx).map_err(|e| format!("verbs-ud: {e}"))?;
+        VerbsRc::probe(ctx).map_err(|e| format!("verbs-rc: {e}"))?;
+        Config::from_env().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
+        Self::open_with(boot, Config::from_env()?)
+    }
+
+    fn static_caps() -> Result<Caps> {
+        let cfg = Config::from_env()?;
+        let (_, upto) = cfg.job(2)?;
+        let (uc, rcc) = (VerbsUd::static_caps()?, VerbsRc::static_caps()?);
+        let max_hdr = uc.max_am_header.min(rcc.max_am_header) - PREFIX;
+        let max_payload = (usize::try_from(upto)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(max_hdr))
+        .min(uc.max_am_payload)
+        .min(rcc.max_am_payload)
+        .min(64 << 10);
+        let mut caps = Caps::am_only(max_hdr, max_payload, uc.max_iov.min(rcc.max_iov));
+        caps.eager_limit = max_payload;
+        caps.spans_hosts = uc.spans_hosts && rcc.spans_hosts;
+        caps.lazy_connect = uc.lazy_connect;
+        Ok(caps)
+    }
+}
+
+weft_provider::register_provider!(
+    Hybrid,
+    priority = 6,
+    summary = "MVAPICH-Aptus on the verbs layer: UD-SR, RC-SR and RC-FP at once, chosen per message by a send-rule chain (WEFT_HYBRID_RULES), RC connections opened lazily under per-process limits, order kept across channels"
+);
+
+/// The chain `WEFT_HYBRID_RULES` sets for a job of `size` ranks, as `weft info` prints it, or
+/// why it is refused.
+pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
+    let cfg = Config::from_env().map_err(|e| e.to_string())?;
+    let (job, upto) = cfg.job(size).map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{} (UD-SR up to {} bytes)",
+        crate::rules::Chain(job.rules().to_vec()),
+        if upto == u64::MAX {
+            "any".to_string()
+        } else {
+            upto.to_string()
+        }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Core {
+        ams: Vec<(Rank, Vec<u8>, Vec<u8>)>,
+        failed: Vec<(Rank, String)>,
+    }
+
+    impl Sink for Core {
+        fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+            self.ams.push((src, header.to_vec(), payload.to_vec()));
+        }
+        fn complete(&mut self, _: Token, _: Result<Completed>) {}
+        fn peer_failed(&mut self, rank: Rank, reason: &str) {
+            self.failed.push((rank, reason.to_string()));
+        }
+    }
+
+    struct Rig {
+        core: Core,
+        peers: Vec<PeerState>,
+        budget: Budget,
+        chain: JobChain,
+        actions: Vec<Action>,
+        ctrl_in: Vec<(Rank, Ctrl)>,
+        held: u64,
+    }
+
+    impl Rig {
+        fn new(threshold: u64) -> Rig {
+            Rig {
+                core: Core::default(),
+                peers: (0..3).map(|_| PeerState::default()).collect(),
+                budget: Budget::new(
+                    0,
+                    Limits {
+                        threshold,
+                        ..Limits::default()
+                    },
+                ),
+                chain: Chain::default().for_job(3).unwrap(),
+                actions: vec![],
+                ctrl_in: vec![],
+                held: 0,
+            }
+        }
+
+        fn arrive(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+            let mut r = Recv {
+                core: &mut self.core,
+                chain: &self.chain,
+                peers: &mut self.peers,
+                budget: &mut self.budget,
+                actions: &mut self.actions,
+                ctrl_in: &mut self.ctrl_in,
+                held: &mut self.held,
+            };
+            r.am(src, header, payload);
+        }
+    }
+
+    fn data(seq: u32, h: &[u8]) -> Vec<u8> {
+        let mut v = vec![K_DATA];
+        v.extend_from_slice(&seq.to_le_bytes());
+        v.extend_from_slice(h);
+        v
+    }
+
+    #[test]
+    fn a_message_that_overtook_on_another_channel_waits_its_turn() {
+        let mut rig = Rig::new(100);
+        rig.arrive(1, &data(1, b"second"), b"bb");
+        rig.arrive(2, &data(0, b"other peer"), b"");
+        assert_eq!(rig.core.ams.len(), 1, "peer 1's first message is missing");
+        rig.arrive(1, &data(0, b"first"), b"a");
+        let got: Vec<_> = rig
+            .core
+            .ams
+            .iter()
+            .map(|(s, h, p)| (*s, h.clone(), p.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (2, b"other peer".to_vec(), vec![]),
+                (1, b"first".to_vec(), b"a".to_vec()),
+                (1, b"second".to_vec(), b"bb".to_vec()),
+            ]
+        );
+        assert_eq!(rig.held, 1);
+        assert!(rig.core.failed.is_empty());
+    }
+
+    #[test]
+    fn control_messages_reach_the_budget_and_bad_ones_fail_the_peer() {
+        let mut rig = Rig::new(100);
+        rig.arrive(1, &[K_CTRL, Ctrl::Ask.code()], &[]);
+        assert_eq!(rig.ctrl_in, vec![(1, Ctrl::Ask)]);
+        rig.arrive(2, &[K_CTRL, 99], &[]);
+        rig.arrive(2, &data(0, b"after"), b"");
+        assert_eq!(rig.core.failed.len(), 1);
+        assert!(rig.core.failed[0].1.contains("control code 99"));
+        assert!(rig.core.ams.is_empty(), "nothing from a failed peer");
+        for bad in [&[][..], &[K_DATA, 0, 0][..], &[7, 0, 0, 0, 0][..]] {
+            let mut rig = Rig::new(100);
+            rig.arrive(1, bad, b"");
+            assert_eq!(rig.core.failed.len(), 1, "{bad:?}");
+            assert!(rig.core.failed[0].1.starts_with("malformed hybrid message"));
+        }
+        // A duplicate fails the peer too (every channel below delivers once).
+        let mut rig = Rig::new(100);
+        rig.arrive(1, &data(0, b"x"), b"");
+        rig.arrive(1, &data(0, b"x"), b"");
+        assert!(rig.core.failed[0].1.contains("arrived twice"));
+    }
+
+    #[test]
+    fn only_messages_the_chain_would_send_over_rc_count_towards_it() {
+        // Paper 001's chain: up to 2008 bytes UD-SR is picked before RC-SR only when RC-FP
+        // is closed, so every size has an RC rule first (RC-FP, RC-SR, RC-RDMA).
+        let mut rig = Rig::new(2);
+        rig.arrive(1, &data(0, b"h"), &[0; 100]);
+        rig.arrive(1, &data(1, b"h"), &[0; 5000]);
+        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask)]);
+        // A chain that never uses RC never asks.
+        let mut rig = Rig::new(1);
+        rig.chain = Chain::parse("{true: UD-SR}").unwrap().for_job(3).unwrap();
+        for s in 0..10 {
+            rig.arrive(1, &data(s, b"h"), &[0; 5000]);
+        }
+        assert!(rig.actions.is_empty());
+    }
+
+    #[test]
+    fn chains_this_version_cannot_carry_are_refused_at_init() {
+        let cfg = |rules: &str| Config {
+            chain: Chain::parse(rules).unwrap(),
+            limits: Limits::default(),
+            stats: false,
+        };
+        assert_eq!(cfg("{true: UD-SR}").job(4).unwrap().1, u64::MAX);
+        let e = cfg("{size<=512: UD-SR}, {true: UD-ZCOPY}")
+            .job(4)
+            .unwrap_err();
+        assert!(e.to_string().contains("512 bytes"), "{e}");
+        let e = cfg("{size<=4K: RC-SR}").job(4).unwrap_err();
+        assert!(e.to_string().contains("no rule on a UD channel"), "{e}");
+    }
+}

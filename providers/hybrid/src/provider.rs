@@ -164,6 +164,8 @@ pub struct Hybrid {
     actions: Vec<Action>,
     totals: Totals,
     stats: bool,
+    /// Some RC connection was made: RC's queues are polled from then on.
+    rc_active: bool,
 }
 
 impl Hybrid {
@@ -214,6 +216,7 @@ impl Hybrid {
             actions: vec![],
             totals: Totals::default(),
             stats: cfg.stats,
+            rc_active: false,
         })
     }
 
@@ -251,6 +254,7 @@ impl Hybrid {
                 Action::Send(p, c) => self.ctrl_out.push_back((p, c)),
                 Action::Connect(p) => {
                     if !self.peers[p as usize].failed {
+                        self.rc_active = true;
                         self.rc.connect(p)?;
                     }
                 }
@@ -498,7 +502,14 @@ impl Provider for Hybrid {
                 ctrl_in: &mut self.ctrl_in,
                 held: &mut held,
             };
-            self.ud.progress(&mut up)? + self.rc.progress(&mut up)?
+            let n = self.ud.progress(&mut up)?;
+            // RC carries nothing until the budget has connected some peer (every agreement
+            // goes over UD first): until then its queues are not polled.
+            n + if self.rc_active {
+                self.rc.progress(&mut up)?
+            } else {
+                0
+            }
         };
         self.totals.held += held;
         for (src, c) in std::mem::take(&mut self.ctrl_in) {

@@ -348,3 +348,42 @@ fn halo_sparse_and_mixed_patterns_run() {
         assert!(v.len() == 2 && v.iter().all(|x| *x > 0.0), "{r}");
     }
 }
+
+/// The report's JSON records each weft job's provider counters, summed over the ranks: for the
+/// hybrid provider, the messages it sent over each channel.
+#[test]
+fn json_records_the_hybrid_channel_statistics() {
+    let dir = std::env::temp_dir().join(format!("weft-bench-hybrid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let o = bench(&[
+        "latency",
+        "--providers",
+        "hybrid",
+        "--sizes",
+        "8,4K",
+        "--reps",
+        "1",
+        "--iters",
+        "400",
+        "--json",
+        json.to_str().unwrap(),
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let jobs = v["counters"].as_array().expect("a counters list");
+    let h = jobs
+        .iter()
+        .find(|j| j["provider"] == "hybrid" && j["test"] == "latency")
+        .expect("hybrid's latency job");
+    let k = &h["counters"];
+    // 2 x 400 iterations and warm-up: past the RC threshold (100) both ranks connect.
+    for key in ["ud_sr_msgs", "rc_fp_msgs", "rc_sr_msgs"] {
+        assert!(k[key].as_u64().unwrap_or(0) > 0, "{key}: {h}");
+    }
+    assert_eq!(k["rc_opened"].as_u64(), Some(2), "{h}");
+    std::fs::remove_dir_all(&dir).ok();
+}

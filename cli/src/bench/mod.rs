@@ -84,6 +84,18 @@ pub fn buffers(plan: &Plan, test: Test) -> (&'static str, bool) {
 pub struct Report {
     pub machine: BTreeMap<String, String>,
     pub results: Vec<Row>,
+    /// The provider's counters of each weft job (test, column), summed over its ranks, from the
+    /// last repetition: the hybrid provider's messages and bytes per channel, RC connections,
+    /// memory counters... (JSON only).
+    pub counters: Vec<JobCounters>,
+}
+
+/// One job's provider counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobCounters {
+    pub test: String,
+    pub provider: String,
+    pub counters: BTreeMap<String, u64>,
 }
 
 fn read_trim(p: &str) -> String {
@@ -171,6 +183,21 @@ pub fn fmt_val(x: f64) -> String {
     }
 }
 
+/// A job's provider counters by name.
+type Counters = BTreeMap<String, u64>;
+
+fn parse_counters(out: &[u8]) -> Counters {
+    String::from_utf8_lossy(out)
+        .lines()
+        .filter_map(|l| l.strip_prefix("COUNTERS "))
+        .flat_map(|l| l.split_whitespace())
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
 fn parse_results(out: &[u8]) -> Vec<(usize, f64)> {
     String::from_utf8_lossy(out)
         .lines()
@@ -188,7 +215,7 @@ fn run_weft(
     test: Test,
     col: &Column,
     sizes: &[usize],
-) -> Result<Vec<(usize, f64)>, String> {
+) -> Result<(Vec<(usize, f64)>, Counters), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut spec = launch::Spec::new(plan.n, exe);
     let csv: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
@@ -233,7 +260,7 @@ fn run_weft(
     if r.is_empty() {
         return Err("no results printed".into());
     }
-    Ok(r)
+    Ok((r, parse_counters(&o.stdout[0])))
 }
 
 /// Run the plan; returns the report and notes for skipped or failed parts.
@@ -242,6 +269,7 @@ pub fn execute(plan: &Plan) -> (Report, Vec<String>) {
     // samples[(test, column)][size] -> values
     let mut samples: BTreeMap<(usize, usize), BTreeMap<usize, Vec<f64>>> = BTreeMap::new();
     let mut dead: Vec<(usize, usize)> = Vec::new();
+    let mut counters: BTreeMap<(usize, usize), BTreeMap<String, u64>> = BTreeMap::new();
     let work = std::env::temp_dir();
     let jobs: Vec<(usize, usize)> = (0..plan.tests.len())
         .flat_map(|t| (0..plan.columns.len()).map(move |c| (t, c)))
@@ -272,7 +300,12 @@ pub fn execute(plan: &Plan) -> (Report, Vec<String>) {
             let sizes = plan.sizes.clone().unwrap_or_else(|| test.default_sizes());
             let r = match &col.baseline {
                 Some(b) => b.run(test, &sizes, &work),
-                None => run_weft(plan, test, col, &sizes),
+                None => run_weft(plan, test, col, &sizes).map(|(r, k)| {
+                    if !k.is_empty() {
+                        counters.insert((ti, ci), k);
+                    }
+                    r
+                }),
             };
             match r {
                 Ok(vals) => {
@@ -317,10 +350,19 @@ pub fn execute(plan: &Plan) -> (Report, Vec<String>) {
             });
         }
     }
+    let counters = counters
+        .into_iter()
+        .map(|((ti, ci), counters)| JobCounters {
+            test: plan.tests[ti].name().into(),
+            provider: plan.columns[ci].label.clone(),
+            counters,
+        })
+        .collect();
     (
         Report {
             machine: machine(),
             results,
+            counters,
         },
         notes,
     )
@@ -510,6 +552,9 @@ mod t {
 
     #[test]
     fn results_parse() {
+        let k = parse_counters(b"RESULT 8 1\nCOUNTERS rc_sr_msgs=12 ud_sr_msgs=3 bad=x\n");
+        assert_eq!(k.len(), 2);
+        assert_eq!(k["rc_sr_msgs"], 12);
         let r = parse_results(b"noise\nRESULT 8 0.25\nRESULT 1024 11.5\nRESULT x y\n");
         assert_eq!(r, vec![(8, 0.25), (1024, 11.5)]);
     }
@@ -581,7 +626,11 @@ mod t {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        let report = Report { machine, results };
+        let report = Report {
+            machine,
+            results,
+            counters: vec![],
+        };
         insta::assert_snapshot!(render_tables(&plan, &report, Some("shm")));
     }
 

@@ -477,7 +477,34 @@ pub fn run(a: &RankArgs) -> Result<()> {
             println!("RESULT {size} {v}");
         }
     }
+    counters(c)?;
     world.finalize()
+}
+
+/// The provider's counters summed over the ranks, printed by rank 0 as one `COUNTERS` line
+/// (`name=value ...`) for the report's JSON (e.g. the hybrid provider's messages per channel).
+/// Ranks that disagree on the list (a composition) print nothing.
+fn counters(c: &Comm<DynProvider>) -> Result<()> {
+    let mine = c.provider_counters();
+    let n = [mine.len() as u64];
+    let (mut lo, mut hi) = ([0u64], [0u64]);
+    c.allreduce(&n, &mut lo, weft::Op::Min)?;
+    c.allreduce(&n, &mut hi, weft::Op::Max)?;
+    if lo != hi || mine.is_empty() {
+        return Ok(());
+    }
+    let vals: Vec<u64> = mine.iter().map(|(_, v)| *v).collect();
+    let mut sum = vec![0u64; vals.len()];
+    c.allreduce(&vals, &mut sum, weft::Op::Sum)?;
+    if c.rank() == 0 {
+        let kv: Vec<String> = mine
+            .iter()
+            .zip(&sum)
+            .map(|((k, _), v)| format!("{k}={v}"))
+            .collect();
+        println!("COUNTERS {}", kv.join(" "));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ pub mod bootstrap;
 pub mod cma;
 mod error;
 pub mod param;
+pub mod peers;
 pub mod pool;
 pub mod provider;
 pub mod registry;

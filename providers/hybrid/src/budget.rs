@@ -164,6 +164,18 @@ impl Budget {
         }
     }
 
+    /// Bytes of per-peer state (every peer that exchanged a message counted towards RC).
+    pub fn bytes(&self) -> usize {
+        self.peers.capacity() * (std::mem::size_of::<(Rank, Peer)>() + 1)
+    }
+
+    /// Make `peer`'s record (first contact), counting nothing.
+    pub fn touch(&mut self, peer: Rank) {
+        if peer != self.me {
+            self.peers.entry(peer).or_default();
+        }
+    }
+
     pub fn limits(&self) -> Limits {
         self.limits
     }

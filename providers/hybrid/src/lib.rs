@@ -12,12 +12,15 @@
 //!   sides (crossing requests make one connection), back-off after a refusal, and the
 //!   rebalancing that closes an idle connection, both sides draining first, for a busier peer.
 //!
-//! The provider that drives them over verbs-rc's and verbs-ud's channels is not built yet and
-//! is not registered.
+//! - the provider (`Hybrid`, registered as `hybrid`) drives them over verbs-rc's and
+//!   verbs-ud's channels;
+//! - [`scale`]: the synthetic scale run — one process holding the resources of a job of
+//!   thousands of ranks (phantom peers), for the memory table.
 
 pub mod budget;
 pub mod order;
 mod provider;
 pub mod rules;
+pub mod scale;
 
 pub use provider::{chain_in_force, Hybrid};

@@ -21,6 +21,7 @@ use crate::rules::{Chain, Channel, JobChain, Open};
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use weft_provider::bootstrap::Bootstrap;
+use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Caps, Completed, ConnEvent, ProbeContext, Provider, SendOutcome, Sink, StaticProvider, Token,
 };
@@ -135,14 +136,14 @@ struct Held {
 struct PeerState {
     seq: Sequencer,
     reorder: Reorder<Held>,
-    /// Messages and bytes sent per counted channel.
-    sent: [(u64, u64); 3],
     failed: bool,
 }
 
 /// Totals for `counters()`.
 #[derive(Debug, Default, Clone, Copy)]
 struct Totals {
+    /// Messages and bytes sent per counted channel (index by [`slot`]).
+    sent: [(u64, u64); 3],
     held: u64,
     rc_fallback: u64,
     ctrl_sent: u64,
@@ -156,7 +157,11 @@ pub struct Hybrid {
     rc: VerbsRc,
     chain: JobChain,
     budget: Budget,
-    peers: Vec<PeerState>,
+    /// Per-peer order state (a pointer per rank, a record per peer talked to).
+    peers: PeerTable<PeerState>,
+    /// Messages and bytes sent per peer and channel: kept only for `WEFT_HYBRID_STATS=1`
+    /// (the totals always are), so that the per-peer cost stays small in large jobs.
+    sent_by_peer: Option<PeerTable<[(u64, u64); 3]>>,
     caps: Caps,
     /// Control messages waiting for room on UD, in order.
     ctrl_out: VecDeque<(Rank, Ctrl)>,
@@ -186,6 +191,7 @@ impl Hybrid {
                 fp_threshold: 0,
                 buf: usize::try_from(ud_upto).unwrap_or(usize::MAX).min(64 << 10),
                 pool: RC_POOL,
+                conns: cfg.limits.max_rc,
             },
         )?;
         let (uc, rcc) = (ud.caps(), rc.caps());
@@ -209,7 +215,8 @@ impl Hybrid {
             rc,
             chain,
             budget: Budget::new(rank, cfg.limits),
-            peers: (0..size).map(|_| PeerState::default()).collect(),
+            peers: PeerTable::new(size as usize),
+            sent_by_peer: cfg.stats.then(|| PeerTable::new(size as usize)),
             caps,
             ctrl_out: VecDeque::new(),
             ctrl_in: vec![],
@@ -295,13 +302,19 @@ impl Hybrid {
             self.rank,
             crate::rules::Chain(self.chain.rules().to_vec())
         )];
-        for (r, p) in self.peers.iter().enumerate() {
-            if p.sent.iter().all(|&(m, _)| m == 0) {
+        let mut by_peer: Vec<(usize, [(u64, u64); 3])> = self
+            .sent_by_peer
+            .iter()
+            .flat_map(|t| t.iter().map(|(r, s)| (r, *s)))
+            .collect();
+        by_peer.sort_unstable_by_key(|&(r, _)| r);
+        for (r, sent) in by_peer {
+            if sent.iter().all(|&(m, _)| m == 0) {
                 continue;
             }
             let per: Vec<String> = COUNTED
                 .iter()
-                .zip(p.sent)
+                .zip(sent)
                 .filter(|(_, (m, _))| *m > 0)
                 .map(|(c, (m, b))| format!("{} {m} msgs {b} B", c.name()))
                 .collect();
@@ -324,7 +337,7 @@ impl Hybrid {
             s.opened,
             s.closed,
             self.totals.held,
-            self.peers.iter().map(|p| p.reorder.held_max()).max().unwrap_or(0)
+            self.peers.iter().map(|(_, p)| p.reorder.held_max()).max().unwrap_or(0)
         ));
         eprintln!("{}", lines.join("\n"));
     }
@@ -335,7 +348,7 @@ impl Hybrid {
 struct Recv<'a> {
     core: &'a mut dyn Sink,
     chain: &'a JobChain,
-    peers: &'a mut [PeerState],
+    peers: &'a mut PeerTable<PeerState>,
     budget: &'a mut Budget,
     actions: &'a mut Vec<Action>,
     ctrl_in: &'a mut Vec<(Rank, Ctrl)>,
@@ -475,11 +488,15 @@ impl Provider for Hybrid {
             out = self.ud.am_send(dest, &hdr, payload)?;
         }
         if out == SendOutcome::Sent {
-            let p = &mut self.peers[i];
-            p.seq.take();
-            let c = &mut p.sent[slot(used)];
+            self.peers[i].seq.take();
+            let c = &mut self.totals.sent[slot(used)];
             c.0 += 1;
             c.1 += size;
+            if let Some(t) = self.sent_by_peer.as_mut() {
+                let c = &mut t[i][slot(used)];
+                c.0 += 1;
+                c.1 += size;
+            }
             if rc_worthy(&self.chain, size) {
                 self.budget.note(dest, &mut self.actions);
             }
@@ -521,9 +538,14 @@ impl Provider for Hybrid {
         Ok(n)
     }
 
+    /// First contact: UD's address handle and link, our order record and the budget's count
+    /// (what the first message would make).
     fn connect(&mut self, peer: Rank) -> Result<()> {
-        self.check_rank(peer)?;
-        self.ud.connect(peer)
+        let i = self.check_rank(peer)?;
+        self.ud.connect(peer)?;
+        self.peers.get_mut(i);
+        self.budget.touch(peer);
+        Ok(())
     }
 
     fn close(&mut self) -> Result<()> {
@@ -536,9 +558,7 @@ impl Provider for Hybrid {
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
-        let sum = |k: usize, f: fn(&(u64, u64)) -> u64| -> u64 {
-            self.peers.iter().map(|p| f(&p.sent[k])).sum()
-        };
+        let sum = |k: usize, f: fn(&(u64, u64)) -> u64| -> u64 { f(&self.totals.sent[k]) };
         let s = self.budget.stats();
         let mut v = vec![
             ("ud_sr_msgs", sum(0, |c| c.0)),
@@ -555,13 +575,22 @@ impl Provider for Hybrid {
             ("ctrl_sent", self.totals.ctrl_sent),
             ("held_for_order", self.totals.held),
         ];
-        // Memory: both channels' accounting added up (`weft bench mem`).
+        // Memory: both channels' accounting added up, and our own per-peer tables
+        // (`weft bench mem`).
         let (u, r) = (self.ud.counters(), self.rc.counters());
+        let own = self.peers.bytes()
+            + self.sent_by_peer.as_ref().map_or(0, |t| t.bytes())
+            + self.budget.bytes();
         for key in ["mem_hca_bytes", "mem_buffer_bytes", "mem_peer_bytes"] {
             let get = |c: &[(&'static str, u64)]| {
                 c.iter().find(|(k, _)| *k == key).map_or(0, |(_, x)| *x)
             };
-            v.push((key, get(&u) + get(&r)));
+            let mine = if key == "mem_peer_bytes" {
+                own as u64
+            } else {
+                0
+            };
+            v.push((key, get(&u) + get(&r) + mine));
         }
         v
     }
@@ -643,7 +672,7 @@ mod tests {
 
     struct Rig {
         core: Core,
-        peers: Vec<PeerState>,
+        peers: PeerTable<PeerState>,
         budget: Budget,
         chain: JobChain,
         actions: Vec<Action>,
@@ -655,7 +684,7 @@ mod tests {
         fn new(threshold: u64) -> Rig {
             Rig {
                 core: Core::default(),
-                peers: (0..3).map(|_| PeerState::default()).collect(),
+                peers: PeerTable::new(3),
                 budget: Budget::new(
                     0,
                     Limits {

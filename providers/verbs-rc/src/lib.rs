@@ -52,6 +52,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
+use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Access, AtomicOp, Caps, CntrId, CntrValue, Completion, CompletionLevel, CompletionTable,
     ConnEvent, MemRegion, PeerCaps, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps,
@@ -244,8 +245,8 @@ impl BlockView {
     }
 }
 
-impl Peer {
-    fn new() -> Peer {
+impl Default for Peer {
+    fn default() -> Peer {
         Peer {
             conn: Conn::Idle,
             qp: None,
@@ -292,7 +293,8 @@ pub struct VerbsRc {
     scratch: Pool,
     sq_depth: u32,
     max_sge: usize,
-    peers: Vec<Peer>,
+    /// Per-peer state: a pointer per rank, a record per peer this process has talked to.
+    peers: PeerTable<Peer>,
     by_qpn: HashMap<u32, Rank>,
     /// Peers with operations in their queue, to post as room frees up.
     backlog: Vec<Rank>,
@@ -306,12 +308,19 @@ pub struct VerbsRc {
     events: Vec<(Rank, ConnEvent)>,
     failures: Vec<(Rank, String)>,
     kv: Option<Arc<dyn KvSpace>>,
-    ud_addrs: Vec<Option<Endpoint>>,
+    /// Connection-manager addresses read so far (all of them at open without a key-value
+    /// space; otherwise those of the peers we connect to).
+    ud_addrs: HashMap<Rank, Endpoint>,
     job: u64,
     connect_timeout: Duration,
     rc: verbs::RcParams,
     keepalive: Option<Duration>,
     next_keepalive: Instant,
+    /// Keepalive probes in flight, and at most (the completion queue's room for them).
+    ka_posted: usize,
+    ka_room: usize,
+    /// Where the next keepalive round starts among the touched peers.
+    ka_next: usize,
     polls: u32,
     mrs: HashMap<u64, verbs::Mr>,
     /// The second QP of the connection to ourselves (its receives come from us).
@@ -383,6 +392,8 @@ struct Config {
     connect_timeout: Duration,
     rc: verbs::RcParams,
     keepalive: Option<Duration>,
+    /// Connections expected at most (a composition's budget); `None`: any rank.
+    conns: Option<usize>,
 }
 
 impl Config {
@@ -443,6 +454,7 @@ impl Config {
             fp_size,
             fp_threshold: FP_THRESHOLD.get_u64()?,
             fp_peers: FP_PEERS.get_u64()? as usize,
+            conns: None,
             rc: verbs::RcParams {
                 timeout: timeout as u8,
                 retry_cnt: retry as u8,
@@ -498,6 +510,13 @@ impl Config {
     /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
     /// connection manager's, the RMA requests and ring writes in flight and one keepalive per
     /// peer.
+    /// Keepalive probes in flight at most: one per connection we may hold.
+    fn ka_room(&self, size: u32) -> usize {
+        self.conns
+            .map_or(size as usize, |c| c.min(size as usize))
+            .max(1)
+    }
+
     fn cqe(&self, size: u32, attr: &verbs::DeviceAttr) -> u32 {
         let n = self.srq
             + self.send_bufs
@@ -505,7 +524,7 @@ impl Config {
             + UD_SENDS
             + OPS_IN_FLIGHT
             + RING_IN_FLIGHT
-            + size as usize;
+            + self.ka_room(size);
         n.min(attr.max_cqe as usize) as u32
     }
 
@@ -554,12 +573,12 @@ impl VerbsRc {
         .iter()
         .map(|p| p.host_bytes())
         .sum();
-        for p in &self.peers {
+        for (_, p) in self.peers.iter() {
             host += p.etx.as_ref().map_or(0, |e| e.staging.host_bytes());
             host += p.erx.as_ref().map_or(0, |e| e.block.host_bytes());
         }
-        let peers = self.peers.len() * std::mem::size_of::<Peer>()
-            + self.ud_addrs.len() * std::mem::size_of::<Option<Endpoint>>()
+        let peers = self.peers.bytes()
+            + self.ud_addrs.capacity() * (std::mem::size_of::<(Rank, Endpoint)>() + 1)
             + self.by_qpn.len() * 8;
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
@@ -572,6 +591,8 @@ impl VerbsRc {
     pub fn open_sized(boot: &mut dyn Bootstrap, sizing: Sizing) -> Result<VerbsRc> {
         let mut cfg = Config::from_env()?;
         cfg.fp_peers = sizing.fp_peers;
+        // One more than the budget: the connection to ourselves.
+        cfg.conns = Some(sizing.conns.saturating_add(1));
         if !FP_THRESHOLD.is_set() {
             cfg.fp_threshold = sizing.fp_threshold;
         }
@@ -645,7 +666,7 @@ impl VerbsRc {
             scratch,
             sq_depth: cfg.sq,
             max_sge,
-            peers: (0..size).map(|_| Peer::new()).collect(),
+            peers: PeerTable::new(size as usize),
             by_qpn: HashMap::new(),
             backlog: Vec::new(),
             wcs: [verbs::Wc {
@@ -665,12 +686,15 @@ impl VerbsRc {
             events: Vec::new(),
             failures: Vec::new(),
             kv: None,
-            ud_addrs: vec![None; size as usize],
+            ud_addrs: HashMap::new(),
             job: wire::job_hash(boot.job_id()),
             connect_timeout: cfg.connect_timeout,
             rc: cfg.rc,
             keepalive: cfg.keepalive,
             next_keepalive: Instant::now(),
+            ka_posted: 0,
+            ka_room: cfg.ka_room(size),
+            ka_next: 0,
             polls: 0,
             mrs: HashMap::new(),
             self_back: None,
@@ -697,7 +721,7 @@ impl VerbsRc {
             // No key-value space after open: read every address now (strings, not connections).
             for r in 0..size {
                 let v = boot.get(&format!("verbs-rc.{r}"))?;
-                me.ud_addrs[r as usize] = Some(v.parse()?);
+                me.ud_addrs.insert(r, v.parse()?);
             }
         }
         Ok(me)
@@ -744,7 +768,7 @@ impl VerbsRc {
         if let Some(u) = self.peers[r as usize].ud {
             return Ok(u);
         }
-        let ep = match self.ud_addrs[r as usize] {
+        let ep = match self.ud_addrs.get(&r).copied() {
             Some(e) => e,
             None => {
                 let kv = self
@@ -755,7 +779,7 @@ impl VerbsRc {
                     Error::invalid(format!("verbs-rc: rank {r} published no address"))
                 })?;
                 let e: Endpoint = v.parse()?;
-                self.ud_addrs[r as usize] = Some(e);
+                self.ud_addrs.insert(r, e);
                 e
             }
         };
@@ -1175,7 +1199,7 @@ impl VerbsRc {
             K_UDS => self.ud_send.free.push(idx),
             K_RING => {
                 self.ring_posted = self.ring_posted.saturating_sub(1);
-                if let Some(p) = self.peers.get_mut(idx as usize) {
+                if let Some(p) = self.peers.touched_mut(idx as usize) {
                     p.inflight = p.inflight.saturating_sub(1);
                     if !ok && wc.status != WcStatus::WrFlushErr {
                         self.conn_failed(idx, wc.status);
@@ -1184,7 +1208,8 @@ impl VerbsRc {
             }
             K_KA => {
                 let r = idx;
-                if let Some(p) = self.peers.get_mut(r as usize) {
+                self.ka_posted = self.ka_posted.saturating_sub(1);
+                if let Some(p) = self.peers.touched_mut(r as usize) {
                     p.inflight = p.inflight.saturating_sub(1);
                     if !ok && wc.status != WcStatus::WrFlushErr {
                         self.conn_failed(r, wc.status);
@@ -1682,7 +1707,15 @@ impl VerbsRc {
             return Ok(());
         }
         self.next_keepalive = now + every;
-        for r in 0..self.size {
+        // Probes in flight stay within the completion queue's room for them, starting where
+        // the last round stopped, so that every connection is probed in turn.
+        let n = self.peers.touched();
+        for j in 0..n {
+            if self.ka_posted >= self.ka_room {
+                break;
+            }
+            let k = (self.ka_next + j) % n;
+            let r = self.peers.touched_rank(k) as Rank;
             let p = &self.peers[r as usize];
             if r == self.rank || p.conn != Conn::Up || p.inflight > 0 {
                 continue;
@@ -1691,6 +1724,8 @@ impl VerbsRc {
             self.hca
                 .post_send(qp, &[SendWr::write(K_KA | r as u64, &[], 0, 0)])?;
             self.peers[r as usize].inflight += 1;
+            self.ka_posted += 1;
+            self.ka_next = k + 1;
         }
         Ok(())
     }
@@ -1698,7 +1733,8 @@ impl VerbsRc {
     /// Resend unanswered connection requests; fail peers that never answer.
     fn cm_timers(&mut self) -> Result<()> {
         let now = Instant::now();
-        for r in 0..self.size {
+        for k in 0..self.peers.touched() {
+            let r = self.peers.touched_rank(k) as Rank;
             let Conn::Requesting { first, next, wait } = self.peers[r as usize].conn else {
                 continue;
             };
@@ -1821,7 +1857,7 @@ impl Provider for VerbsRc {
         while self
             .peers
             .iter()
-            .any(|p| p.inflight > 0 && matches!(p.conn, Conn::Up | Conn::Accepted))
+            .any(|(_, p)| p.inflight > 0 && matches!(p.conn, Conn::Up | Conn::Accepted))
         {
             if Instant::now() > deadline {
                 tracing::debug!("verbs-rc: closing with requests still in flight");
@@ -1851,7 +1887,7 @@ impl Provider for VerbsRc {
         let up = self
             .peers
             .iter()
-            .filter(|p| matches!(p.conn, Conn::Up | Conn::Accepted))
+            .filter(|(_, p)| matches!(p.conn, Conn::Up | Conn::Accepted))
             .count() as u64;
         let hc = self.hca.counters();
         let mem = self.memory();
@@ -2043,14 +2079,14 @@ impl Drop for VerbsRc {
         let qps: Vec<verbs::Qp> = self
             .peers
             .iter()
-            .filter_map(|p| p.qp)
+            .filter_map(|(_, p)| p.qp)
             .chain(self.self_back.take())
             .chain(std::iter::once(self.ud_qp))
             .collect();
         for q in qps {
             let _ = self.hca.destroy_qp(q);
         }
-        for p in &self.peers {
+        for (_, p) in self.peers.iter() {
             if let Some((ah, _)) = p.ud {
                 let _ = self.hca.destroy_ah(ah);
             }
@@ -2068,7 +2104,7 @@ impl Drop for VerbsRc {
         ] {
             pool.release(&*self.hca);
         }
-        for p in &self.peers {
+        for (_, p) in self.peers.iter() {
             if let Some(e) = &p.erx {
                 e.block.release(&*self.hca);
             }
@@ -2116,6 +2152,10 @@ pub struct Sizing {
     /// Receive buffers in the shared receive queue, and send buffers
     /// (`WEFT_VERBS_RC_SRQ`, `WEFT_VERBS_RC_SEND_BUFS`).
     pub pool: usize,
+    /// Connections the composition opens at most (its RC budget): the completion queue keeps
+    /// room for that many keepalive probes rather than one per rank of the job. More
+    /// connections still work; their keepalives then take turns.
+    pub conns: usize,
 }
 
 /// What verbs-rc costs in memory with the current parameters, measured with the HCA's own

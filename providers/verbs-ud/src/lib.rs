@@ -1172,6 +1172,19 @@ impl Provider for VerbsUd {
         Ok(SendOutcome::Sent)
     }
 
+    /// First contact (the core calls this once, before the first operation towards `peer`):
+    /// read its address, make the address handle and the link now, so that the first send
+    /// finds them; a peer that published no address fails here.
+    fn connect(&mut self, peer: Rank) -> Result<()> {
+        let i = self.check_rank(peer)?;
+        if self.peers[i].failed {
+            return Err(self.peer_gone(peer));
+        }
+        self.ah_of(peer)?;
+        self.link(peer);
+        Ok(())
+    }
+
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
         let mut events = 0;
         // An idle call (nothing completed, nothing waiting here) only polls: timers

@@ -1,0 +1,27 @@
+//! Memory per process against job size without the processes (see `weft_hybrid::scale`):
+//! `scale [SIZES] [PROVIDERS]`, e.g. `scale 2,1024,16384 verbs-ud,hybrid`. Prints one line per
+//! (provider, size): `provider size hca buffers tables total` in bytes.
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let sizes = args.get(1).map_or("2,256,1024,4096,16384", |s| s.as_str());
+    let provs = args
+        .get(2)
+        .map_or("verbs-ud,hybrid,verbs-rc", |s| s.as_str());
+    println!("provider size hca buffers tables total");
+    for p in provs.split(',') {
+        for s in sizes.split(',') {
+            let Ok(n) = s.parse::<u32>() else {
+                eprintln!("scale: {s} is not a job size");
+                std::process::exit(2);
+            };
+            match weft_hybrid::scale::measure(p, n) {
+                Ok(f) => println!("{p} {n} {} {} {} {}", f.hca, f.buffers, f.tables, f.total()),
+                Err(e) => {
+                    eprintln!("scale: {p} at {n} ranks: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+}

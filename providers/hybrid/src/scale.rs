@@ -1,0 +1,243 @@
+//! The synthetic scale run: one process opens a provider for a job of thousands of ranks and
+//! makes it take the resources it would hold for each of them, without the thousands of
+//! processes.
+//!
+//! The process is rank 0 of a job of `size` ranks whose other ranks are *phantoms*: their
+//! published addresses are rank 0's own with a queue-pair number no queue pair has, so the
+//! HCA drops whatever is sent to them (as a fabric drops datagrams to a QP that does not
+//! exist). First contact with every phantom (`Provider::connect`, which the core calls before
+//! the first operation towards a peer) makes each provider create what it holds per peer:
+//! verbs-ud the address handle and the reliability engine's link, the hybrid that and its
+//! order and budget records, verbs-rc its RC queue pair, address handle and records (its
+//! connection requests go unanswered). The memory counters are read right after. Messages in
+//! flight are not part of the figure: a real peer acknowledges them, a phantom cannot.
+//!
+//! What a phantom cannot show: the state a completed RC connection adds (verbs-rc's RC-FP
+//! rings, at most `WEFT_VERBS_RC_FP_PEERS` of them; the hybrid's RC connections, at most
+//! `WEFT_HYBRID_MAX_RC`). Both are bounded and measured with real ranks (`weft bench mem`);
+//! docs/benchmarks.md adds them to the synthetic figures (example `scale` prints these).
+
+use crate::Hybrid;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use weft_provider::bootstrap::{Bootstrap, KvSpace, NodeMap};
+use weft_provider::provider::{Completed, Provider, Sink, StaticProvider, Token};
+use weft_provider::types::Rank;
+use weft_provider::{Error, Result};
+use weft_verbs_rc::VerbsRc;
+use weft_verbs_ud::VerbsUd;
+
+/// The queue-pair number the phantoms' addresses carry: the largest a 24-bit field holds, which
+/// no HCA hands out before the 16 millionth queue pair.
+const PHANTOM_QPN: u32 = 0xff_ffff;
+
+/// Memory of one provider in one process of a job, from its `mem_*` counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Ranks in the job.
+    pub size: u32,
+    /// Peers this process sent to (or connected to).
+    pub touched: u32,
+    /// HCA structures: queue pairs, completion and shared receive queues, registrations.
+    pub hca: u64,
+    /// Buffers: pools, rings, their mirrors.
+    pub buffers: u64,
+    /// Per-peer tables.
+    pub tables: u64,
+}
+
+impl Footprint {
+    pub fn total(&self) -> u64 {
+        self.hca + self.buffers + self.tables
+    }
+}
+
+/// Key-value space of a phantom job: what rank 0 publishes, and for any other rank the same
+/// key with rank 0's address pointed at [`PHANTOM_QPN`].
+#[derive(Default)]
+struct PhantomKv(Mutex<HashMap<String, String>>);
+
+impl PhantomKv {
+    fn lookup(&self, key: &str) -> Option<String> {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = map.get(key) {
+            return Some(v.clone());
+        }
+        let (prefix, rank) = key.rsplit_once('.')?;
+        rank.parse::<u32>().ok().filter(|&r| r > 0)?;
+        let mine = map.get(&format!("{prefix}.0"))?;
+        phantom_address(mine)
+    }
+}
+
+/// `gid:qpn:psn[:lid]` (a verbs endpoint) with the queue-pair number replaced.
+fn phantom_address(ep: &str) -> Option<String> {
+    let mut parts: Vec<&str> = ep.split(':').collect();
+    if parts.len() < 3 || u32::from_str_radix(parts[1], 16).is_err() {
+        return None;
+    }
+    let q = format!("{PHANTOM_QPN:x}");
+    parts[1] = &q;
+    Some(parts.join(":"))
+}
+
+impl KvSpace for PhantomKv {
+    fn put(&self, key: &str, value: &str) -> Result<()> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.to_string(), value.to_string());
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<Option<String>> {
+        Ok(self.lookup(key))
+    }
+}
+
+/// Rank 0 of a job of `size` ranks whose other ranks are phantoms, every rank on its own host
+/// (so that nothing is routed to shared memory).
+struct Phantom {
+    size: u32,
+    kv: Arc<PhantomKv>,
+    nodes: NodeMap,
+    job: String,
+}
+
+impl Phantom {
+    fn new(size: u32) -> Phantom {
+        Phantom {
+            size,
+            kv: Arc::default(),
+            nodes: NodeMap {
+                host_of: (0..size).collect(),
+                my_host: 0,
+            },
+            job: format!("phantom-{}-{size}", std::process::id()),
+        }
+    }
+}
+
+impl Bootstrap for Phantom {
+    fn rank(&self) -> Rank {
+        0
+    }
+    fn size(&self) -> u32 {
+        self.size
+    }
+    fn job_id(&self) -> &str {
+        &self.job
+    }
+    fn put(&mut self, key: &str, value: &str) -> Result<()> {
+        self.kv.put(key, value)
+    }
+    fn fence(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn get(&mut self, key: &str) -> Result<String> {
+        self.kv
+            .lookup(key)
+            .ok_or_else(|| Error::invalid(format!("phantom job: nothing published as {key}")))
+    }
+    fn nodes(&self) -> &NodeMap {
+        &self.nodes
+    }
+    fn kv(&self) -> Option<Arc<dyn KvSpace>> {
+        Some(self.kv.clone())
+    }
+}
+
+struct Discard;
+
+impl Sink for Discard {
+    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
+    fn complete(&mut self, _: Token, _: Result<Completed>) {}
+    fn peer_failed(&mut self, _: Rank, _: &str) {}
+}
+
+fn footprint(p: &dyn Provider, size: u32, touched: u32) -> Result<Footprint> {
+    let c = p.counters();
+    let get = |k: &str| c.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
+    match (
+        get("mem_hca_bytes"),
+        get("mem_buffer_bytes"),
+        get("mem_peer_bytes"),
+    ) {
+        (Some(hca), Some(buffers), Some(tables)) => Ok(Footprint {
+            size,
+            touched,
+            hca,
+            buffers,
+            tables,
+        }),
+        _ => Err(Error::invalid("this provider reports no mem_* counters")),
+    }
+}
+
+/// First contact with each of `peers` (what the core does before the first operation towards
+/// a peer): the providers make the peer's address handle, link or queue pair and records.
+fn touch_all(p: &mut dyn Provider, peers: std::ops::Range<u32>) -> Result<()> {
+    for r in peers {
+        p.connect(r)?;
+    }
+    p.progress(&mut Discard)?;
+    Ok(())
+}
+
+/// Memory of `provider` (verbs-ud, verbs-rc or hybrid) in a process of a job of `size` ranks
+/// that has sent to (verbs-rc: asked to connect to) every other rank.
+///
+/// The HCA's accounting covers the whole process, so measurements take turns (a lock), and
+/// nothing else in the process should open the HCA meanwhile.
+pub fn measure(provider: &str, size: u32) -> Result<Footprint> {
+    static TURN: Mutex<()> = Mutex::new(());
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    if size < 2 {
+        return Err(Error::invalid("synthetic run: a job of at least 2 ranks"));
+    }
+    let mut boot = Phantom::new(size);
+    let touched = size - 1;
+    match provider {
+        "verbs-ud" => {
+            let mut p = VerbsUd::open(&mut boot)?;
+            touch_all(&mut p, 1..size)?;
+            footprint(&p, size, touched)
+        }
+        "hybrid" => {
+            let mut p = Hybrid::open(&mut boot)?;
+            touch_all(&mut p, 1..size)?;
+            footprint(&p, size, touched)
+        }
+        "verbs-rc" => {
+            let mut p = VerbsRc::open(&mut boot)?;
+            touch_all(&mut p, 1..size)?;
+            footprint(&p, size, touched)
+        }
+        other => Err(Error::invalid(format!(
+            "synthetic run: {other} is not one of verbs-ud, verbs-rc, hybrid"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phantom_addresses_point_nowhere() {
+        let kv = PhantomKv::default();
+        kv.put("verbs-ud.0", "fe80000000000000000000000000abcd:2a:7:1")
+            .unwrap();
+        assert_eq!(
+            kv.get("verbs-ud.5").unwrap().as_deref(),
+            Some("fe80000000000000000000000000abcd:ffffff:7:1")
+        );
+        assert_eq!(
+            kv.get("verbs-ud.0").unwrap().as_deref(),
+            Some("fe80000000000000000000000000abcd:2a:7:1")
+        );
+        assert_eq!(kv.get("verbs-rc.5").unwrap(), None);
+        assert_eq!(kv.get("nodot").unwrap(), None);
+        assert_eq!(phantom_address("nonsense"), None);
+    }
+}

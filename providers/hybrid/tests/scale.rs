@@ -1,0 +1,57 @@
+//! The synthetic scale run (phantom peers): what each provider holds per peer, measured with
+//! the soft HCA's accounting in one process.
+
+use weft_hybrid::scale::{measure, Footprint};
+
+fn at(p: &str, n: u32) -> Footprint {
+    measure(p, n).unwrap_or_else(|e| panic!("{p} at {n} ranks: {e}"))
+}
+
+#[test]
+fn ud_and_hybrid_hold_no_queue_or_buffer_per_peer() {
+    for p in ["verbs-ud", "hybrid"] {
+        let (small, big) = (at(p, 2), at(p, 2048));
+        // Registration tables count pages, and where a pool starts in a page varies by a
+        // few bytes of table between runs: no growth means less than a word per 32 peers.
+        assert!(
+            big.hca.abs_diff(small.hca) <= 64,
+            "{p}: HCA structures grew with peers: {} -> {}",
+            small.hca,
+            big.hca
+        );
+        assert_eq!(small.buffers, big.buffers, "{p}: buffers grew with peers");
+        let per_peer = (big.tables - small.tables) / 2046;
+        assert!(
+            (64..=2048).contains(&per_peer),
+            "{p}: {per_peer} B of tables per peer"
+        );
+    }
+}
+
+#[test]
+fn hybrid_adds_little_per_peer_over_ud() {
+    let (u, h) = (at("verbs-ud", 2048), at("hybrid", 2048));
+    let (u0, h0) = (at("verbs-ud", 2), at("hybrid", 2));
+    let ud = (u.tables - u0.tables) / 2046;
+    let hy = (h.tables - h0.tables) / 2046;
+    // The hybrid's own records (order, budget) and verbs-rc's pointer per rank.
+    assert!(
+        hy > ud && hy - ud <= 256,
+        "verbs-ud {ud} B, hybrid {hy} B per peer"
+    );
+}
+
+#[test]
+fn rc_holds_a_queue_pair_per_peer_and_sparse_tables() {
+    let (a, b) = (at("verbs-rc", 2), at("verbs-rc", 258));
+    let qp = (b.hca - a.hca) / 256;
+    assert!(qp >= 1024, "{qp} B of HCA structures per RC peer");
+    let per_peer = (b.tables - a.tables) / 256;
+    assert!(per_peer <= 2048, "{per_peer} B of tables per RC peer");
+}
+
+#[test]
+fn bad_requests_are_errors() {
+    assert!(measure("shm", 4).is_err());
+    assert!(measure("verbs-ud", 1).is_err());
+}

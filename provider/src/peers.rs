@@ -9,6 +9,7 @@
 use std::ops::{Index, IndexMut};
 
 /// Per-rank records, allocated at the first mutable access.
+#[derive(Debug)]
 pub struct PeerTable<T> {
     slots: Vec<Option<Box<T>>>,
     /// What an untouched rank reads as; never handed out mutably.

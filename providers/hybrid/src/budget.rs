@@ -21,7 +21,7 @@
 //! messages that arrive ([`Budget::on_ctrl`]) and drain notices, and carries out the
 //! [`Action`]s it returns.
 
-use std::collections::HashMap;
+use weft_provider::peers::PeerTable;
 
 /// Peer rank.
 pub type Rank = u32;
@@ -148,17 +148,19 @@ pub struct BudgetStats {
 pub struct Budget {
     me: Rank,
     limits: Limits,
-    peers: HashMap<Rank, Peer>,
+    /// Per-peer records (a pointer per rank of the job, a record per peer talked to).
+    peers: PeerTable<Peer>,
     clock: u64,
     stats: BudgetStats,
 }
 
 impl Budget {
-    pub fn new(me: Rank, limits: Limits) -> Self {
+    /// The budget of rank `me` in a job of `size` ranks.
+    pub fn new(me: Rank, size: u32, limits: Limits) -> Self {
         Budget {
             me,
             limits,
-            peers: HashMap::new(),
+            peers: PeerTable::new(size as usize),
             clock: 0,
             stats: BudgetStats::default(),
         }
@@ -166,13 +168,13 @@ impl Budget {
 
     /// Bytes of per-peer state (every peer that exchanged a message counted towards RC).
     pub fn bytes(&self) -> usize {
-        self.peers.capacity() * (std::mem::size_of::<(Rank, Peer)>() + 1)
+        self.peers.bytes()
     }
 
     /// Make `peer`'s record (first contact), counting nothing.
     pub fn touch(&mut self, peer: Rank) {
         if peer != self.me {
-            self.peers.entry(peer).or_default();
+            self.peers.get_mut(peer as usize);
         }
     }
 
@@ -186,7 +188,7 @@ impl Budget {
 
     /// The RC state towards `peer`.
     pub fn state(&self, peer: Rank) -> RcState {
-        self.peers.get(&peer).map_or(RcState::Ud, |p| p.rc)
+        self.peers.get(peer as usize).map_or(RcState::Ud, |p| p.rc)
     }
 
     /// Sends to `peer` may use RC (and RC-FP where [`Budget::has_fp`]).
@@ -196,27 +198,30 @@ impl Budget {
 
     /// This process offered `peer` an RC-FP ring.
     pub fn has_fp(&self, peer: Rank) -> bool {
-        self.peers.get(&peer).is_some_and(|p| p.fp)
+        self.peers.get(peer as usize).is_some_and(|p| p.fp)
     }
 
     /// RC slots in use: asked, up or closing.
     pub fn rc_used(&self) -> usize {
-        self.peers.values().filter(|p| p.rc != RcState::Ud).count()
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.rc != RcState::Ud)
+            .count()
     }
 
     /// RC-FP rings offered.
     pub fn fp_used(&self) -> usize {
-        self.peers.values().filter(|p| p.fp).count()
+        self.peers.iter().filter(|(_, p)| p.fp).count()
     }
 
     /// A message was sent to or received from `peer`.
     pub fn note(&mut self, peer: Rank, out: &mut Vec<Action>) {
-        if peer == self.me {
+        if peer == self.me || peer as usize >= self.peers.len() {
             return;
         }
         self.clock += 1;
         let clock = self.clock;
-        let p = self.peers.entry(peer).or_default();
+        let p = &mut self.peers[peer as usize];
         p.msgs += 1;
         p.last_use = clock;
         let t = self.limits.threshold;
@@ -224,7 +229,7 @@ impl Budget {
             return;
         }
         if self.rc_used() < self.limits.max_rc {
-            if let Some(p) = self.peers.get_mut(&peer) {
+            if let Some(p) = self.peers.touched_mut(peer as usize) {
                 p.rc = RcState::Asked;
             }
             self.stats.asked += 1;
@@ -244,9 +249,11 @@ impl Budget {
         let victim = self
             .peers
             .iter()
-            .filter(|(&r, p)| r != busier && p.rc == RcState::Up && self.clock - p.last_use >= idle)
-            .min_by_key(|(&r, p)| (p.last_use, r))
-            .map(|(&r, _)| r);
+            .filter(|&(r, p)| {
+                r as Rank != busier && p.rc == RcState::Up && self.clock - p.last_use >= idle
+            })
+            .min_by_key(|&(r, p)| (p.last_use, r))
+            .map(|(r, _)| r as Rank);
         if let Some(v) = victim {
             self.start_close(v, out);
             out.push(Action::Send(v, Ctrl::Close));
@@ -254,7 +261,7 @@ impl Budget {
     }
 
     fn start_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
-        let p = self.peers.entry(peer).or_default();
+        let p = &mut self.peers[peer as usize];
         p.rc = RcState::Closing {
             drained: false,
             closed: false,
@@ -269,7 +276,7 @@ impl Budget {
 
     fn go_up(&mut self, peer: Rank, out: &mut Vec<Action>) {
         let fp_free = self.fp_used() < self.limits.max_fp;
-        let p = self.peers.entry(peer).or_default();
+        let p = &mut self.peers[peer as usize];
         p.rc = RcState::Up;
         p.refusals = 0;
         self.stats.opened += 1;
@@ -283,7 +290,7 @@ impl Budget {
 
     /// A control message from `peer` arrived.
     pub fn on_ctrl(&mut self, peer: Rank, msg: Ctrl, out: &mut Vec<Action>) {
-        if peer == self.me {
+        if peer == self.me || peer as usize >= self.peers.len() {
             return;
         }
         let state = self.state(peer);
@@ -312,14 +319,14 @@ impl Budget {
             (Ctrl::Yes, RcState::Asked) => self.go_up(peer, out),
             (Ctrl::No, RcState::Asked) => {
                 let t = self.limits.threshold.max(1);
-                let p = self.peers.entry(peer).or_default();
+                let p = &mut self.peers[peer as usize];
                 p.rc = RcState::Ud;
                 p.refusals += 1;
                 p.retry_at = p.msgs + (t << p.refusals.min(16));
             }
             (Ctrl::Close, RcState::Up) => self.start_close(peer, out),
             (Ctrl::Closed, RcState::Closing { drained, .. }) => {
-                if let Some(p) = self.peers.get_mut(&peer) {
+                if let Some(p) = self.peers.touched_mut(peer as usize) {
                     p.rc = RcState::Closing {
                         drained,
                         closed: true,
@@ -340,7 +347,7 @@ impl Budget {
             closed,
         } = self.state(peer)
         {
-            if let Some(p) = self.peers.get_mut(&peer) {
+            if let Some(p) = self.peers.touched_mut(peer as usize) {
                 p.rc = RcState::Closing {
                     drained: true,
                     closed,
@@ -352,7 +359,7 @@ impl Budget {
     }
 
     fn finish_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
-        let Some(p) = self.peers.get_mut(&peer) else {
+        let Some(p) = self.peers.touched_mut(peer as usize) else {
             return;
         };
         if p.rc
@@ -372,10 +379,10 @@ impl Budget {
                     .peers
                     .iter()
                     .filter(|(_, p)| p.rc == RcState::Up && !p.fp)
-                    .max_by_key(|(&r, p)| (p.last_use, std::cmp::Reverse(r)))
-                    .map(|(&r, _)| r);
+                    .max_by_key(|&(r, p)| (p.last_use, std::cmp::Reverse(r)))
+                    .map(|(r, _)| r as Rank);
                 if let Some(r) = next {
-                    if let Some(p) = self.peers.get_mut(&r) {
+                    if let Some(p) = self.peers.touched_mut(r as usize) {
                         p.fp = true;
                     }
                     self.stats.fp_opened += 1;
@@ -390,7 +397,7 @@ impl Budget {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::VecDeque;
+    use std::collections::{HashMap, VecDeque};
 
     /// Processes whose control messages travel in order per (from, to) pair, delivered in an
     /// order the test chooses; RC sends drain when the test says so.
@@ -405,7 +412,7 @@ mod tests {
     impl Job {
         fn new(n: u32, limits: Limits) -> Self {
             Job {
-                b: (0..n).map(|r| Budget::new(r, limits)).collect(),
+                b: (0..n).map(|r| Budget::new(r, n, limits)).collect(),
                 links: HashMap::new(),
                 draining: vec![],
                 connected: HashMap::new(),

@@ -214,7 +214,7 @@ impl Hybrid {
             ud,
             rc,
             chain,
-            budget: Budget::new(rank, cfg.limits),
+            budget: Budget::new(rank, size, cfg.limits),
             peers: PeerTable::new(size as usize),
             sent_by_peer: cfg.stats.then(|| PeerTable::new(size as usize)),
             caps,
@@ -687,6 +687,7 @@ mod tests {
                 peers: PeerTable::new(3),
                 budget: Budget::new(
                     0,
+                    3,
                     Limits {
                         threshold,
                         ..Limits::default()

@@ -331,8 +331,15 @@ pub struct VerbsRc {
     fp_peers: usize,
     /// Peers whose eager ring (in our memory) we poll.
     polling: Vec<Rank>,
-    /// Ring writes posted and not yet completed (at most `RING_IN_FLIGHT`).
+    /// Ring writes posted and not yet completed (at most `ring_in_flight`).
     ring_posted: usize,
+    /// RMA and atomic requests, and ring writes, posted at once at most (the completion
+    /// queue has room for them).
+    ops_in_flight: usize,
+    ring_in_flight: usize,
+    /// Sizes of the shared receive and send pools still to be made (lazily opened: at the
+    /// first RC queue pair); `None` once they are.
+    pools_due: Option<(usize, usize)>,
     /// Largest frame a send buffer holds.
     slot: usize,
     stats: Stats,
@@ -394,6 +401,11 @@ struct Config {
     keepalive: Option<Duration>,
     /// Connections expected at most (a composition's budget); `None`: any rank.
     conns: Option<usize>,
+    /// RMA and atomic requests, and eager-ring writes, posted at once at most.
+    ops_in_flight: usize,
+    ring_in_flight: usize,
+    /// The shared receive and send pools are made at the first RC queue pair, not at open.
+    lazy_pools: bool,
 }
 
 impl Config {
@@ -455,6 +467,9 @@ impl Config {
             fp_threshold: FP_THRESHOLD.get_u64()?,
             fp_peers: FP_PEERS.get_u64()? as usize,
             conns: None,
+            ops_in_flight: OPS_IN_FLIGHT,
+            ring_in_flight: RING_IN_FLIGHT,
+            lazy_pools: false,
             rc: verbs::RcParams {
                 timeout: timeout as u8,
                 retry_cnt: retry as u8,
@@ -522,8 +537,8 @@ impl Config {
             + self.send_bufs
             + UD_RECVS
             + UD_SENDS
-            + OPS_IN_FLIGHT
-            + RING_IN_FLIGHT
+            + self.ops_in_flight
+            + self.ring_in_flight
             + self.ka_room(size);
         n.min(attr.max_cqe as usize) as u32
     }
@@ -593,6 +608,12 @@ impl VerbsRc {
         cfg.fp_peers = sizing.fp_peers;
         // One more than the budget: the connection to ourselves.
         cfg.conns = Some(sizing.conns.saturating_add(1));
+        // The composition's RC carries active messages only (its RMA goes elsewhere), and
+        // rings for at most `fp_peers` peers: the completion queue need not hold verbs-rc's
+        // own in-flight limits.
+        cfg.ops_in_flight = 64;
+        cfg.ring_in_flight = (sizing.fp_peers * 32).clamp(64, RING_IN_FLIGHT);
+        cfg.lazy_pools = true;
         if !FP_THRESHOLD.is_set() {
             cfg.fp_threshold = sizing.fp_threshold;
         }
@@ -642,8 +663,15 @@ impl VerbsRc {
         let cq = hca.create_cq(cfg.cqe(size, &attr))?;
         let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
         // Receive buffers are written by peers: HCA memory where there is enough of it.
-        let recv = Pool::new(&*hca, pd, cfg.srq, slot, true)?;
-        let send = Pool::new(&*hca, pd, cfg.send_bufs, slot, false)?;
+        // Lazily opened (a composition that may never connect a peer): one-slot placeholders,
+        // nothing posted, until the first RC queue pair ([`VerbsRc::new_rc_qp`]).
+        let (nr, ns) = if cfg.lazy_pools {
+            (1, 1)
+        } else {
+            (cfg.srq, cfg.send_bufs)
+        };
+        let recv = Pool::new(&*hca, pd, nr, slot, true)?;
+        let send = Pool::new(&*hca, pd, ns, slot, false)?;
         let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT, false)?;
         let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT, false)?;
         let scratch = Pool::new(&*hca, pd, 1, 8, false)?;
@@ -703,11 +731,18 @@ impl VerbsRc {
             fp_peers: cfg.fp_peers,
             polling: Vec::new(),
             ring_posted: 0,
+            ops_in_flight: cfg.ops_in_flight,
+            ring_in_flight: cfg.ring_in_flight,
+            pools_due: cfg.lazy_pools.then_some((cfg.srq, cfg.send_bufs)),
             slot,
             stats: Stats::default(),
         };
-        for i in 0..cfg.srq as u32 {
-            me.post_srq(i)?;
+        if !cfg.lazy_pools {
+            for i in 0..cfg.srq as u32 {
+                me.post_srq(i)?;
+            }
+        } else {
+            me.send.free.clear();
         }
         for i in 0..UD_RECVS as u32 {
             me.post_ud_recv(i)?;
@@ -725,6 +760,30 @@ impl VerbsRc {
             }
         }
         Ok(me)
+    }
+
+    /// Make the shared receive and send pools if they were left for later: before the first
+    /// RC queue pair, so nothing can have used the placeholders (no receive was posted from
+    /// them, and sends need a queue pair).
+    fn make_pools(&mut self) -> Result<()> {
+        let Some((nr, ns)) = self.pools_due else {
+            return Ok(());
+        };
+        let recv = Pool::new(&*self.hca, self.pd, nr, self.slot, true)?;
+        let send = match Pool::new(&*self.hca, self.pd, ns, self.slot, false) {
+            Ok(p) => p,
+            Err(e) => {
+                recv.release(&*self.hca);
+                return Err(e);
+            }
+        };
+        std::mem::replace(&mut self.recv, recv).release(&*self.hca);
+        std::mem::replace(&mut self.send, send).release(&*self.hca);
+        self.pools_due = None;
+        for i in 0..nr as u32 {
+            self.post_srq(i)?;
+        }
+        Ok(())
     }
 
     fn post_srq(&mut self, i: u32) -> Result<()> {
@@ -757,6 +816,7 @@ impl VerbsRc {
     }
 
     fn new_rc_qp(&mut self) -> Result<verbs::Qp> {
+        self.make_pools()?;
         self.hca.create_qp(
             self.pd,
             &rc_init(self.cq, self.srq, self.sq_depth, self.max_sge as u32),
@@ -990,7 +1050,7 @@ impl VerbsRc {
         let i = r as usize;
         while self.peers[i].conn == Conn::Up
             && self.peers[i].inflight < self.sq_depth
-            && self.ops_posted < OPS_IN_FLIGHT
+            && self.ops_posted < self.ops_in_flight
         {
             let Some((wr, _)) = self.peers[i].queued.pop_front() else {
                 break;
@@ -1505,7 +1565,10 @@ impl VerbsRc {
             return Ok(false);
         };
         let n = e.tx.writes_for(len);
-        if len > e.tx.shape().max_body() || inflight + n > sq || ring_posted + n > RING_IN_FLIGHT {
+        if len > e.tx.shape().max_body()
+            || inflight + n > sq
+            || ring_posted + n > self.ring_in_flight
+        {
             return Ok(false);
         }
         let Some(placed) = e.tx.place(e.staging.buf(0), len) else {
@@ -1654,7 +1717,7 @@ impl VerbsRc {
             return Ok(());
         }
         let basic_room =
-            self.peers[i].inflight < self.sq_depth && self.ring_posted < RING_IN_FLIGHT;
+            self.peers[i].inflight < self.sq_depth && self.ring_posted < self.ring_in_flight;
         let mem = self.shape.mem_len();
         let p = &mut self.peers[i];
         let (Some(qp), Some(rx), Some(tx)) = (p.qp, p.erx.as_mut(), p.etx.as_mut()) else {

@@ -276,8 +276,8 @@ fn mem_shows_rc_growing_and_ud_flat_with_job_size() {
 }
 
 /// hybrid's RC memory is bounded by WEFT_HYBRID_MAX_RC: every pair earns RC at the first
-/// message, but each process holds two RC QPs at most (no RC-FP slots, which would add 128 KiB
-/// per connected peer).
+/// message, but each process holds one or three RC QPs at most (no RC-FP slots, which would
+/// add 128 KiB per connected peer); RC's shared pools appear with the first connection.
 #[test]
 fn hybrid_rc_memory_is_bounded_by_its_limit() {
     let o = bench(&[
@@ -285,7 +285,9 @@ fn hybrid_rc_memory_is_bounded_by_its_limit() {
         "--providers",
         "hybrid",
         "--variant",
-        "hybrid/rc2:WEFT_HYBRID_RC_THRESHOLD=1,WEFT_HYBRID_MAX_RC=2,WEFT_HYBRID_MAX_FP=0",
+        "hybrid/rc1:WEFT_HYBRID_RC_THRESHOLD=1,WEFT_HYBRID_MAX_RC=1,WEFT_HYBRID_MAX_FP=0",
+        "--variant",
+        "hybrid/rc3:WEFT_HYBRID_RC_THRESHOLD=1,WEFT_HYBRID_MAX_RC=3,WEFT_HYBRID_MAX_FP=0",
         "-n",
         "6",
         "--sizes",
@@ -305,9 +307,14 @@ fn hybrid_rc_memory_is_bounded_by_its_limit() {
         .skip(1)
         .map(|v| v.parse().unwrap())
         .collect();
-    assert_eq!(v.len(), 2, "{out}");
-    // Two RC QPs (26.3 KiB each in the soft HCA's model) and their bookkeeping; not five.
-    let extra = v[1] - v[0];
+    assert_eq!(v.len(), 3, "{out}");
+    // No pair earned RC in 2 iterations at the default threshold: no pools, no QPs.
+    assert!(
+        v[1] - v[0] > 1024.0,
+        "RC's pools at the first connection: {v:?}\n{out}"
+    );
+    // Two more RC QPs (26.3 KiB each in the soft HCA's model) and their bookkeeping; not four.
+    let extra = v[2] - v[1];
     assert!((2.0 * 26.0..3.0 * 26.0).contains(&extra), "{v:?}\n{out}");
 }
 

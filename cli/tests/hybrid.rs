@@ -38,16 +38,31 @@ fn conformance(env: &[&str]) -> Vec<String> {
     stats
 }
 
+fn num(l: &str, k: &str) -> u64 {
+    let at = l.find(k).unwrap_or_else(|| panic!("{k} in {l}")) + k.len();
+    l[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// `(asked, refused, opened)` of every rank's summary line.
 fn budgets(stats: &[String]) -> Vec<(u64, u64, u64)> {
-    let num = |l: &str, k: &str| -> u64 {
-        let at = l.find(k).unwrap_or_else(|| panic!("{k} in {l}")) + k.len();
-        l[at..].split_whitespace().next().unwrap().parse().unwrap()
-    };
     stats
         .iter()
         .filter(|l| l.contains(" RC asked "))
         .map(|l| (num(l, "RC asked "), num(l, " refused "), num(l, " opened ")))
+        .collect()
+}
+
+/// `(opened, closed)` of every rank's summary line.
+fn churn(stats: &[String]) -> Vec<(u64, u64)> {
+    stats
+        .iter()
+        .filter(|l| l.contains(" RC asked "))
+        .map(|l| (num(l, " opened "), num(l, " closed ")))
         .collect()
 }
 
@@ -105,6 +120,37 @@ fn conformance_with_an_rc_limit_of_one() {
 }
 
 #[test]
+fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
+    // One RC connection per process and a threshold of 3: every time a busier peer appears
+    // the connection in use is drained on both sides and torn down for it, hundreds of times
+    // during the suite, while messages are in flight on both channels (and datagrams are lost
+    // and duplicated under the second setting). Nothing may be lost, duplicated or reordered.
+    for extra in [
+        &[][..],
+        &[
+            "WEFT_VERBS_SOFT_UD_DROP=0.05",
+            "WEFT_VERBS_SOFT_UD_DUP=0.05",
+        ][..],
+    ] {
+        let mut env = vec![
+            "WEFT_HYBRID_MAX_RC=1",
+            "WEFT_HYBRID_REBALANCE=1",
+            "WEFT_HYBRID_RC_THRESHOLD=3",
+        ];
+        env.extend_from_slice(extra);
+        let stats = conformance(&env);
+        let c = churn(&stats);
+        assert_eq!(c.len(), 4, "{stats:#?}");
+        // At most one connection open at the end (the limit), and some were closed.
+        assert!(
+            c.iter().all(|&(opened, closed)| opened - closed <= 1),
+            "{stats:#?}"
+        );
+        assert!(c.iter().all(|&(_, closed)| closed >= 1), "{stats:#?}");
+    }
+}
+
+#[test]
 fn weft_info_prints_the_chain_in_force() {
     let o = run_bounded(
         Command::new(weft())
@@ -141,7 +187,6 @@ fn refused_settings_say_why() {
             "not composed yet",
         ),
         ("WEFT_HYBRID_RULES", "auto", "not built yet"),
-        ("WEFT_HYBRID_REBALANCE", "1", "not available yet"),
     ] {
         let o = run_bounded(
             Command::new(weft())

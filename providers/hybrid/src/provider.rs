@@ -13,7 +13,13 @@
 //! Large messages: this version offers active messages only, so the core's rendezvous moves
 //! them in chunks as large as the chain sends by UD-SR (8 KiB by default), each chunk on the
 //! channel the chain picks for its size; the zero-copy channels (RC-RDMA, UD-ZCOPY) are not
-//! composed yet, nor the teardown that rebalancing needs.
+//! composed yet.
+//!
+//! Rebalancing (`WEFT_HYBRID_REBALANCE=1`): the budget's `Drain` stops RC sends to the peer
+//! (verbs-rc `quiesce`); once verbs-rc is quiet towards it the budget hears `drained` and
+//! sends `Closed` with our next sequence number; its `Teardown` destroys the connection
+//! (verbs-rc `disconnect`) once every message the peer numbered below its own `Closed` has
+//! been delivered here.
 
 use crate::budget::{Action, Budget, Ctrl, Limits, RcState};
 use crate::order::{Arrival, Reorder, Sequencer};
@@ -39,7 +45,7 @@ weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
 weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
     "hybrid: peers with RC-FP slots at most (paper 001: 8)");
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
-    "hybrid: give the least-recently-used RC connection to a busier peer at the limit (not available yet: 1 is refused)");
+    "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
     "hybrid: print messages and bytes per peer and channel, and RC connections opened, at finalize (standard error)");
 
@@ -82,18 +88,13 @@ impl Config {
         } else {
             Chain::parse(&text).map_err(|e| Error::invalid(format!("WEFT_HYBRID_RULES: {e}")))?
         };
-        if REBALANCE.get_bool()? {
-            return Err(Error::invalid(
-                "WEFT_HYBRID_REBALANCE=1: not available yet (closing an RC connection under traffic is not built); leave it at 0",
-            ));
-        }
         Ok(Config {
             chain,
             limits: Limits {
                 threshold: RC_THRESHOLD.get_u64()?,
                 max_rc: MAX_RC.get_u64()? as usize,
                 max_fp: MAX_FP.get_u64()? as usize,
-                rebalance: false,
+                rebalance: REBALANCE.get_bool()?,
             },
             stats: STATS.get_bool()?,
         })
@@ -165,8 +166,16 @@ pub struct Hybrid {
     caps: Caps,
     /// Control messages waiting for room on UD, in order.
     ctrl_out: VecDeque<(Rank, Ctrl)>,
-    ctrl_in: Vec<(Rank, Ctrl)>,
+    /// Control messages received, with the sequence number a `Closed` carries.
+    ctrl_in: Vec<(Rank, Ctrl, u32)>,
     actions: Vec<Action>,
+    /// Peers whose RC connection is being closed: RC sends to them still completing.
+    draining: Vec<Rank>,
+    /// Connections both sides drained, to tear down once every message the peer sent before
+    /// its `Closed` has been delivered here: (peer, its next sequence number at `Closed`).
+    teardown: Vec<(Rank, u32)>,
+    /// The sequence number each closing peer's `Closed` carried.
+    closed_at: Vec<(Rank, u32)>,
     totals: Totals,
     stats: bool,
     /// Some RC connection was made: RC's queues are polled from then on.
@@ -221,6 +230,9 @@ impl Hybrid {
             ctrl_out: VecDeque::new(),
             ctrl_in: vec![],
             actions: vec![],
+            draining: vec![],
+            teardown: vec![],
+            closed_at: vec![],
             totals: Totals::default(),
             stats: cfg.stats,
             rc_active: false,
@@ -265,13 +277,66 @@ impl Hybrid {
                         self.rc.connect(p)?;
                     }
                 }
-                // verbs-rc sets up RC-FP slots itself (at most WEFT_HYBRID_MAX_FP peers);
-                // without rebalancing no connection is drained or torn down.
-                Action::OpenFp(_) | Action::CloseFp(_) | Action::Drain(_) | Action::Teardown(_) => {
+                // verbs-rc sets up RC-FP slots itself at connection (at most MAX_FP peers);
+                // a slot a teardown freed goes to the connection the budget names.
+                Action::OpenFp(p) => self.rc.open_fast_path(p)?,
+                // The slots go with the connection; draining stops the ring writes.
+                Action::CloseFp(_) => {}
+                Action::Drain(p) => {
+                    self.rc.quiesce(p)?;
+                    if !self.draining.contains(&p) {
+                        self.draining.push(p);
+                    }
+                }
+                Action::Teardown(p) => {
+                    let upto = self
+                        .closed_at
+                        .iter()
+                        .find(|&&(r, _)| r == p)
+                        .map_or(0, |&(_, s)| s);
+                    self.closed_at.retain(|&(r, _)| r != p);
+                    self.teardown.push((p, upto));
                 }
             }
         }
         self.flush_ctrl()
+    }
+
+    /// Rebalancing: report drained connections to the budget, and tear down those both sides
+    /// drained once the peer's messages sent before its `Closed` have all been delivered (the
+    /// last of them may still sit in RC's queues behind the `Closed` that came by UD).
+    fn closing(&mut self) -> Result<()> {
+        let mut k = 0;
+        while k < self.draining.len() {
+            let p = self.draining[k];
+            if self.rc.quiet(p) {
+                self.draining.swap_remove(k);
+                self.budget.drained(p, &mut self.actions);
+            } else {
+                k += 1;
+            }
+        }
+        let mut k = 0;
+        while k < self.teardown.len() {
+            let (p, upto) = self.teardown[k];
+            let delivered = self.peers[p as usize].reorder.expected();
+            // Every number before `upto` delivered (wrap-safe).
+            if self.peers[p as usize].failed || upto.wrapping_sub(delivered) as i32 <= 0 {
+                self.teardown.swap_remove(k);
+                self.rc.disconnect(p)?;
+                // The budget may have agreed on a new connection meanwhile (verbs-rc ignored
+                // the connect while the old one stood): make it now.
+                if self.budget.state(p) == RcState::Up && !self.peers[p as usize].failed {
+                    self.rc.connect(p)?;
+                }
+            } else {
+                k += 1;
+            }
+        }
+        if !self.actions.is_empty() {
+            self.run_actions()?;
+        }
+        Ok(())
     }
 
     /// Send the control messages waiting, in order, until UD has no room.
@@ -281,7 +346,18 @@ impl Hybrid {
                 self.ctrl_out.pop_front();
                 continue;
             }
-            match self.ud.am_send(p, &[K_CTRL, c.code()], &[]) {
+            let mut m = [0u8; 6];
+            m[0] = K_CTRL;
+            m[1] = c.code();
+            let len = if c == Ctrl::Closed {
+                // Our next sequence number: every message to the peer before it (over RC
+                // too: drained, so completed) is numbered below it.
+                m[2..6].copy_from_slice(&self.peers[p as usize].seq.peek().to_le_bytes());
+                6
+            } else {
+                2
+            };
+            match self.ud.am_send(p, &m[..len], &[]) {
                 Ok(SendOutcome::Sent) => {
                     self.totals.ctrl_sent += 1;
                     self.ctrl_out.pop_front();
@@ -351,7 +427,7 @@ struct Recv<'a> {
     peers: &'a mut PeerTable<PeerState>,
     budget: &'a mut Budget,
     actions: &'a mut Vec<Action>,
-    ctrl_in: &'a mut Vec<(Rank, Ctrl)>,
+    ctrl_in: &'a mut Vec<(Rank, Ctrl, u32)>,
     held: &'a mut u64,
 }
 
@@ -375,9 +451,19 @@ impl Sink for Recv<'_> {
             return;
         }
         match header {
-            [K_CTRL, code] => match Ctrl::from_code(*code) {
-                Some(c) => self.ctrl_in.push((src, c)),
-                None => self.malformed(src, &format!("control code {code}")),
+            // `Closed` carries the sender's next sequence number: everything it sent before
+            // (over RC too) must be delivered here before the connection goes.
+            [K_CTRL, code, rest @ ..] => match (Ctrl::from_code(*code), rest) {
+                (Some(Ctrl::Closed), &[a, b, c, d]) => {
+                    self.ctrl_in
+                        .push((src, Ctrl::Closed, u32::from_le_bytes([a, b, c, d])))
+                }
+                (Some(c), []) if c != Ctrl::Closed => self.ctrl_in.push((src, c, 0)),
+                (Some(c), _) => self.malformed(
+                    src,
+                    &format!("control {c:?} with {} bytes after it", rest.len()),
+                ),
+                (None, _) => self.malformed(src, &format!("control code {code}")),
             },
             [K_DATA, a, b, c, d, h @ ..] => {
                 let seq = u32::from_le_bytes([*a, *b, *c, *d]);
@@ -529,8 +615,15 @@ impl Provider for Hybrid {
             }
         };
         self.totals.held += held;
-        for (src, c) in std::mem::take(&mut self.ctrl_in) {
+        for (src, c, seq) in std::mem::take(&mut self.ctrl_in) {
+            if c == Ctrl::Closed {
+                self.closed_at.retain(|&(r, _)| r != src);
+                self.closed_at.push((src, seq));
+            }
             self.budget.on_ctrl(src, c, &mut self.actions);
+        }
+        if !self.draining.is_empty() || !self.teardown.is_empty() {
+            self.closing()?;
         }
         if !self.actions.is_empty() || !self.ctrl_out.is_empty() {
             self.run_actions()?;
@@ -676,7 +769,7 @@ mod tests {
         budget: Budget,
         chain: JobChain,
         actions: Vec<Action>,
-        ctrl_in: Vec<(Rank, Ctrl)>,
+        ctrl_in: Vec<(Rank, Ctrl, u32)>,
         held: u64,
     }
 
@@ -750,13 +843,26 @@ mod tests {
     fn control_messages_reach_the_budget_and_bad_ones_fail_the_peer() {
         let mut rig = Rig::new(100);
         rig.arrive(1, &[K_CTRL, Ctrl::Ask.code()], &[]);
-        assert_eq!(rig.ctrl_in, vec![(1, Ctrl::Ask)]);
+        assert_eq!(rig.ctrl_in, vec![(1, Ctrl::Ask, 0)]);
+        rig.arrive(1, &[K_CTRL, Ctrl::Closed.code(), 7, 0, 0, 0], &[]);
+        assert_eq!(rig.ctrl_in[1], (1, Ctrl::Closed, 7));
+        assert!(rig.core.failed.is_empty());
         rig.arrive(2, &[K_CTRL, 99], &[]);
         rig.arrive(2, &data(0, b"after"), b"");
         assert_eq!(rig.core.failed.len(), 1);
         assert!(rig.core.failed[0].1.contains("control code 99"));
         assert!(rig.core.ams.is_empty(), "nothing from a failed peer");
-        for bad in [&[][..], &[K_DATA, 0, 0][..], &[7, 0, 0, 0, 0][..]] {
+        let closed = Ctrl::Closed.code();
+        let ask = Ctrl::Ask.code();
+        for bad in [
+            &[][..],
+            &[K_DATA, 0, 0][..],
+            &[7, 0, 0, 0, 0][..],
+            // `Closed` without its sequence number, another control with bytes after it.
+            &[K_CTRL, closed][..],
+            &[K_CTRL, closed, 1, 2][..],
+            &[K_CTRL, ask, 0][..],
+        ] {
             let mut rig = Rig::new(100);
             rig.arrive(1, bad, b"");
             assert_eq!(rig.core.failed.len(), 1, "{bad:?}");

@@ -154,6 +154,10 @@ enum Conn {
     /// We answered a `REQ` and wait for `RTU`.
     Accepted,
     Up,
+    /// Being closed by a composition ([`VerbsRc::quiesce`]): nothing new is posted (no
+    /// sends, ring writes, credits, offers or keepalives), arrivals are still taken in, and an
+    /// error completion is not a failure (the peer may have destroyed its side already).
+    Draining,
     Failed,
 }
 
@@ -354,6 +358,10 @@ struct Stats {
     atomics: u64,
     write_data: u64,
     connects: u64,
+    /// Connections closed by a composition ([`VerbsRc::disconnect`]).
+    disconnects: u64,
+    /// Connection-manager messages of an earlier connection, ignored.
+    cm_stale: u64,
     cm_resends: u64,
     busy: u64,
     eager_ring: u64,
@@ -635,6 +643,95 @@ impl VerbsRc {
         self.peers
             .get(peer as usize)
             .is_some_and(|p| p.etx.is_some())
+    }
+
+    /// Stop posting anything to `peer` (a composition is closing the connection): sends to
+    /// it are refused (`Busy`), no ring write, credit, offer or keepalive goes out, and an
+    /// error completion no longer fails the peer. What the peer already wrote is still taken
+    /// in. Then wait for [`VerbsRc::quiet`] and [`VerbsRc::disconnect`].
+    pub fn quiesce(&mut self, peer: Rank) -> Result<()> {
+        let i = self.check_rank(peer)?;
+        if peer == self.rank {
+            return Err(Error::invalid(
+                "verbs-rc: the connection to ourselves is not closed",
+            ));
+        }
+        if !matches!(self.peers[i].conn, Conn::Idle | Conn::Failed) {
+            self.peers[i].conn = Conn::Draining;
+        }
+        Ok(())
+    }
+
+    /// Nothing of ours towards `peer` is in flight or queued.
+    pub fn quiet(&self, peer: Rank) -> bool {
+        self.peers
+            .get(peer as usize)
+            .is_none_or(|p| p.inflight == 0 && p.queued.is_empty())
+    }
+
+    /// Tear down the connection to `peer` (after [`VerbsRc::quiesce`] and once
+    /// [`VerbsRc::quiet`]): destroy its QP, release both eager rings, forget the connection's
+    /// sequence numbers, and count a new generation so that requests of this connection still
+    /// in the network are not answered. A later `connect` makes a fresh connection. The caller
+    /// (the hybrid's budget) makes sure the peer has taken in everything we sent and we
+    /// everything it sent.
+    pub fn disconnect(&mut self, peer: Rank) -> Result<()> {
+        let i = self.check_rank(peer)?;
+        if peer == self.rank {
+            return Err(Error::invalid(
+                "verbs-rc: the connection to ourselves is not closed",
+            ));
+        }
+        if matches!(self.peers[i].conn, Conn::Idle | Conn::Failed) {
+            return Ok(());
+        }
+        if !self.quiet(peer) {
+            return Err(Error::invalid(format!(
+                "verbs-rc: closing the connection to rank {peer} with work requests in flight"
+            )));
+        }
+        let p = &mut self.peers[i];
+        let (qp, erx, etx) = (p.qp.take(), p.erx.take(), p.etx.take());
+        p.conn = Conn::Idle;
+        p.gen = p.gen.wrapping_add(1);
+        p.psn = 0;
+        p.rep = None;
+        p.remote_qpn = None;
+        p.seq_out = 0;
+        p.expect = 0;
+        p.stash.clear();
+        p.got = 0;
+        p.offer_pending = false;
+        self.polling.retain(|&x| x != peer);
+        if let Some(q) = qp {
+            self.by_qpn.remove(&q.qpn);
+            // Completions of it still in the CQ no longer find a peer (its number is gone,
+            // and a new QP gets a new number): they are dropped.
+            self.hca.destroy_qp(q)?;
+        }
+        // The QP is gone: the HCA reaches neither ring any more.
+        if let Some(e) = erx {
+            e.block.release(&*self.hca);
+        }
+        if let Some(e) = etx {
+            e.staging.release(&*self.hca);
+        }
+        self.stats.disconnects += 1;
+        Ok(())
+    }
+
+    /// Set up RC-FP slots for the connected `peer` if it has none and fewer than
+    /// `fp_peers` peers have (a slot freed by a teardown goes to another connection).
+    pub fn open_fast_path(&mut self, peer: Rank) -> Result<()> {
+        let i = self.check_rank(peer)?;
+        if self.shape.design == Design::Fastpath
+            && self.peers[i].conn == Conn::Up
+            && self.peers[i].erx.is_none()
+            && self.polling.len() < self.fp_peers
+        {
+            self.open_rx(peer)?;
+        }
+        Ok(())
     }
 
     /// The RC connection to `peer` is up (sends to it go out now rather than wait).
@@ -937,8 +1034,14 @@ impl VerbsRc {
         }
         let r = m.src;
         let i = r as usize;
+        let gen = self.peers[i].gen;
         match (m.kind, self.peers[i].conn) {
-            (_, Conn::Failed) => {}
+            (_, Conn::Failed | Conn::Draining) => {}
+            // A request or answer of an earlier connection between us (torn down since, on
+            // either side) is stale: answering it could leave one side half-connected.
+            (CmKind::Req | CmKind::Rep, Conn::Idle | Conn::Requesting { .. }) if m.gen != gen => {
+                self.stats.cm_stale += 1;
+            }
             (CmKind::Req, Conn::Idle) => self.accept(r, &m)?,
             (CmKind::Req, Conn::Requesting { .. }) => {
                 // Both asked: the higher rank answers, with the QP it already made.
@@ -1012,7 +1115,7 @@ impl VerbsRc {
         let Some(qp) = self.peers[i].qp else {
             return Ok(SendOutcome::Busy);
         };
-        if self.peers[i].inflight >= self.sq_depth {
+        if self.peers[i].conn == Conn::Draining || self.peers[i].inflight >= self.sq_depth {
             return Ok(SendOutcome::Busy);
         }
         let Some(b) = self.send.free.pop() else {
@@ -1172,7 +1275,11 @@ impl VerbsRc {
     /// queued for it; those in flight fail as the HCA flushes them.
     fn conn_failed(&mut self, r: Rank, st: WcStatus) {
         let i = r as usize;
-        if self.peers[i].conn == Conn::Failed {
+        // Failed already, or closed on purpose (draining, or torn down: no QP left to fail).
+        if matches!(
+            self.peers[i].conn,
+            Conn::Failed | Conn::Draining | Conn::Idle
+        ) {
             return;
         }
         self.peers[i].conn = Conn::Failed;
@@ -1550,6 +1657,9 @@ impl VerbsRc {
     /// now (no ring yet, too large, full, or the send queue is).
     fn ring_send(&mut self, r: Rank, header: &[u8], payload: &[IoSlice<'_>]) -> Result<bool> {
         let i = r as usize;
+        if self.peers[i].conn != Conn::Up {
+            return Ok(false);
+        }
         let plen: usize = payload.iter().map(|p| p.len()).sum();
         let len = FRAME_HDR + header.len() + plen;
         let (sq, inflight) = (self.sq_depth as usize, self.peers[i].inflight as usize);
@@ -1706,6 +1816,9 @@ impl VerbsRc {
     /// Acknowledgements, pointers and offers owed to `r`.
     fn ring_control(&mut self, r: Rank) -> Result<()> {
         let i = r as usize;
+        if self.peers[i].conn == Conn::Draining {
+            return Ok(());
+        }
         if self.peers[i].offer_pending {
             self.send_offer(r)?;
         }
@@ -1962,6 +2075,8 @@ impl Provider for VerbsRc {
             ("atomics", s.atomics),
             ("write_data", s.write_data),
             ("connections_asked", s.connects),
+            ("connections_closed", s.disconnects),
+            ("cm_stale", s.cm_stale),
             ("connections_up", up),
             ("cm_resends", s.cm_resends),
             ("busy", s.busy),

@@ -150,6 +150,52 @@ fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
     }
 }
 
+/// The chain lines (`hybrid: rank N chain ...`) of the statistics, chains only.
+fn chains(stats: &[String]) -> Vec<String> {
+    stats
+        .iter()
+        .filter_map(|l| l.split_once(" chain ").map(|(_, c)| c.to_string()))
+        .collect()
+}
+
+#[test]
+fn conformance_with_an_auto_chain_calibrated_then_cached() {
+    let dir = std::env::temp_dir().join(format!("weft-auto-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = format!("WEFT_HYBRID_AUTO_CACHE={}", dir.display());
+    let env = [
+        "WEFT_HYBRID_RULES=auto",
+        cache.as_str(),
+        "WEFT_HYBRID_RC_THRESHOLD=2",
+    ];
+    // First run: the host calibrates, every rank runs the same chain, and it is cached with
+    // the measurements.
+    let stats = conformance(&env);
+    let c = chains(&stats);
+    assert_eq!(c.len(), 4, "{stats:#?}");
+    assert!(c.iter().all(|x| x == &c[0]), "ranks disagree: {c:#?}");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let path = files[0].path();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.starts_with("# key: "), "{text}");
+    assert!(text.contains("# size UD-SR RC-SR RC-FP"), "{text}");
+    assert!(text.lines().any(|l| l == c[0]), "{text}\n{c:?}");
+    // Second run: the cached chain is used as it stands (replaced here by one of ours, under
+    // the same key).
+    let key = text.lines().next().unwrap();
+    let ours = "{size<=8192: UD-SR}, {size<=8192: RC-SR}, {true: RC-RDMA}, {true: UD-ZCOPY}";
+    std::fs::write(&path, format!("{key}\n{ours}\n")).unwrap();
+    let stats = conformance(&env);
+    assert!(chains(&stats).iter().all(|x| x == ours), "{stats:#?}");
+    // A cache of other settings (another key) is measured again and replaced.
+    std::fs::write(&path, format!("# key: other\n{ours}\n")).unwrap();
+    let stats = conformance(&env);
+    assert!(chains(&stats).iter().all(|x| x != ours), "{stats:#?}");
+    assert!(std::fs::read_to_string(&path).unwrap().starts_with(key));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn weft_info_prints_the_chain_in_force() {
     let o = run_bounded(
@@ -186,7 +232,6 @@ fn refused_settings_say_why() {
             "{size<=512: UD-SR}, {true: UD-ZCOPY}",
             "not composed yet",
         ),
-        ("WEFT_HYBRID_RULES", "auto", "not built yet"),
     ] {
         let o = run_bounded(
             Command::new(weft())

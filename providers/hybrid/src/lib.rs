@@ -14,9 +14,11 @@
 //!
 //! - the provider (`Hybrid`, registered as `hybrid`) drives them over verbs-rc's and
 //!   verbs-ud's channels;
+//! - [`auto`]: `WEFT_HYBRID_RULES=auto`, a chain from channel costs measured per host (cached);
 //! - [`scale`]: the synthetic scale run — one process holding the resources of a job of
 //!   thousands of ranks (phantom peers), for the memory table.
 
+pub mod auto;
 pub mod budget;
 pub mod order;
 mod provider;

@@ -37,7 +37,7 @@ use weft_verbs_rc::{Sizing, VerbsRc};
 use weft_verbs_ud::VerbsUd;
 
 weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
-    "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's)");
+    "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's); auto: derived from each channel's cost measured on this host (cached)");
 weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
     "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
 weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
@@ -72,6 +72,9 @@ fn slot(c: Channel) -> usize {
 #[derive(Debug, Clone)]
 struct Config {
     chain: Chain,
+    /// `WEFT_HYBRID_RULES=auto`: `chain` is the default until the calibrated one replaces it
+    /// at open ([`crate::auto`]).
+    auto: bool,
     limits: Limits,
     stats: bool,
 }
@@ -79,17 +82,15 @@ struct Config {
 impl Config {
     fn from_env() -> Result<Config> {
         let text = RULES.get_str();
-        let chain = if text.trim().is_empty() {
+        let auto = text.trim().eq_ignore_ascii_case("auto");
+        let chain = if text.trim().is_empty() || auto {
             Chain::default()
-        } else if text.trim().eq_ignore_ascii_case("auto") {
-            return Err(Error::invalid(
-                "WEFT_HYBRID_RULES=auto: calibrated chains are not built yet; give a chain or leave it empty for paper 001's",
-            ));
         } else {
             Chain::parse(&text).map_err(|e| Error::invalid(format!("WEFT_HYBRID_RULES: {e}")))?
         };
         Ok(Config {
             chain,
+            auto,
             limits: Limits {
                 threshold: RC_THRESHOLD.get_u64()?,
                 max_rc: MAX_RC.get_u64()? as usize,
@@ -183,26 +184,30 @@ pub struct Hybrid {
 }
 
 impl Hybrid {
-    fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<Hybrid> {
+    fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<Hybrid> {
         let (rank, size) = (boot.rank(), boot.size());
-        let (chain, ud_upto) = cfg.job(size)?;
-        let ud = VerbsUd::open(boot)?;
+        let (_, ud_upto) = cfg.job(size)?;
         // RC serves at most max_rc peers and messages up to the chain's UD-SR reach: smaller
         // shared pools than verbs-rc alone takes for a job where every peer may connect
         // (unless WEFT_VERBS_RC_BUF, _SRQ or _SEND_BUFS say otherwise).
-        let rc = VerbsRc::open_sized(
-            boot,
-            Sizing {
-                fp_peers: cfg.limits.max_fp,
-                // A peer that earned RC gets RC-FP slots at once (within MAX_FP): small
-                // messages, which the chain sends by UD-SR until RC-FP opens, would otherwise
-                // never reach verbs-rc's own threshold.
-                fp_threshold: 0,
-                buf: usize::try_from(ud_upto).unwrap_or(usize::MAX).min(64 << 10),
-                pool: RC_POOL,
-                conns: cfg.limits.max_rc,
-            },
-        )?;
+        let sizing = Sizing {
+            fp_peers: cfg.limits.max_fp,
+            // A peer that earned RC gets RC-FP slots at once (within MAX_FP): small
+            // messages, which the chain sends by UD-SR until RC-FP opens, would otherwise
+            // never reach verbs-rc's own threshold.
+            fp_threshold: 0,
+            buf: usize::try_from(ud_upto).unwrap_or(usize::MAX).min(64 << 10),
+            pool: RC_POOL,
+            conns: cfg.limits.max_rc,
+        };
+        let mut ud = VerbsUd::open(boot)?;
+        let mut rc = VerbsRc::open_sized(boot, sizing)?;
+        if cfg.auto {
+            // Calibrated (or cached) per host with the channels just opened; it reaches UD-SR
+            // as far as the default chain does, so the sizes above stand.
+            cfg.chain = crate::auto::chain_for_job(boot, &mut ud, &mut rc, sizing)?;
+        }
+        let (chain, ud_upto) = cfg.job(size)?;
         let (uc, rcc) = (ud.caps(), rc.caps());
         let max_hdr = uc.max_am_header.min(rcc.max_am_header) - PREFIX;
         // Every message (the core's header and payload) must fit UD-SR, which every peer has.
@@ -731,6 +736,27 @@ weft_provider::register_provider!(
 /// why it is refused.
 pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
+    if cfg.auto {
+        return Ok(match crate::auto::cache_path() {
+            Some(p) => match std::fs::read_to_string(&p).ok().and_then(|t| {
+                t.lines()
+                    .find(|l| !l.starts_with('#') && !l.trim().is_empty())
+                    .map(str::to_string)
+            }) {
+                Some(c) => format!(
+                    "auto: calibrated per host at start; last cached in {}: {c}",
+                    p.display()
+                ),
+                None => format!(
+                    "auto: calibrated per host at start, then cached in {}",
+                    p.display()
+                ),
+            },
+            None => {
+                "auto: calibrated per host at every start (WEFT_HYBRID_AUTO_CACHE=none)".to_string()
+            }
+        });
+    }
     let (job, upto) = cfg.job(size).map_err(|e| e.to_string())?;
     Ok(format!(
         "{} (UD-SR up to {} bytes)",
@@ -896,6 +922,7 @@ mod tests {
     fn chains_this_version_cannot_carry_are_refused_at_init() {
         let cfg = |rules: &str| Config {
             chain: Chain::parse(rules).unwrap(),
+            auto: false,
             limits: Limits::default(),
             stats: false,
         };

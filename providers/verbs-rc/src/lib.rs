@@ -734,6 +734,12 @@ impl VerbsRc {
         Ok(())
     }
 
+    /// The largest active message (header and payload) the eager slots take in one record;
+    /// larger ones go by send/receive. 0 without slots in this design.
+    pub fn ring_max(&self) -> usize {
+        self.shape.max_body().saturating_sub(FRAME_HDR)
+    }
+
     /// The RC connection to `peer` is up (sends to it go out now rather than wait).
     pub fn connected(&self, peer: Rank) -> bool {
         self.peers

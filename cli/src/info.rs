@@ -57,8 +57,12 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
                 if let Some(r) = c.rma.filter(|r| r.rndv_only) {
                     writeln!(
                         s,
-                        "  rma: none on windows (active messages); large messages are written in place by the {} rendezvous",
-                        if r.write { "write" } else { "read" }
+                        "  rma: none on windows (active messages); large messages are placed by the {} rendezvous",
+                        match (r.read, r.write) {
+                            (true, true) => "read or the write (per peer)",
+                            (false, true) => "write",
+                            _ => "read",
+                        }
                     )
                     .unwrap();
                 } else if let Some(r) = c.rma {

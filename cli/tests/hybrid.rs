@@ -95,6 +95,33 @@ fn conformance_with_rc_opening_mid_suite() {
     assert!(sent_over(&stats, "RC-SR") > 0, "{stats:#?}");
     assert!(sent_over(&stats, "RC-FP") > 0, "{stats:#?}");
     assert!(sent_over(&stats, "UD-SR") > 0, "{stats:#?}");
+    // Large messages: read by the receiver over the pair's RC connection.
+    assert!(sent_over(&stats, "RC-RDMA") > 0, "{stats:#?}");
+}
+
+#[test]
+fn conformance_with_zero_copy_over_ud() {
+    // No RC at all: large messages go by UD-ZCOPY, written into the receiver's buffer posted
+    // on one of verbs-ud's zero-copy QPs (a window of receives into one buffer included, and
+    // with datagrams lost and duplicated: pieces out of place there are sent again, never
+    // copied within memory another receive may be writing).
+    for extra in [
+        &[][..],
+        &[
+            "WEFT_VERBS_SOFT_UD_DROP=0.05",
+            "WEFT_VERBS_SOFT_UD_DUP=0.05",
+        ][..],
+    ] {
+        let mut env = vec!["WEFT_HYBRID_MAX_RC=0"];
+        env.extend_from_slice(extra);
+        let stats = conformance(&env);
+        assert!(sent_over(&stats, "UD-ZCOPY") > 0, "{stats:#?}");
+        assert_eq!(
+            sent_over(&stats, "RC-SR") + sent_over(&stats, "RC-RDMA"),
+            0,
+            "{stats:#?}"
+        );
+    }
 }
 
 #[test]
@@ -147,6 +174,8 @@ fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
             "{stats:#?}"
         );
         assert!(c.iter().all(|&(_, closed)| closed >= 1), "{stats:#?}");
+        // Rendezvous switch between the zero-copy channels as connections come and go.
+        assert!(sent_over(&stats, "UD-ZCOPY") > 0, "{stats:#?}");
     }
 }
 
@@ -230,7 +259,7 @@ fn refused_settings_say_why() {
         (
             "WEFT_HYBRID_RULES",
             "{size<=512: UD-SR}, {true: UD-ZCOPY}",
-            "not composed yet",
+            "must be sent messages of up to 1024",
         ),
     ] {
         let o = run_bounded(

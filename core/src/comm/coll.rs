@@ -27,6 +27,7 @@ fn rb(b: &mut [u8]) -> RecvBuf {
         base: b.as_mut_ptr(),
         cap: b.len(),
         layout: Layout::Contig,
+        shared: false,
     }
 }
 

@@ -302,6 +302,7 @@ fn bytes_of_mut<T: Pod>(buf: &mut [T]) -> RecvBuf {
         base: buf.as_mut_ptr() as *mut u8,
         cap: std::mem::size_of_val(buf),
         layout: Layout::Contig,
+        shared: false,
     }
 }
 
@@ -328,6 +329,7 @@ fn typed_recv(buf: &mut [u8], count: usize, dt: &Datatype) -> Result<RecvBuf> {
         } else {
             Layout::Typed(dt.clone(), count)
         },
+        shared: false,
     })
 }
 

@@ -141,6 +141,7 @@ impl<P: Provider> Comm<P> {
             base: buf.as_ptr(),
             cap: buf.len(),
             layout: Layout::Contig,
+            shared: true,
         };
         let p = self.post_recv(rb, src.into(), tag.into(), self.ctx, s.id)?;
         Ok(self.request(s, p, true))

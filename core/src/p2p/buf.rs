@@ -29,6 +29,9 @@ pub(crate) struct RecvBuf {
     pub base: *mut u8,
     pub cap: usize,
     pub layout: Layout,
+    /// Other pending receives may name the same memory ([`crate::SharedBuf`]): registrations
+    /// for it carry [`Access::shared`](crate::provider::Access).
+    pub shared: bool,
 }
 
 impl SendBuf {

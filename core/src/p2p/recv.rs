@@ -309,19 +309,23 @@ impl P2pState {
             else {
                 continue;
             };
-            let (base, len, src) = (buf.base, *expect, *src);
+            let (base, len, src, shared) = (buf.base, *expect, *src, buf.shared);
             if let Err(e) = am.touch(p, src) {
                 self.finish(id, Err(e));
                 continue;
             }
             let writable = am.narrow(src).is_some_and(|n| n.rma_write && !n.rma_read);
             let reg = if self.rma_write && writable {
+                let access = Access {
+                    shared,
+                    ..Access::WRITE.union(Access::LOCAL_WRITE)
+                };
                 // SAFETY: the receive request uniquely borrows `[base, base + len)` (`len` is
                 // at most its capacity) until its result is given out or it is quarantined;
                 // both revoke this registration first (`finish` parks the result until
                 // `after_progress` has deregistered; `quarantine` deregisters), so no peer
                 // writes there once the buffer is the user's again.
-                unsafe { p.mr_register(base, len, Access::WRITE.union(Access::LOCAL_WRITE)) }
+                unsafe { p.mr_register(base, len, access) }
             } else {
                 Err(Error::invalid("write rendezvous off"))
             };

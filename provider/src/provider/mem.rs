@@ -85,6 +85,12 @@ pub struct Access {
     pub remote_read: bool,
     pub remote_write: bool,
     pub remote_atomic: bool,
+    /// A hint, not a right: other pending receives may place data in this region at the same
+    /// time (a receive into a `SharedBuf`, OSU's window of receives into one buffer). A
+    /// provider must then put every byte there straight from the wire and never copy within
+    /// the region (e.g. move a piece that landed in another piece's place): what it reads
+    /// back may already be another receive's. Not carried by the C ABI (1.1).
+    pub shared: bool,
 }
 
 impl Access {
@@ -94,6 +100,7 @@ impl Access {
         remote_read: false,
         remote_write: false,
         remote_atomic: false,
+        shared: false,
     };
     /// Local writes (a receive buffer, the destination of a read or of fetched values).
     pub const LOCAL_WRITE: Access = Access {
@@ -113,9 +120,10 @@ impl Access {
         remote_read: true,
         remote_write: true,
         remote_atomic: true,
+        shared: false,
     };
 
-    /// Every right of `o` is granted here too.
+    /// Every right of `o` is granted here too (the `shared` hint is not a right).
     #[inline]
     pub const fn contains(self, o: Access) -> bool {
         (self.local_write || !o.local_write)
@@ -132,6 +140,7 @@ impl Access {
             remote_read: self.remote_read || o.remote_read,
             remote_write: self.remote_write || o.remote_write,
             remote_atomic: self.remote_atomic || o.remote_atomic,
+            shared: self.shared || o.shared,
         }
     }
 

@@ -339,6 +339,7 @@ pub unsafe extern "C" fn rma_reg<P: StaticProvider>(
             remote_read: access & 1 != 0,
             remote_write: access & 2 != 0,
             remote_atomic: access & 4 != 0,
+            shared: false,
         };
         let m = p.mr_register(base, len, a)?;
         *mr = WeftMr {

@@ -10,10 +10,12 @@
 //! the core's header: kind, number); the receiver hands messages to the core in that order
 //! ([`crate::order`]), holding a copy of any that overtook its predecessors on another channel.
 //!
-//! Large messages: this version offers active messages only, so the core's rendezvous moves
-//! them in chunks as large as the chain sends by UD-SR (8 KiB by default), each chunk on the
-//! channel the chain picks for its size; the zero-copy channels (RC-RDMA, UD-ZCOPY) are not
-//! composed yet.
+//! Large messages go by the core's rendezvous over the channel the chain picks for them
+//! (`peer_caps`, read again at connection events): RC-RDMA while the pair is connected (the
+//! receiver reads the sender's buffer with verbs-rc), else UD-ZCOPY (the receiver's buffer
+//! posted on one of verbs-ud's zero-copy QPs, the sender writes it). Registrations go to the
+//! channel their access names; local ones to both. A chain without either channel streams
+//! large messages in active-message chunks of at most its UD-SR size.
 //!
 //! Rebalancing (`WEFT_HYBRID_REBALANCE=1`): the budget's `Drain` stops RC sends to the peer
 //! (verbs-rc `quiesce`); once verbs-rc is quiet towards it the budget hears `drained` and
@@ -24,12 +26,15 @@
 use crate::budget::{Action, Budget, Ctrl, Limits, RcState};
 use crate::order::{Arrival, Reorder, Sequencer};
 use crate::rules::{Chain, Channel, JobChain, Open};
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use weft_provider::bootstrap::Bootstrap;
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
-    Caps, Completed, ConnEvent, ProbeContext, Provider, SendOutcome, Sink, StaticProvider, Token,
+    Access, Caps, Completed, Completion, CompletionLevel, ConnEvent, MemRegion, PeerCaps,
+    ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
+    StaticProvider, Token,
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
@@ -57,15 +62,55 @@ const K_CTRL: u8 = 1;
 const PREFIX: usize = 5;
 /// Receive and send buffers of the RC channel (verbs-rc alone: 256 each).
 const RC_POOL: usize = 128;
-/// Channels counted per peer (index by [`slot`]).
-const COUNTED: [Channel; 3] = [Channel::UdSr, Channel::RcSr, Channel::RcFp];
+/// Channels counted per peer (index by [`slot`]): the zero-copy ones count the rendezvous
+/// data this side moved (RC-RDMA: reads as receiver; UD-ZCOPY: writes as sender).
+const COUNTED: [Channel; 5] = [
+    Channel::UdSr,
+    Channel::RcSr,
+    Channel::RcFp,
+    Channel::RcRdma,
+    Channel::UdZcopy,
+];
+type Sent = [(u64, u64); 5];
 
 fn slot(c: Channel) -> usize {
     match c {
+        Channel::UdSr => 0,
         Channel::RcSr => 1,
         Channel::RcFp => 2,
-        _ => 0,
+        Channel::RcRdma => 3,
+        Channel::UdZcopy => 4,
     }
+}
+
+/// A message larger than any the hybrid sends in one piece: the chain's choice for it is the
+/// rendezvous channel.
+const LARGE: u64 = u64::MAX;
+
+/// The RMA capabilities the hybrid offers: rendezvous only (windows go by active messages,
+/// as on verbs-ud), reads where the chain has RC-RDMA, writes where it has UD-ZCOPY and
+/// verbs-ud can place them.
+fn rndv_caps(chain: &JobChain, ud: &Caps) -> Option<RmaCaps> {
+    let has = |c: Channel| chain.rules().iter().any(|r| r.channel == c);
+    let read = has(Channel::RcRdma);
+    let write = has(Channel::UdZcopy) && ud.rma.is_some_and(|r| r.write);
+    (read || write).then(|| RmaCaps {
+        read,
+        write,
+        max_iov: 1,
+        user_memory: true,
+        completion: CompletionLevel::Delivery,
+        rndv_only: true,
+        ..RmaCaps::default()
+    })
+}
+
+/// A registration of the hybrid: one of verbs-rc's (remote reads: RC-RDMA), one of
+/// verbs-ud's (remote writes: UD-ZCOPY), or one of each (local use by either channel: the
+/// descriptor carries verbs-rc's local key in its low 32 bits, verbs-ud's in the high).
+struct HMr {
+    rc: Option<MemRegion>,
+    ud: Option<MemRegion>,
 }
 
 /// The parameters, checked.
@@ -112,9 +157,10 @@ impl Config {
         match job.ud_sr_upto() {
             Some(n) if n >= 1024 => Ok((job, n)),
             n => Err(Error::invalid(format!(
-                "WEFT_HYBRID_RULES: this version of hybrid moves every message as active messages, \
-                 so a peer with UD alone must be sent messages of up to 1024 bytes or more by \
-                 UD-SR (the chain stops at {}); UD-ZCOPY and RC-RDMA are not composed yet",
+                "WEFT_HYBRID_RULES: eager messages and the rendezvous' control messages go as \
+                 active messages, so a peer with UD alone must be sent messages of up to 1024 \
+                 bytes or more by UD-SR (the chain stops at {}); the zero-copy channels carry \
+                 only the rendezvous' data",
                 n.map_or("0 bytes".to_string(), |n| format!("{n} bytes"))
             ))),
         }
@@ -145,7 +191,7 @@ struct PeerState {
 #[derive(Debug, Default, Clone, Copy)]
 struct Totals {
     /// Messages and bytes sent per counted channel (index by [`slot`]).
-    sent: [(u64, u64); 3],
+    sent: Sent,
     held: u64,
     rc_fallback: u64,
     ctrl_sent: u64,
@@ -163,7 +209,12 @@ pub struct Hybrid {
     peers: PeerTable<PeerState>,
     /// Messages and bytes sent per peer and channel: kept only for `WEFT_HYBRID_STATS=1`
     /// (the totals always are), so that the per-peer cost stays small in large jobs.
-    sent_by_peer: Option<PeerTable<[(u64, u64); 3]>>,
+    sent_by_peer: Option<PeerTable<Sent>>,
+    /// Registrations by the handle handed out.
+    mrs: std::collections::HashMap<u64, HMr>,
+    next_mr: u64,
+    /// Peers whose rendezvous channel changed (RC closing): the core reads `peer_caps` again.
+    caps_changed: Vec<Rank>,
     caps: Caps,
     /// Control messages waiting for room on UD, in order.
     ctrl_out: VecDeque<(Rank, Ctrl)>,
@@ -222,6 +273,11 @@ impl Hybrid {
         caps.eager_limit = max_payload;
         caps.spans_hosts = uc.spans_hosts && rcc.spans_hosts;
         caps.lazy_connect = uc.lazy_connect;
+        caps.rma = rndv_caps(&chain, uc);
+        if caps.rma.is_some() {
+            caps.mr_local = true;
+            caps.per_peer = true;
+        }
         Ok(Hybrid {
             rank,
             size,
@@ -231,6 +287,9 @@ impl Hybrid {
             budget: Budget::new(rank, size, cfg.limits),
             peers: PeerTable::new(size as usize),
             sent_by_peer: cfg.stats.then(|| PeerTable::new(size as usize)),
+            mrs: std::collections::HashMap::new(),
+            next_mr: 0,
+            caps_changed: vec![],
             caps,
             ctrl_out: VecDeque::new(),
             ctrl_in: vec![],
@@ -262,13 +321,39 @@ impl Hybrid {
     /// The channels open to `peer` now.
     fn open_to(&self, peer: Rank) -> Open {
         let mut o = Open::UD;
+        if self.caps.rma.is_some_and(|r| r.write) {
+            o = o.with(Channel::UdZcopy);
+        }
         if self.budget.state(peer) == RcState::Up && self.rc.connected(peer) {
-            o = o.with(Channel::RcSr);
+            o = o.with(Channel::RcSr).with(Channel::RcRdma);
             if self.rc.fast_path_to(peer) {
                 o = o.with(Channel::RcFp);
             }
         }
         o
+    }
+
+    fn count(&mut self, peer: Rank, ch: Channel, bytes: u64) {
+        let c = &mut self.totals.sent[slot(ch)];
+        c.0 += 1;
+        c.1 += bytes;
+        if let Some(t) = self.sent_by_peer.as_mut() {
+            let c = &mut t[peer as usize][slot(ch)];
+            c.0 += 1;
+            c.1 += bytes;
+        }
+    }
+
+    fn new_mr(&mut self, m: HMr, addr: u64, len: usize, key: u64, desc: u64) -> MemRegion {
+        self.next_mr += 1;
+        self.mrs.insert(self.next_mr, m);
+        MemRegion {
+            key,
+            addr,
+            len,
+            handle: self.next_mr,
+            desc,
+        }
     }
 
     /// Carry out what the budget asked for.
@@ -289,6 +374,8 @@ impl Hybrid {
                 Action::CloseFp(_) => {}
                 Action::Drain(p) => {
                     self.rc.quiesce(p)?;
+                    // Rendezvous with the peer go by UD-ZCOPY from now on.
+                    self.caps_changed.push(p);
                     if !self.draining.contains(&p) {
                         self.draining.push(p);
                     }
@@ -383,7 +470,7 @@ impl Hybrid {
             self.rank,
             crate::rules::Chain(self.chain.rules().to_vec())
         )];
-        let mut by_peer: Vec<(usize, [(u64, u64); 3])> = self
+        let mut by_peer: Vec<(usize, Sent)> = self
             .sent_by_peer
             .iter()
             .flat_map(|t| t.iter().map(|(r, s)| (r, *s)))
@@ -580,14 +667,7 @@ impl Provider for Hybrid {
         }
         if out == SendOutcome::Sent {
             self.peers[i].seq.take();
-            let c = &mut self.totals.sent[slot(used)];
-            c.0 += 1;
-            c.1 += size;
-            if let Some(t) = self.sent_by_peer.as_mut() {
-                let c = &mut t[i][slot(used)];
-                c.0 += 1;
-                c.1 += size;
-            }
+            self.count(dest, used, size);
             if rc_worthy(&self.chain, size) {
                 self.budget.note(dest, &mut self.actions);
             }
@@ -633,7 +713,168 @@ impl Provider for Hybrid {
         if !self.actions.is_empty() || !self.ctrl_out.is_empty() {
             self.run_actions()?;
         }
+        for p in std::mem::take(&mut self.caps_changed) {
+            sink.connection(p, ConnEvent::CapsChanged);
+        }
         Ok(n)
+    }
+
+    /// The rendezvous channel towards `peer`: the chain's pick for a large message among the
+    /// channels open to it — RC-RDMA (the core reads the sender's buffer) while the budget
+    /// has the pair connected, else UD-ZCOPY (the core's write rendezvous into the
+    /// receiver's buffer posted on a zero-copy QP). Read again at connection events.
+    fn peer_caps(&self, peer: Rank) -> Option<PeerCaps> {
+        let rma = self.caps.rma?;
+        let mut c = PeerCaps::from(&self.caps);
+        let pick = self.chain.pick(LARGE, self.open_to(peer));
+        c.rma_read = rma.read && pick == Some(Channel::RcRdma);
+        c.rma_write = rma.write && pick == Some(Channel::UdZcopy);
+        Some(c)
+    }
+
+    /// Remote reads: verbs-rc (RC-RDMA). Remote writes: verbs-ud (UD-ZCOPY's posted buffer).
+    /// Local use only: both, the descriptor carrying both local keys.
+    unsafe fn mr_register(
+        &mut self,
+        base: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemRegion> {
+        if access.remote_atomic || (access.remote_read && access.remote_write) {
+            return Err(Error::invalid(
+                "hybrid: registrations serve one rendezvous: remote reads or remote writes",
+            ));
+        }
+        if access.remote_read {
+            // SAFETY: the caller's contract (memory valid until `mr_deregister`) is passed on
+            // unchanged.
+            let m = unsafe { self.rc.mr_register(base, len, access) }?;
+            let (addr, key, desc) = (m.addr, m.key, m.desc & 0xffff_ffff);
+            return Ok(self.new_mr(
+                HMr {
+                    rc: Some(m),
+                    ud: None,
+                },
+                addr,
+                len,
+                key,
+                desc,
+            ));
+        }
+        if access.remote_write {
+            // SAFETY: as above.
+            let m = unsafe { self.ud.mr_register(base, len, access) }?;
+            let (addr, key, desc) = (m.addr, m.key, m.desc << 32);
+            return Ok(self.new_mr(
+                HMr {
+                    rc: None,
+                    ud: Some(m),
+                },
+                addr,
+                len,
+                key,
+                desc,
+            ));
+        }
+        // SAFETY: as above, for each channel's registration.
+        let r = unsafe { self.rc.mr_register(base, len, access) }?;
+        // SAFETY: as above.
+        let u = match unsafe { self.ud.mr_register(base, len, access) } {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = self.rc.mr_deregister(&r);
+                return Err(e);
+            }
+        };
+        let desc = (u.desc << 32) | (r.desc & 0xffff_ffff);
+        Ok(self.new_mr(
+            HMr {
+                rc: Some(r),
+                ud: Some(u),
+            },
+            base as u64,
+            len,
+            0,
+            desc,
+        ))
+    }
+
+    fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
+        let m = self
+            .mrs
+            .remove(&mr.handle)
+            .ok_or_else(|| Error::invalid("hybrid: deregistering an unknown region"))?;
+        let a = m.rc.map_or(Ok(()), |r| self.rc.mr_deregister(&r));
+        let b = m.ud.map_or(Ok(()), |u| self.ud.mr_deregister(&u));
+        a.and(b)
+    }
+
+    /// RC-RDMA: a read of the sender's buffer over the pair's RC connection (up, or closing
+    /// with its queue pair still there: the close waits for the read).
+    unsafe fn rma_read(
+        &mut self,
+        src: Rank,
+        local: &[RawIovMut],
+        remote: RemoteAddr,
+        done: Completion,
+    ) -> Result<()> {
+        self.check_rank(src)?;
+        if !self.rc.rdma_open(src) {
+            return Err(Error::invalid(format!(
+                "hybrid: a rendezvous read from rank {src} without an RC connection to it"
+            )));
+        }
+        let pieces: SmallVec<[RawIovMut; 4]> = local
+            .iter()
+            .map(|p| RawIovMut {
+                desc: p.desc & 0xffff_ffff,
+                ..*p
+            })
+            .collect();
+        let bytes: usize = pieces.iter().map(|p| p.len).sum();
+        // SAFETY: the caller's contract for `local` (valid and not otherwise accessed until
+        // `done` is reported) is passed on; only the descriptors are narrowed to verbs-rc's.
+        unsafe { self.rc.rma_read(src, &pieces, remote, done) }?;
+        self.count(src, Channel::RcRdma, bytes as u64);
+        Ok(())
+    }
+
+    /// UD-ZCOPY: a write rendezvous into the receiver's posted buffer (a key verbs-ud made);
+    /// a key of verbs-rc's (an RC registration) goes by RC-RDMA write.
+    unsafe fn rma_write(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        done: Completion,
+    ) -> Result<()> {
+        self.check_rank(dest)?;
+        let ud_key = u32::try_from(remote.key).is_err();
+        let shift = if ud_key { 32 } else { 0 };
+        let pieces: SmallVec<[RawIov; 4]> = local
+            .iter()
+            .map(|p| RawIov {
+                desc: (p.desc >> shift) & 0xffff_ffff,
+                ..*p
+            })
+            .collect();
+        let bytes: usize = pieces.iter().map(|p| p.len).sum();
+        if ud_key {
+            // SAFETY: the caller's contract for `local` is passed on; only the descriptors
+            // are narrowed to verbs-ud's.
+            unsafe { self.ud.rma_write(dest, &pieces, remote, done) }?;
+            self.count(dest, Channel::UdZcopy, bytes as u64);
+        } else {
+            if !self.rc.rdma_open(dest) {
+                return Err(Error::invalid(format!(
+                    "hybrid: an RDMA write to rank {dest} without an RC connection to it"
+                )));
+            }
+            // SAFETY: as above, verbs-rc's descriptors.
+            unsafe { self.rc.rma_write(dest, &pieces, remote, done) }?;
+            self.count(dest, Channel::RcRdma, bytes as u64);
+        }
+        Ok(())
     }
 
     /// First contact: UD's address handle and link, our order record and the budget's count
@@ -722,6 +963,16 @@ impl StaticProvider for Hybrid {
         caps.eager_limit = max_payload;
         caps.spans_hosts = uc.spans_hosts && rcc.spans_hosts;
         caps.lazy_connect = uc.lazy_connect;
+        caps.rma = rndv_caps(
+            &cfg.chain
+                .for_job(2)
+                .map_err(|e| Error::invalid(e.to_string()))?,
+            &uc,
+        );
+        if caps.rma.is_some() {
+            caps.mr_local = true;
+            caps.per_peer = true;
+        }
         Ok(caps)
     }
 }

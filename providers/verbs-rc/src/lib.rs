@@ -662,6 +662,14 @@ impl VerbsRc {
         Ok(())
     }
 
+    /// RDMA operations towards `peer` can be posted: its connection is up, or closing with
+    /// its queue pair still there (they complete before [`VerbsRc::quiet`] holds).
+    pub fn rdma_open(&self, peer: Rank) -> bool {
+        self.peers
+            .get(peer as usize)
+            .is_some_and(|p| matches!(p.conn, Conn::Up | Conn::Draining))
+    }
+
     /// Nothing of ours towards `peer` is in flight or queued.
     pub fn quiet(&self, peer: Rank) -> bool {
         self.peers
@@ -1157,7 +1165,9 @@ impl VerbsRc {
     /// Post `r`'s queued RMA operations while its send queue has room.
     fn flush_queued(&mut self, r: Rank) -> Result<()> {
         let i = r as usize;
-        while self.peers[i].conn == Conn::Up
+        // A closing connection still takes RDMA operations (a rendezvous read decided
+        // before the close): they complete before it is quiet.
+        while matches!(self.peers[i].conn, Conn::Up | Conn::Draining)
             && self.peers[i].inflight < self.sq_depth
             && self.ops_posted < self.ops_in_flight
         {

@@ -777,7 +777,7 @@ impl VerbsUd {
 
     /// Register `[base, base + len)` for one zero-copy transfer into it: a pool QP, the
     /// first round's receives posted.
-    fn zrecv_open(&mut self, base: *mut u8, len: usize) -> Result<MemRegion> {
+    fn zrecv_open(&mut self, base: *mut u8, len: usize, shared: bool) -> Result<MemRegion> {
         let piece = self.cfg.mtu;
         if len < self.cfg.zcopy_min || len.div_ceil(piece) > zcopy::MAX_PIECES as usize {
             return Err(Error::invalid(format!(
@@ -806,6 +806,7 @@ impl VerbsUd {
             piece,
             ZDEPTH as usize,
             zcopy::max_ranges(self.cfg.mtu - PKT),
+            !shared,
         );
         let first = r.first();
         let z = match self.zrecvs.iter().position(Option::is_none) {
@@ -1360,7 +1361,7 @@ impl Provider for VerbsUd {
             });
         }
         if access.remote_write {
-            return self.zrecv_open(base, len);
+            return self.zrecv_open(base, len, access.shared);
         }
         let va = if access.local_write {
             verbs::Access::LOCAL_WRITE

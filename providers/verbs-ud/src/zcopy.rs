@@ -16,6 +16,12 @@
 //! (a copy of only those, once no receive is posted over the target), and grants a next
 //! round of exactly the pieces still missing — receives left over from the round first, in
 //! their order, then new ones. One lost packet costs one piece sent again, not the message.
+//!
+//! A receive into memory other pending receives may write too (`Access::shared`: a window of
+//! receives into one buffer) never moves: what it would read back may be another receive's
+//! by then, and copied to another place it would leave bytes of the wrong offset behind. It
+//! asks for every piece that landed out of place again (a loss then costs the rest of its
+//! round), so each place is last written by the wire with its own piece.
 
 use std::collections::VecDeque;
 
@@ -209,6 +215,11 @@ pub struct Recv {
     depth: usize,
     max_ranges: usize,
     idle_rounds: u32,
+    /// Pieces in place at the end of the previous round.
+    good_then: u32,
+    /// Pieces that landed early may be copied to their place (the memory is this receive's
+    /// alone).
+    moves: bool,
     /// Pieces moved into place, pieces asked for again.
     pub moved: u64,
     pub regranted: u64,
@@ -219,8 +230,16 @@ const MAX_IDLE_ROUNDS: u32 = 32;
 
 impl Recv {
     /// A transfer of `len` bytes in pieces of `piece`; at most `depth` receives posted at once
-    /// and `max_ranges` ranges per grant.
-    pub fn new(xfer: u32, len: usize, piece: usize, depth: usize, max_ranges: usize) -> Recv {
+    /// and `max_ranges` ranges per grant. Without `moves` (memory shared with other receives)
+    /// a piece out of place is asked for again instead of copied.
+    pub fn new(
+        xfer: u32,
+        len: usize,
+        piece: usize,
+        depth: usize,
+        max_ranges: usize,
+        moves: bool,
+    ) -> Recv {
         let n = len.div_ceil(piece) as u32;
         Recv {
             xfer,
@@ -236,6 +255,8 @@ impl Recv {
             depth,
             max_ranges: max_ranges.max(1),
             idle_rounds: 0,
+            good_then: 0,
+            moves,
             moved: 0,
             regranted: 0,
         }
@@ -325,7 +346,8 @@ impl Recv {
         if round != self.round {
             return None;
         }
-        let before = self.ngood;
+        // Progress since the last round's end: pieces that landed in place, then those moved.
+        let before = self.good_then;
         // A piece that landed early (in a place before its own) is copied to its place if that
         // is still missing and has no receive posted (nothing else writes there then). From
         // the highest place down: a place is read before anything is copied into it.
@@ -333,13 +355,14 @@ impl Recv {
         landed.sort_unstable_by_key(|l| std::cmp::Reverse(l.0));
         let mut moves = Vec::new();
         for (at, p, bytes) in landed {
-            if p > at && !self.good[p as usize] && !self.is_posted[p as usize] {
+            if self.moves && p > at && !self.good[p as usize] && !self.is_posted[p as usize] {
                 self.good[p as usize] = true;
                 self.ngood += 1;
                 self.moved += 1;
                 moves.push((at, p, bytes));
             }
         }
+        self.good_then = self.ngood;
         if self.ngood == self.n {
             return Some((moves, Next::Finished));
         }
@@ -418,7 +441,18 @@ mod tests {
         depth: usize,
         lose: impl Fn(u32, usize) -> bool,
     ) -> (Recv, u32) {
-        let mut r = Recv::new(1, n_bytes, piece, depth, 8);
+        run_with(n_bytes, piece, depth, true, lose)
+    }
+
+    /// As [`run`]; `moves` off also checks that no place is ever read back.
+    fn run_with(
+        n_bytes: usize,
+        piece: usize,
+        depth: usize,
+        moves: bool,
+        lose: impl Fn(u32, usize) -> bool,
+    ) -> (Recv, u32) {
+        let mut r = Recv::new(1, n_bytes, piece, depth, 8, moves);
         let mut mem: Vec<Option<u32>> = vec![None; r.pieces() as usize];
         let mut grant = r.first();
         let mut rounds = 0;
@@ -439,8 +473,12 @@ mod tests {
                     r.on_landed(None);
                 }
             }
-            let (moves, next) = r.on_done(r.round()).expect("current round");
-            for (from, to, _) in moves {
+            let (copies, next) = r.on_done(r.round()).expect("current round");
+            assert!(
+                moves || copies.is_empty(),
+                "a shared receive copied {copies:?}"
+            );
+            for (from, to, _) in copies {
                 assert_eq!(mem[from as usize], Some(to));
                 mem[to as usize] = mem[from as usize];
             }
@@ -478,6 +516,26 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_receive_asks_again_for_what_landed_out_of_place() {
+        // The same loss as above into shared memory: nothing is copied; pieces 11..=510,
+        // which landed one place early, are asked for again with piece 10 (and 511 into the
+        // receive still posted for it), and land in their own places in the second round.
+        let (r, rounds) = run_with(1 << 20, 2048, 1024, false, |round, i| round == 1 && i == 10);
+        assert_eq!((rounds, r.moved), (2, 0));
+        assert_eq!(r.regranted, 502, "pieces 10..=511 sent again");
+    }
+
+    #[test]
+    fn pieces_landing_in_place_count_as_progress() {
+        // Every round loses its last datagram, so nothing ever lands early and nothing is
+        // moved: progress is only what landed in place, round after round (more than the 32
+        // rounds without progress after which a transfer is given up).
+        let (r, rounds) = run(1 << 20, 2048, 4, |_, i| i == 3);
+        assert!(rounds > 100, "{rounds} rounds");
+        assert_eq!(r.moved, 0);
+    }
+
+    #[test]
     fn a_message_larger_than_the_depth_goes_in_several_rounds() {
         let (_, rounds) = run(1 << 20, 2048, 100, |_, _| false);
         assert_eq!(rounds, 6);
@@ -499,6 +557,23 @@ mod tests {
                 (x % 100) < loss as u64
             };
             run(len, 1024, depth, h);
+        }
+
+        #[test]
+        fn every_piece_arrives_in_shared_memory_without_copies(
+            len in 1usize..200_000,
+            depth in 4usize..300,
+            seed in any::<u64>(),
+            loss in 0u32..40,
+        ) {
+            let h = |round: u32, i: usize| {
+                let mut x = seed ^ (round as u64) << 32 ^ i as u64;
+                x ^= x >> 33;
+                x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+                x ^= x >> 33;
+                (x % 100) < loss as u64
+            };
+            run_with(len, 1024, depth, false, h);
         }
     }
 }

@@ -332,10 +332,17 @@ fn shared_window(c: &Comm<DynProvider>) -> Result<(), String> {
                 "{size} B: statuses {sts:?}"
             );
             let got = buf.as_mut_slice();
-            ensure!(
-                got[..size] == pattern(size, i as u8)[..] && got[size] == 0,
-                "{size} B: the buffer does not hold the message"
-            );
+            let want = pattern(size, i as u8);
+            if let Some(at) = (0..size).find(|&k| got[k] != want[k]) {
+                let end = (at..size).find(|&k| got[k] == want[k]).unwrap_or(size);
+                // Recorded, not returned: the sender goes on to the next size.
+                note(format!(
+                    "{size} B: the buffer does not hold the message: bytes {at}..{end} differ \
+                     (first {:#04x}, expected {:#04x})",
+                    got[at], want[at]
+                ));
+            }
+            ensure!(got[size] == 0, "{size} B: a byte written past the message");
         }
     }
     Ok(())

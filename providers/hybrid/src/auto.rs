@@ -38,7 +38,7 @@ use weft_verbs_ud::VerbsUd;
 weft_provider::param!(AUTO_CACHE: Str = "hybrid", "AUTO_CACHE", "",
     "hybrid: directory of the calibration cache of WEFT_HYBRID_RULES=auto (empty: $XDG_CACHE_HOME/weft or ~/.cache/weft; none: calibrate at every start)");
 
-/// Message sizes measured (header and payload, as the chain counts them): the edges of the
+/// Message sizes measured (payload, as the chain counts them; a 16-byte header on top): the edges of the
 /// auto chain's buckets. The last is the largest message the hybrid sends in one piece.
 pub const SIZES: [u64; 7] = [64, 256, 1024, 2048, 4096, 6144, 8192];
 
@@ -171,7 +171,7 @@ const LIMIT: Duration = Duration::from_secs(10);
 /// goes; ns per message.
 fn time(ud: &mut VerbsUd, rc: &mut VerbsRc, ch: Channel, size: usize, n: usize) -> Result<f64> {
     let hdr = [0u8; 16];
-    let body = vec![0x5au8; size.saturating_sub(hdr.len())];
+    let body = vec![0x5au8; size];
     let mut sink = Count(0);
     let t0 = Instant::now();
     for i in 0..n {
@@ -234,7 +234,7 @@ pub fn measure(sizing: Sizing, rounds: usize, n: usize) -> Result<Costs> {
     for round in 0..=rounds {
         for (i, &size) in SIZES.iter().enumerate() {
             for (k, &ch) in CHANNELS.iter().enumerate() {
-                if ch == Channel::RcFp && (sizing.fp_peers == 0 || size as usize > ring_max) {
+                if ch == Channel::RcFp && (sizing.fp_peers == 0 || size as usize + 16 > ring_max) {
                     continue;
                 }
                 let t = time(&mut ud, &mut rc, ch, size as usize, n)?;
@@ -341,7 +341,7 @@ fn pingpong(
     n: usize,
 ) -> Result<f64> {
     let hdr = [0u8; 16];
-    let body = vec![0x5au8; size.saturating_sub(hdr.len())];
+    let body = vec![0x5au8; size];
     let t0 = Instant::now();
     let send = |ud: &mut VerbsUd, rc: &mut VerbsRc, sink: &mut Count| -> Result<()> {
         let payload = [IoSlice::new(&body)];
@@ -424,7 +424,7 @@ pub fn measure_pair(
     for round in 0..=rounds {
         for (i, &size) in SIZES.iter().enumerate() {
             for (k, &ch) in CHANNELS.iter().enumerate() {
-                if ch == Channel::RcFp && (!fp || size as usize > ring_max) {
+                if ch == Channel::RcFp && (!fp || size as usize + 16 > ring_max) {
                     continue;
                 }
                 let t = pingpong(ud, rc, &mut sink, peer, lead, ch, size as usize, n)?;

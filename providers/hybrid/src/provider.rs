@@ -42,7 +42,7 @@ use weft_verbs_rc::{Sizing, VerbsRc};
 use weft_verbs_ud::VerbsUd;
 
 weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
-    "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's); auto: derived from each channel's cost measured on this host (cached)");
+    "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's; sizes count the payload); auto: derived from each channel's cost measured on this host (cached)");
 weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
     "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
 weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
@@ -146,9 +146,9 @@ impl Config {
         })
     }
 
-    /// The chain for a job of `size` ranks and the largest message (the core's header plus
-    /// payload) it sends by UD-SR to a peer with UD alone, which bounds what this provider
-    /// takes in one active message.
+    /// The chain for a job of `size` ranks and the largest message (payload; the core's
+    /// header comes on top) it sends by UD-SR to a peer with UD alone, which bounds what
+    /// this provider takes in one active message.
     fn job(&self, size: u32) -> Result<(JobChain, u64)> {
         let job = self
             .chain
@@ -261,10 +261,8 @@ impl Hybrid {
         let (chain, ud_upto) = cfg.job(size)?;
         let (uc, rcc) = (ud.caps(), rc.caps());
         let max_hdr = uc.max_am_header.min(rcc.max_am_header) - PREFIX;
-        // Every message (the core's header and payload) must fit UD-SR, which every peer has.
-        let by_chain = usize::try_from(ud_upto)
-            .unwrap_or(usize::MAX)
-            .saturating_sub(max_hdr);
+        // Every message must fit UD-SR, which every peer has; sizes count the payload.
+        let by_chain = usize::try_from(ud_upto).unwrap_or(usize::MAX);
         let max_payload = by_chain
             .min(uc.max_am_payload)
             .min(rcc.max_am_payload)
@@ -577,7 +575,7 @@ impl Sink for Recv<'_> {
                         return;
                     }
                 }
-                if rc_worthy(self.chain, (h.len() + payload.len()) as u64) {
+                if rc_worthy(self.chain, payload.len() as u64) {
                     self.budget.note(src, self.actions);
                 }
             }
@@ -640,7 +638,9 @@ impl Provider for Hybrid {
         if self.peers[i].failed {
             return Err(Error::peer_failed(dest, "failed earlier"));
         }
-        let size = (header.len() + plen) as u64;
+        // Rule sizes count the payload, as MVAPICH counts a message's size: the core's header
+        // (at most `max_am_header` bytes) rides on top in every channel's buffers.
+        let size = plen as u64;
         let want = self
             .chain
             .pick(size, self.open_to(dest))
@@ -953,10 +953,9 @@ impl StaticProvider for Hybrid {
         let (_, upto) = cfg.job(2)?;
         let (uc, rcc) = (VerbsUd::static_caps()?, VerbsRc::static_caps()?);
         let max_hdr = uc.max_am_header.min(rcc.max_am_header) - PREFIX;
-        let max_payload = (usize::try_from(upto)
+        let max_payload = usize::try_from(upto)
             .unwrap_or(usize::MAX)
-            .saturating_sub(max_hdr))
-        .min(uc.max_am_payload)
+            .min(uc.max_am_payload)
         .min(rcc.max_am_payload)
         .min(64 << 10);
         let mut caps = Caps::am_only(max_hdr, max_payload, uc.max_iov.min(rcc.max_iov));
@@ -1167,6 +1166,26 @@ mod tests {
             rig.arrive(1, &data(s, b"h"), &[0; 5000]);
         }
         assert!(rig.actions.is_empty());
+    }
+
+    #[test]
+    fn rule_sizes_count_the_payload_not_the_header() {
+        // As MVAPICH counts a message's size: a message of 100 payload bytes is RC-worthy
+        // under `{size<=100: RC-SR}` whatever the core's header adds.
+        let mut rig = Rig::new(1);
+        rig.chain = Chain::parse("{size<=100: RC-SR}, {true: UD-SR}")
+            .unwrap()
+            .for_job(3)
+            .unwrap();
+        rig.arrive(1, &data(0, &[7; 40]), &[0; 101]);
+        assert!(rig.actions.is_empty(), "101 payload bytes are past the rule");
+        rig.arrive(1, &data(1, &[7; 40]), &[0; 100]);
+        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask)]);
+        // The eager limit is the chain's UD-SR reach (paper 001: 8192), so a message of
+        // 8 KiB goes eagerly rather than by a rendezvous for the header's sake.
+        let caps = Hybrid::static_caps().unwrap();
+        assert_eq!(caps.eager_limit, 8192);
+        assert_eq!(caps.max_am_payload, 8192);
     }
 
     #[test]

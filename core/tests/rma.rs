@@ -213,6 +213,54 @@ fn locks<P: Provider>(c: &Comm<P>, s: Sched) {
 }
 every_way!(lock_unlock_flush, 3, locks);
 
+/// A ping-pong in passive-target epochs, as `ucx_perftest`'s put latency runs it: each put
+/// (then a flush) is answered once the target sees its last element in its own memory, read
+/// with `sync_read_local` inside the epoch (which also drives the progress that lands puts
+/// arriving as active messages). Every wait is bounded.
+fn polled<P: Provider>(c: &Comm<P>, s: Sched) {
+    let me = c.rank();
+    let peer = 1 - me;
+    for alloc in [false, true] {
+        let mut mem = vec![0u64; 4];
+        with_window(c, &mut mem, info(s), alloc, |win| {
+            win.lock_epoch(peer, LockKind::Shared, |e| {
+                for i in 1..=20u64 {
+                    if me == 0 {
+                        let v = [i, i * 10, i * 100];
+                        e.local(|l| l.put(&v, peer, 1))?;
+                        e.flush(peer)?;
+                    }
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                    let mut got = [0u64; 3];
+                    while got[2] != i * 100 {
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "rank {me}: put {i} never seen ({s:?}, alloc {alloc}): {got:?}"
+                        );
+                        win.sync_read_local(1, &mut got)?;
+                    }
+                    assert_eq!(got, [i, i * 10, i * 100], "{s:?}");
+                    if me == 1 {
+                        let v = [i, i * 10, i * 100];
+                        e.local(|l| l.put(&v, peer, 1))?;
+                        e.flush(peer)?;
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+            // Outside epochs too; and a read past the window's end is an error, not a read.
+            let mut m = [0u64; 4];
+            win.sync_read_local(0, &mut m).unwrap();
+            assert_eq!(m, [0, 20, 200, 2000]);
+            let e = win.sync_read_local(2, &mut m).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            c.barrier().unwrap();
+        });
+    }
+}
+every_way!(polled_in_passive_epochs, 2, polled);
+
 fn requests<P: Provider>(c: &Comm<P>, s: Sched) {
     let me = c.rank();
     let peer = 1 - me;

@@ -4,6 +4,7 @@
 //! | name | tool (Debian package) | latency | bandwidth |
 //! |---|---|---|---|
 //! | `ucx:posix`, `ucx:sysv`, `ucx:cma`, `ucx:tcp` | `ucx_perftest` (ucx-utils) | tag_lat | tag_bw, streaming |
+//! | `ucx:put` | `ucx_perftest` over posix (shared memory) | put_poll_lat only: ucp_put_lat | — |
 //! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin) | ping-pong | size / one-way time |
 //! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi), vader with its CMA single copy | ping-pong | size / one-way time |
 //! | `ompi:2copy` | the same with `btl_vader_single_copy_mechanism none` (two copies) | ping-pong | size / one-way time |
@@ -18,7 +19,12 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Tool {
-    Ucx(&'static str),
+    /// `ucx_perftest` over these transports; `put`: its put latency (`ucp_put_lat`), the
+    /// counterpart of `put_poll_lat`, instead of tag matching.
+    Ucx {
+        tls: &'static str,
+        put: bool,
+    },
     Ofi {
         prov: &'static str,
         ep: &'static str,
@@ -43,6 +49,7 @@ pub const NAMES: &[&str] = &[
     "ucx:sysv",
     "ucx:cma",
     "ucx:tcp",
+    "ucx:put",
     "ofi:tcp",
     "ofi:udp",
     "ofi:shm",
@@ -55,10 +62,26 @@ pub const NAMES: &[&str] = &[
 impl Baseline {
     pub fn parse(s: &str) -> Result<Baseline, String> {
         let tool = match s.trim() {
-            "ucx:posix" => Tool::Ucx("posix,self"),
-            "ucx:sysv" => Tool::Ucx("sysv,self"),
-            "ucx:cma" => Tool::Ucx("posix,cma,self"),
-            "ucx:tcp" => Tool::Ucx("tcp,self"),
+            "ucx:posix" => Tool::Ucx {
+                tls: "posix,self",
+                put: false,
+            },
+            "ucx:sysv" => Tool::Ucx {
+                tls: "sysv,self",
+                put: false,
+            },
+            "ucx:cma" => Tool::Ucx {
+                tls: "posix,cma,self",
+                put: false,
+            },
+            "ucx:tcp" => Tool::Ucx {
+                tls: "tcp,self",
+                put: false,
+            },
+            "ucx:put" => Tool::Ucx {
+                tls: "posix,self",
+                put: true,
+            },
             "ofi:tcp" => Tool::Ofi {
                 prov: "tcp",
                 ep: "msg",
@@ -90,7 +113,7 @@ impl Baseline {
 
     fn binary(&self) -> &'static str {
         match self.tool {
-            Tool::Ucx(_) => "ucx_perftest",
+            Tool::Ucx { .. } => "ucx_perftest",
             Tool::Ofi { .. } => "fi_pingpong",
             Tool::Ompi { .. } => "NPopenmpi",
             Tool::Mpich => "NPmpich2",
@@ -100,7 +123,7 @@ impl Baseline {
 
     fn package(&self) -> &'static str {
         match self.tool {
-            Tool::Ucx(_) => "ucx-utils",
+            Tool::Ucx { .. } => "ucx-utils",
             Tool::Ofi { .. } => "libfabric-bin",
             Tool::Ompi { .. } => "netpipe-openmpi",
             Tool::Mpich => "netpipe-mpich2",
@@ -129,7 +152,10 @@ impl Baseline {
 
     /// Which tests the tool can measure.
     pub fn supports(&self, t: Test) -> bool {
-        matches!(t, Test::Latency | Test::Bw)
+        match self.tool {
+            Tool::Ucx { put: true, .. } => t == Test::PutPollLat,
+            _ => matches!(t, Test::Latency | Test::Bw),
+        }
     }
 
     /// Largest size the tool handles.
@@ -142,7 +168,7 @@ impl Baseline {
 
     /// Whether the bandwidth column is derived from ping-pong time.
     pub fn pingpong_bw(&self) -> bool {
-        !matches!(self.tool, Tool::Ucx(_))
+        !matches!(self.tool, Tool::Ucx { .. })
     }
 
     /// Measure `sizes` once. Sizes the tool cannot do are left out.
@@ -150,10 +176,10 @@ impl Baseline {
         let sizes: Vec<usize> = sizes
             .iter()
             .copied()
-            .filter(|s| *s <= self.max_size() && (*s > 0 || matches!(self.tool, Tool::Ucx(_))))
+            .filter(|s| *s <= self.max_size() && (*s > 0 || matches!(self.tool, Tool::Ucx { .. })))
             .collect();
         match &self.tool {
-            Tool::Ucx(tls) => run_ucx(tls, t, &sizes, work),
+            Tool::Ucx { tls, .. } => run_ucx(tls, t, &sizes, work),
             Tool::Ofi { prov, ep } => sizes
                 .iter()
                 .map(|&s| run_ofi(prov, ep, t, s).map(|v| (s, v)))
@@ -286,13 +312,15 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
     for &s in sizes {
         let s = s.max(1);
         match t {
-            Test::Latency => {
+            Test::Latency | Test::PutPollLat => {
                 let n = (1usize << 28) / s.max(8);
                 let n = n.clamp(1000, 100_000);
-                batch.push_str(&format!(
-                    "L{s} -t tag_lat -s {s} -n {n} -w {}\n",
-                    n / 10 + 1
-                ));
+                let test = if t == Test::Latency {
+                    "tag_lat"
+                } else {
+                    "ucp_put_lat"
+                };
+                batch.push_str(&format!("L{s} -t {test} -s {s} -n {n} -w {}\n", n / 10 + 1));
             }
             _ => {
                 let n = ((1usize << 30) / s).clamp(64, 100_000);
@@ -326,7 +354,7 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
             let s1 = s.max(1);
             rows.iter()
                 .find(|r| r.0[1..].parse::<usize>().ok() == Some(s1))
-                .map(|r| (s, if t == Test::Latency { r.1 } else { r.2 }))
+                .map(|r| (s, if t == Test::Bw { r.2 } else { r.1 }))
         })
         .collect())
 }
@@ -500,6 +528,16 @@ mod t {
             .join("tests/data")
             .join(name);
         std::fs::read_to_string(p).unwrap()
+    }
+
+    #[test]
+    fn ucx_put_measures_put_latency_only() {
+        let put = Baseline::parse("ucx:put").unwrap();
+        assert!(put.supports(Test::PutPollLat));
+        assert!(!put.supports(Test::Latency) && !put.supports(Test::PutLat));
+        let posix = Baseline::parse("ucx:posix").unwrap();
+        assert!(posix.supports(Test::Latency) && !posix.supports(Test::PutPollLat));
+        assert!(NAMES.iter().all(|n| Baseline::parse(n).is_ok()));
     }
 
     #[test]

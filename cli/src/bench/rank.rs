@@ -348,6 +348,69 @@ fn rma_pingpong(
     })
 }
 
+/// RMA ping-pong with `ucx_perftest`'s definition (`ucp_put_lat`): on a window the provider
+/// allocates (shared memory where it can), each of ranks 0 and 1 holds a passive-target epoch
+/// on the other for the whole run; rank 0 puts `size` bytes whose last byte is the iteration's
+/// mark and flushes; rank 1 polls its own memory until that byte arrives, then answers the
+/// same way. Half the round trip, µs. Every wait is bounded.
+fn put_poll_pingpong(
+    c: &Comm<DynProvider>,
+    size: usize,
+    iters: usize,
+    warmup: usize,
+) -> Result<f64> {
+    let r = c.rank();
+    let bytes = size.max(1);
+    let win = c.win_allocate::<u8>(bytes, weft::WinInfo::default())?;
+    let mut t0 = Instant::now();
+    let out = if r <= 1 {
+        let peer = 1 - r;
+        let mut buf = vec![0u8; bytes];
+        win.lock_epoch(peer, weft::LockKind::Shared, |e| {
+            let wait = |mark: u8| -> Result<()> {
+                let deadline = Instant::now() + std::time::Duration::from_secs(60);
+                let mut last = [0u8];
+                loop {
+                    win.sync_read_local(bytes - 1, &mut last)?;
+                    if last[0] == mark {
+                        return Ok(());
+                    }
+                    if Instant::now() > deadline {
+                        return Err(weft::Error::invalid(format!(
+                            "put_poll_lat: rank {r}: the peer's put {mark} did not arrive in 60 s"
+                        )));
+                    }
+                }
+            };
+            for i in 0..warmup + iters {
+                if i == warmup {
+                    t0 = Instant::now();
+                }
+                // Marks 1..=255 in turn: never the window's initial zero, never the last one.
+                let mark = (i % 255) as u8 + 1;
+                if r == 1 {
+                    wait(mark)?;
+                }
+                buf[bytes - 1] = mark;
+                e.local(|l| l.put(&buf[..], peer, 0))?;
+                e.flush(peer)?;
+                if r == 0 {
+                    wait(mark)?;
+                }
+            }
+            Ok(())
+        })
+    } else {
+        Ok(())
+    };
+    let dt = t0.elapsed().as_secs_f64();
+    c.barrier()?;
+    let freed = win.free();
+    out?;
+    freed?;
+    Ok(dt * 1e6 / (2.0 * iters as f64))
+}
+
 /// RMA throughput in fence epochs: rank 0 issues `w` operations (puts, gets, or 16 of each)
 /// per epoch to rank 1; returns MB/s of data moved.
 fn rma_stream(
@@ -448,6 +511,10 @@ pub fn run(a: &RankArgs) -> Result<()> {
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => {
                 let it = scaled(a.iters, size, 256 << 20, 20);
                 rma_pingpong(c, size, it, scaled(a.warmup, size, 32 << 20, 2), a.test)?
+            }
+            Test::PutPollLat => {
+                let it = scaled(a.iters, size, 256 << 20, 20);
+                put_poll_pingpong(c, size, it, scaled(a.warmup, size, 32 << 20, 2))?
             }
             Test::VerbsSendLat
             | Test::VerbsWriteLat

@@ -13,6 +13,7 @@ pub enum Test {
     Mixed,
     Mem,
     PutLat,
+    PutPollLat,
     GetLat,
     AccLat,
     PutBw,
@@ -62,6 +63,10 @@ pub const ALL: &[(&str, &str)] = &[
     (
         "put_lat",
         "RMA ping-pong, one put per access epoch then an exposure epoch; half the iteration, µs",
+    ),
+    (
+        "put_poll_lat",
+        "RMA ping-pong as ucx_perftest's ucp_put_lat: passive target on an allocated window, put + flush, the target polls its memory for the last byte, then answers; half the round trip, µs",
     ),
     (
         "get_lat",
@@ -138,6 +143,7 @@ impl Test {
             "mixed" => Test::Mixed,
             "mem" => Test::Mem,
             "put_lat" => Test::PutLat,
+            "put_poll_lat" => Test::PutPollLat,
             "get_lat" => Test::GetLat,
             "acc_lat" => Test::AccLat,
             "put_bw" => Test::PutBw,
@@ -174,6 +180,7 @@ impl Test {
             Test::Mixed => "mixed",
             Test::Mem => "mem",
             Test::PutLat => "put_lat",
+            Test::PutPollLat => "put_poll_lat",
             Test::GetLat => "get_lat",
             Test::AccLat => "acc_lat",
             Test::PutBw => "put_bw",
@@ -200,6 +207,7 @@ impl Test {
             | Test::Sparse
             | Test::Mixed
             | Test::PutLat
+            | Test::PutPollLat
             | Test::GetLat
             | Test::AccLat
             | Test::EpochPingpong => "us",
@@ -280,7 +288,9 @@ impl Test {
             Test::Sparse => vec![8, 256, 1024],
             Test::Mixed => vec![4096, 32768],
             Test::Mem => vec![8, 65536],
-            Test::PutLat | Test::GetLat | Test::EpochPingpong => vec![8, 64, 256, 4096, 65536],
+            Test::PutLat | Test::PutPollLat | Test::GetLat | Test::EpochPingpong => {
+                vec![8, 64, 256, 4096, 65536]
+            }
             Test::AccLat => vec![8, 64, 256, 4096],
             Test::PutBw | Test::GetBw => vec![1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20],
             Test::EpochMix => vec![8, 64, 256, 4096, 65536],
@@ -304,6 +314,7 @@ impl Test {
             Test::Alltoall | Test::Halo | Test::Sparse | Test::Mixed => 1000,
             Test::Mem => 20,
             Test::PutLat | Test::GetLat | Test::AccLat | Test::EpochPingpong => 5000,
+            Test::PutPollLat => 20_000,
             Test::PutBw | Test::GetBw | Test::EpochMix => 500,
             Test::VerbsSendLat
             | Test::VerbsWriteLat

@@ -580,6 +580,44 @@ impl<'w, P: Provider> Window<'w, P> {
         Ok(())
     }
 
+    /// MPI_Win_sync, then a load: drive progress once (operations that reach this rank as
+    /// active messages land), order memory, and copy local window elements starting at `disp`
+    /// into `out`. Unlike [`Window::read_local`] this may be called in any epoch, to watch
+    /// memory that other ranks write (MPI's unified memory model): an operation landing
+    /// meanwhile may be seen in part, so a reader polls a value the writer puts last (the last
+    /// byte of a put, as `ucx_perftest`'s put latency does) or one an atomic wrote.
+    pub fn sync_read_local<T: Element>(&self, disp: usize, out: &mut [T]) -> Result<()> {
+        if self.freed.get() {
+            return Err(Error::invalid("window already freed"));
+        }
+        let n = std::mem::size_of_val(out);
+        let off = disp
+            .checked_mul(self.disp_unit)
+            .filter(|off| off.checked_add(n).is_some_and(|end| end <= self.len))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "local read of {n} bytes at element {disp} is outside the {}-byte window",
+                    self.len
+                ))
+            })?;
+        self.engine().progress()?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if let Some(ra) = self.self_addr(off) {
+            // Other ranks are threads of this process writing under the provider's lock.
+            return self.local_via_provider(ra, out.as_mut_ptr() as *mut u8, n, false);
+        }
+        let dst = out.as_mut_ptr() as *mut u8;
+        for i in 0..n {
+            // SAFETY: `[off, off + n)` is inside the window memory (checked) and `dst` is `out`,
+            // `n` bytes. The loads are volatile and through raw pointers: other processes may
+            // write this memory at any time (through a shared mapping or the kernel), so no
+            // reference to it is formed and no load may be elided or merged; whatever bytes
+            // are read are valid for `T: Element` (plain old data).
+            unsafe { *dst.add(i) = std::ptr::read_volatile(self.base.add(off + i)) };
+        }
+        Ok(())
+    }
+
     /// Local access through the provider (see [`Window::self_addr`]): `n` bytes at `ptr` are
     /// read from (`write`) or written with the window memory at `ra`. The buffer gets a local
     /// descriptor when the provider wants one, and a write whose completion is only

@@ -956,8 +956,8 @@ impl StaticProvider for Hybrid {
         let max_payload = usize::try_from(upto)
             .unwrap_or(usize::MAX)
             .min(uc.max_am_payload)
-        .min(rcc.max_am_payload)
-        .min(64 << 10);
+            .min(rcc.max_am_payload)
+            .min(64 << 10);
         let mut caps = Caps::am_only(max_hdr, max_payload, uc.max_iov.min(rcc.max_iov));
         caps.eager_limit = max_payload;
         caps.spans_hosts = uc.spans_hosts && rcc.spans_hosts;
@@ -1178,7 +1178,10 @@ mod tests {
             .for_job(3)
             .unwrap();
         rig.arrive(1, &data(0, &[7; 40]), &[0; 101]);
-        assert!(rig.actions.is_empty(), "101 payload bytes are past the rule");
+        assert!(
+            rig.actions.is_empty(),
+            "101 payload bytes are past the rule"
+        );
         rig.arrive(1, &data(1, &[7; 40]), &[0; 100]);
         assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask)]);
         // The eager limit is the chain's UD-SR reach (paper 001: 8192), so a message of

@@ -128,6 +128,63 @@ fn fence_put_get<P: Provider>(c: &Comm<P>, s: Sched) {
 }
 every_way!(fence_put_and_get, 3, fence_put_get);
 
+/// Many small gets in one epoch (fence, then a lock): under aggregation their data comes back
+/// in reply batches, several of them when it exceeds one active message (loopback: 16 KiB),
+/// each record to its own buffer; puts interleaved with them land too.
+fn many_small_gets<P: Provider>(c: &Comm<P>, s: Sched) {
+    let n = c.size();
+    let me = c.rank();
+    const GETS: usize = 96;
+    const EACH: usize = 64; // u64s: 512 bytes per get, 48 KiB per epoch
+    let mut mem: Vec<u64> = (0..(GETS * EACH + 8) as u64)
+        .map(|i| ((me as u64) << 40) | i)
+        .collect();
+    c.win_create(&mut mem, info(s), |win| {
+        let right = (me + 1) % n;
+        let expect = |k: usize| -> Vec<u64> {
+            (0..EACH as u64)
+                .map(|i| ((right as u64) << 40) | ((k * EACH) as u64 + i))
+                .collect()
+        };
+        let mut got = vec![vec![0u64; EACH]; GETS];
+        let mark = [me as u64 + 1];
+        win.fence_epoch(Assert::NONE, |e| {
+            for (k, g) in got.iter_mut().enumerate() {
+                e.get(g, right, k * EACH)?;
+                if k % 16 == 0 {
+                    e.put(&mark, right, GETS * EACH + k / 16)?;
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        for (k, g) in got.iter().enumerate() {
+            assert_eq!(*g, expect(k), "get {k} ({s:?})");
+        }
+        win.fence(Assert::NONE).unwrap();
+        let mut tail = [0u64; 6];
+        win.read_local(GETS * EACH, &mut tail).unwrap();
+        let left = (me + n - 1) % n;
+        assert_eq!(tail, [left as u64 + 1; 6], "{s:?}");
+        c.barrier().unwrap();
+        let mut got = vec![vec![0u64; EACH]; GETS];
+        win.lock_epoch(right, LockKind::Shared, |e| {
+            for (k, g) in got.iter_mut().enumerate() {
+                e.get(g, right, k * EACH)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        for (k, g) in got.iter().enumerate() {
+            assert_eq!(*g, expect(k), "locked get {k} ({s:?})");
+        }
+        c.barrier().unwrap();
+        Ok(())
+    })
+    .unwrap();
+}
+every_way!(many_small_gets_in_one_epoch, 3, many_small_gets);
+
 fn pscw<P: Provider>(c: &Comm<P>, s: Sched) {
     // Ring: each rank accesses its right neighbour and exposes to its left one, 3 rounds.
     let n = c.size();

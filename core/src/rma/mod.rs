@@ -18,6 +18,7 @@
 //! | `LOCK` / `GRANT` | lock request and grant | win, kind, token | — |
 //! | `UNLOCK` / `FLUSH` | release / flush; answered by `ACK` once every earlier operation is applied | win, token | — |
 //! | `BATCH` | aggregated operations, optionally with a lock before and a sync after | win, flags, tokens | records |
+//! | `REPLY_BATCH` | the data of a batch's small gets, one message for many | — | records: token, len, data |
 //!
 //! Active messages between a pair are delivered in order, so a `COMPLETE`, `UNLOCK` or `FLUSH`
 //! is processed after every operation the origin sent before it: no per-operation
@@ -48,7 +49,8 @@ pub(crate) const H_UNLOCK: u8 = H_PUT + 10;
 pub(crate) const H_FLUSH: u8 = H_PUT + 11;
 pub(crate) const H_ACK: u8 = H_PUT + 12;
 pub(crate) const H_BATCH: u8 = H_PUT + 13;
-const _: () = assert!(H_BATCH < am::RMA_IDS.end);
+pub(crate) const H_REPLY_BATCH: u8 = H_PUT + 14;
+const _: () = assert!(H_REPLY_BATCH < am::RMA_IDS.end);
 
 /// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
 #[inline]
@@ -64,6 +66,7 @@ pub(crate) fn header_len(kind: u8) -> Option<usize> {
         H_LOCK => 14,
         H_UNLOCK | H_FLUSH => 13,
         H_BATCH => 15,
+        H_REPLY_BATCH => 1,
         _ => return None,
     })
 }

@@ -85,6 +85,34 @@ pub(crate) fn on_am(
                 _ => unknown_token(st, src, token, "GET reply"),
             }
         }
+        H_REPLY_BATCH => {
+            let mut p = Rd::new(payload);
+            while p.remaining() > 0 {
+                let token = p.u64()?;
+                let len = p.u32()? as usize;
+                let data = p.bytes(len)?;
+                match st.rma.waits.get_mut(&token) {
+                    Some(Wait::Data {
+                        ptr,
+                        len: want,
+                        got,
+                    }) if *want == len && *got == 0 => {
+                        // SAFETY: `ptr..ptr+len` is the origin buffer of a GET, borrowed by its
+                        // epoch until the GET completes; its length was just checked.
+                        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), *ptr, len) };
+                        *got = len;
+                    }
+                    Some(Wait::Data { .. }) => {
+                        return bad(st, src, "GET reply batch record unlike its request")
+                    }
+                    _ if st.am.was_quarantined(token) => {
+                        tracing::debug!(peer = src, "dropping a late GET reply");
+                    }
+                    _ => return bad(st, src, "GET reply batch record for an unknown request"),
+                }
+            }
+            Some(())
+        }
         H_ACC => {
             let win = rd.u32()?;
             let off = rd.u64()?;
@@ -258,6 +286,32 @@ fn get(st: &mut Ctx<'_>, src: Rank, win: u32, off: u64, len: usize, token: u64) 
             break;
         }
     }
+    Some(())
+}
+
+/// Bytes of a `REPLY_BATCH` record before its data: token u64, length u32.
+const REPLY_REC: usize = 12;
+
+/// A get of a batch answered in the batch's reply: its data copied (a snapshot, so nothing
+/// refers to window memory once the batch is applied) into `out` as one record.
+fn get_into(
+    st: &mut Ctx<'_>,
+    src: Rank,
+    win: u32,
+    off: u64,
+    len: usize,
+    token: u64,
+    out: &mut Vec<u8>,
+) -> Option<()> {
+    let w = target_win!(st, src, win);
+    let Some(p) = w.range(off, len) else {
+        return bad(st, src, "GET outside the window");
+    };
+    w.applied += 1;
+    out.extend_from_slice(&token.to_le_bytes());
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    // SAFETY: `p..p+len` is in bounds of the window memory (checked by `range`).
+    unsafe { append_raw(out, p, len) };
     Some(())
 }
 
@@ -439,6 +493,10 @@ fn apply_batch(
     let flags = rd.u8()?;
     let _lk = rd.u8()?;
     let token = rd.u64()?;
+    // The data of the batch's small gets goes back in batches too (a message per get would
+    // give back on the way home what aggregation saved on the way out).
+    let chunk = st.am.caps.max_am_payload;
+    let mut replies: Vec<u8> = Vec::new();
     let mut p = Rd::new(payload);
     while p.remaining() > 0 {
         let kind = p.u8()?;
@@ -448,6 +506,18 @@ fn apply_batch(
             R_PUT => {
                 let data = p.bytes(len)?;
                 put(st, src, win, off, data)?;
+            }
+            R_GET if REPLY_REC + len <= chunk => {
+                let t = p.u64()?;
+                if replies.len() + REPLY_REC + len > chunk {
+                    let full = std::mem::replace(&mut replies, st.am.spare_buf());
+                    st.am
+                        .push_out(src, Out::Owned(Hdr::new(H_REPLY_BATCH), full));
+                }
+                if replies.capacity() == 0 {
+                    replies = st.am.spare_buf();
+                }
+                get_into(st, src, win, off, len, t, &mut replies)?;
             }
             R_GET => {
                 let t = p.u64()?;
@@ -470,6 +540,10 @@ fn apply_batch(
             _ => return bad(st, src, "unknown record in a batch"),
         }
     }
+    if !replies.is_empty() {
+        st.am
+            .push_out(src, Out::Owned(Hdr::new(H_REPLY_BATCH), replies));
+    }
     if flags & (B_COMPLETE | B_UNLOCK) != 0 {
         // The gets of this batch are queued as window reads: copy them before the epoch ends.
         st.am.own_raw_to(src);
@@ -485,4 +559,81 @@ fn apply_batch(
         unlock(st, src, win, token)?;
     }
     Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::Caps;
+
+    fn record(token: u64, data: &[u8]) -> Vec<u8> {
+        let mut r = token.to_le_bytes().to_vec();
+        r.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        r.extend_from_slice(data);
+        r
+    }
+
+    /// Two gets answered by one reply batch land each in its own buffer; a record unlike its
+    /// request, one for no request, or a truncated one fails the peer and writes nothing more.
+    #[test]
+    fn reply_batches_land_each_record_or_fail_the_peer() {
+        let mut rma = RmaState::default();
+        let mut am = AmState::new(2, Caps::am_only(64, 1024, 4), (0, 0));
+        let (mut a, mut b) = ([0u8; 4], [0u8; 3]);
+        let ta = rma.token(
+            Wait::Data {
+                ptr: a.as_mut_ptr(),
+                len: 4,
+                got: 0,
+            },
+            1,
+        );
+        let tb = rma.token(
+            Wait::Data {
+                ptr: b.as_mut_ptr(),
+                len: 3,
+                got: 0,
+            },
+            1,
+        );
+        let mut p = record(ta, &[1, 2, 3, 4]);
+        p.extend(record(tb, &[5, 6, 7]));
+        let mut cx = Ctx {
+            rma: &mut rma,
+            am: &mut am,
+        };
+        let mut rd = Rd::new(&[]);
+        assert!(on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, &p).is_some());
+        assert!(!cx.am.is_failed(1));
+        assert!(cx.rma.waits.values().all(|w| w.done()));
+        assert_eq!((a, b), ([1, 2, 3, 4], [5, 6, 7]));
+
+        let bad: [Vec<u8>; 3] = [
+            record(ta, &[9; 5]),                // longer than the request
+            record(12345, &[9; 4]),             // no such request
+            record(ta, &[9; 4])[..10].to_vec(), // truncated
+        ];
+        for (i, p) in bad.iter().enumerate() {
+            let mut rma = RmaState::default();
+            let mut am = AmState::new(2, Caps::am_only(64, 1024, 4), (0, 0));
+            let mut c = [0u8; 4];
+            let t = rma.token(
+                Wait::Data {
+                    ptr: c.as_mut_ptr(),
+                    len: 4,
+                    got: 0,
+                },
+                1,
+            );
+            assert_eq!(t, ta, "tokens are numbered alike in a fresh state");
+            let mut cx = Ctx {
+                rma: &mut rma,
+                am: &mut am,
+            };
+            let mut rd = Rd::new(&[]);
+            let parsed = on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, p);
+            assert!(parsed.is_none() || cx.am.is_failed(1), "case {i}");
+            assert_eq!(c, [0; 4], "case {i}: nothing written");
+        }
+    }
 }

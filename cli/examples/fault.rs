@@ -9,8 +9,8 @@
 //!   it holds it. Rank 2 then locks the same window: it must get the lock (released, or taken
 //!   over from the dead holder), not wait for good. `FAULT_WINDOW=alloc` uses an allocated
 //!   window (on shm: native locks in shared memory), otherwise one over user memory.
-//! * `collective` (3 ranks): rank 1 is killed while ranks 0 and 2 are in a barrier and then an
-//!   allreduce: both must fail with "peer failed", not hang.
+//! * `collective` (3 ranks): rank 1 is killed while ranks 0 and 2 are in a barrier, then an
+//!   allreduce, then a window fence: all must fail with "peer failed", not hang.
 //!
 //! The surviving ranks print their verdicts and exit 0 when they are acceptable, 1 otherwise;
 //! nothing hangs (set `WEFT_TIMEOUT`).
@@ -153,17 +153,29 @@ fn collective_case(world: weft::World) -> ExitCode {
     if world.allreduce(&[1u64], &mut one, weft::Op::Sum).is_err() {
         return ExitCode::from(1);
     }
-    if world.rank() == 1 {
-        die();
-    }
-    let b = world.barrier();
-    let mut sum = [0u64];
-    let a = world
-        .allreduce(&[1u64], &mut sum, weft::Op::Sum)
-        .map(|_| ());
-    println!("fault: rank {} barrier: {}", world.rank(), verdict(&b));
-    println!("fault: rank {} allreduce: {}", world.rank(), verdict(&a));
-    let ok = verdict(&b) == "peer-failed" && verdict(&a) == "peer-failed";
+    let r = world.rank();
+    let mut mem = vec![0u64; 4];
+    let mut ok = false;
+    // A window made while everyone lives; rank 1 dies inside it.
+    let _ = world.win_create(&mut mem, weft::WinInfo::default(), |win| {
+        if r == 1 {
+            die();
+        }
+        let b = world.barrier();
+        let mut sum = [0u64];
+        let a = world
+            .allreduce(&[1u64], &mut sum, weft::Op::Sum)
+            .map(|_| ());
+        // A fence waits for every rank's word that it has reached it. (No operation in it:
+        // the other survivor may already have left the window, and a put into it would fail
+        // for that reason instead.)
+        let f = win.fence(weft::Assert::NONE);
+        println!("fault: rank {r} barrier: {}", verdict(&b));
+        println!("fault: rank {r} allreduce: {}", verdict(&a));
+        println!("fault: rank {r} fence: {}", verdict(&f));
+        ok = [b, a, f].iter().all(|x| verdict(x) == "peer-failed");
+        Ok(())
+    });
     let _ = world.finalize();
     if ok {
         ExitCode::SUCCESS

@@ -359,8 +359,9 @@ fn a_lock_holder_killed_mid_epoch_does_not_block_the_others() {
     }
 }
 
-/// A rank killed while the others are in a barrier and an allreduce with it: both fail with
-/// "peer failed" on every survivor, none waits for a message that will not come.
+/// A rank killed while the others are in a barrier, an allreduce and a window fence with it:
+/// each fails with "peer failed" on every survivor, none waits for a message that will not
+/// come.
 #[test]
 fn a_rank_killed_during_a_collective_fails_it_everywhere() {
     let fault = example("weft-cli", "fault");
@@ -374,7 +375,7 @@ fn a_rank_killed_during_a_collective_fails_it_everywhere() {
         );
         let out = stdout(&o);
         for r in [0, 2] {
-            for what in ["barrier", "allreduce"] {
+            for what in ["barrier", "allreduce", "fence"] {
                 assert!(
                     out.contains(&format!("fault: rank {r} {what}: peer-failed")),
                     "{p}: {out}\n{}",

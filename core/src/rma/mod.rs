@@ -19,6 +19,7 @@
 //! | `UNLOCK` / `FLUSH` | release / flush; answered by `ACK` once every earlier operation is applied | win, token | — |
 //! | `BATCH` | aggregated operations, optionally with a lock before and a sync after | win, flags, tokens | records |
 //! | `REPLY_BATCH` | the data of a batch's small gets, one message for many | — | records: token, len, data |
+//! | `FENCE` | this origin reached the fence: every operation it sent before has arrived | win | — |
 //!
 //! Active messages between a pair are delivered in order, so a `COMPLETE`, `UNLOCK` or `FLUSH`
 //! is processed after every operation the origin sent before it: no per-operation
@@ -50,7 +51,8 @@ pub(crate) const H_FLUSH: u8 = H_PUT + 11;
 pub(crate) const H_ACK: u8 = H_PUT + 12;
 pub(crate) const H_BATCH: u8 = H_PUT + 13;
 pub(crate) const H_REPLY_BATCH: u8 = H_PUT + 14;
-const _: () = assert!(H_REPLY_BATCH < am::RMA_IDS.end);
+pub(crate) const H_FENCE: u8 = H_PUT + 15;
+const _: () = assert!(H_FENCE < am::RMA_IDS.end);
 
 /// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
 #[inline]
@@ -62,7 +64,7 @@ pub(crate) fn header_len(kind: u8) -> Option<usize> {
         H_ACC => 15,
         H_RMW => 24,
         H_RMW_REPLY | H_GRANT | H_ACK => 9,
-        H_POST | H_COMPLETE => 5,
+        H_POST | H_COMPLETE | H_FENCE => 5,
         H_LOCK => 14,
         H_UNLOCK | H_FLUSH => 13,
         H_BATCH => 15,
@@ -90,6 +92,8 @@ pub(crate) const B_LOCK: u8 = 1;
 pub(crate) const B_COMPLETE: u8 = 2;
 pub(crate) const B_UNLOCK: u8 = 4;
 pub(crate) const B_FLUSH: u8 = 8;
+/// The batch ends the origin's part of a fence (as `FENCE`).
+pub(crate) const B_FENCE: u8 = 16;
 
 /// Record kinds inside a batch.
 pub(crate) const R_PUT: u8 = 1;
@@ -165,10 +169,8 @@ pub(crate) struct WinState {
     pub posts: HashMap<Rank, u32>,
     /// COMPLETEs received per origin rank, not yet consumed by `wait`.
     pub completes: HashMap<Rank, u32>,
-    /// Active-message operations applied here (fence accounting).
-    pub applied: u64,
-    /// Active-message operations this rank sent, per target world rank, in this fence epoch.
-    pub sent: HashMap<Rank, u64>,
+    /// FENCEs received per origin rank since the window was created (cumulative).
+    pub fences: HashMap<Rank, u64>,
     /// Ranks holding the lock shared (a rank at most once per window), and the exclusive
     /// holder: kept by name so that a holder that dies can be released.
     shared: smallvec::SmallVec<[Rank; 4]>,
@@ -186,8 +188,7 @@ impl WinState {
             len,
             posts: HashMap::new(),
             completes: HashMap::new(),
-            applied: 0,
-            sent: HashMap::new(),
+            fences: HashMap::new(),
             shared: smallvec::SmallVec::new(),
             exclusive: None,
             waiters: VecDeque::new(),

@@ -154,6 +154,16 @@ pub(crate) fn on_am(
                 _ => unknown_token(st, src, token, "acknowledgement"),
             }
         }
+        H_FENCE => {
+            // In-order delivery per pair: every operation the origin sent before has been
+            // applied. Its gets were answered before it sent this (it waits for them first).
+            let win = rd.u32()?;
+            let Some(w) = st.rma.wins.get_mut(&win) else {
+                return unknown_window(st, src, win);
+            };
+            *w.fences.entry(src).or_insert(0) += 1;
+            Some(())
+        }
         H_POST | H_COMPLETE => {
             if kind == H_COMPLETE {
                 st.am.own_raw_to(src);
@@ -254,7 +264,6 @@ fn put(st: &mut Ctx<'_>, src: Rank, win: u32, off: u64, data: &[u8]) -> Option<(
     // SAFETY: `p` is in bounds of the window memory (checked by `range`); message bytes cannot
     // overlap window memory.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
-    w.applied += 1;
     Some(())
 }
 
@@ -264,7 +273,6 @@ fn get(st: &mut Ctx<'_>, src: Rank, win: u32, off: u64, len: usize, token: u64) 
     let Some(p) = w.range(off, len) else {
         return bad(st, src, "GET outside the window");
     };
-    w.applied += 1;
     // Reply in chunks read from the window as the outbox drains (no copy of the range here,
     // whatever its size). The window cannot change under them before the origin's epoch
     // ends: the origin waits for this data before it unlocks or completes, and a batch that
@@ -307,7 +315,6 @@ fn get_into(
     let Some(p) = w.range(off, len) else {
         return bad(st, src, "GET outside the window");
     };
-    w.applied += 1;
     out.extend_from_slice(&token.to_le_bytes());
     out.extend_from_slice(&(len as u32).to_le_bytes());
     // SAFETY: `p..p+len` is in bounds of the window memory (checked by `range`).
@@ -342,9 +349,6 @@ fn acc(
     st.rma.scratch_acc = cur;
     if !ok {
         return bad(st, src, "ACC with an invalid operation/type");
-    }
-    if let Some(w) = st.rma.wins.get_mut(&win) {
-        w.applied += 1;
     }
     Some(())
 }
@@ -407,9 +411,6 @@ fn rmw(
     st.rma.scratch_acc = new;
     if !ok {
         return bad(st, src, "RMW with an invalid operation/type");
-    }
-    if let Some(w) = st.rma.wins.get_mut(&win) {
-        w.applied += 1;
     }
     let mut h = Hdr::new(H_RMW_REPLY);
     h.u64(token);
@@ -544,13 +545,17 @@ fn apply_batch(
         st.am
             .push_out(src, Out::Owned(Hdr::new(H_REPLY_BATCH), replies));
     }
-    if flags & (B_COMPLETE | B_UNLOCK) != 0 {
+    if flags & (B_COMPLETE | B_UNLOCK | B_FENCE) != 0 {
         // The gets of this batch are queued as window reads: copy them before the epoch ends.
         st.am.own_raw_to(src);
     }
     if flags & B_COMPLETE != 0 {
         let w = target_win!(st, src, win);
         *w.completes.entry(src).or_insert(0) += 1;
+    }
+    if flags & B_FENCE != 0 {
+        let w = target_win!(st, src, win);
+        *w.fences.entry(src).or_insert(0) += 1;
     }
     if flags & B_FLUSH != 0 {
         reply(st, src, H_ACK, token);

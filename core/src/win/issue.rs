@@ -350,7 +350,6 @@ impl<'w, P: Provider> Window<'w, P> {
         let e = &mut *eng;
         let chunk = e.st.am.caps.max_am_payload;
         self.am_dirty.borrow_mut()[op.trank as usize] = true;
-        let mut msgs = 0u64;
         let token = match op.kind {
             OpKind::Put => {
                 let mut at = 0;
@@ -366,7 +365,6 @@ impl<'w, P: Provider> Window<'w, P> {
                         len: n,
                     };
                     e.st.am.push_out(target, Out::Raw(h, r));
-                    msgs += 1;
                     at += n;
                     if at >= op.len {
                         break;
@@ -386,7 +384,6 @@ impl<'w, P: Provider> Window<'w, P> {
                 let mut h = Hdr::new(rma::H_GET);
                 h.u32(self.id).u64(op.toff as u64).u64(op.len as u64).u64(t);
                 e.st.am.push_ctrl(target, h);
-                msgs += 1;
                 Some(t)
             }
             OpKind::Acc(o, ty) => {
@@ -406,7 +403,6 @@ impl<'w, P: Provider> Window<'w, P> {
                         len: n,
                     };
                     e.st.am.push_out(target, Out::Raw(h, r));
-                    msgs += 1;
                     at += n;
                     if at >= op.len {
                         break;
@@ -440,13 +436,9 @@ impl<'w, P: Provider> Window<'w, P> {
                     .u64(t)
                     .u8(cmp as u8);
                 e.st.am.push_owned(target, h, data);
-                msgs += 1;
                 Some(t)
             }
         };
-        if let Some(w) = e.st.rma.wins.get_mut(&self.id) {
-            *w.sent.entry(target).or_insert(0) += msgs;
-        }
         if let Some(t) = token {
             self.tokens.borrow_mut().push(t);
         }
@@ -559,7 +551,7 @@ impl<'w, P: Provider> Window<'w, P> {
             for &(tr, token) in targets {
                 let lock = self.lazy_lock.get().filter(|(lt, _)| *lt == tr);
                 let has = batches.iter().any(|e| e.0 == tr && !e.1.is_empty());
-                if !has && lock.is_none() && flag != rma::B_COMPLETE {
+                if !has && lock.is_none() && flag & (rma::B_COMPLETE | rma::B_FENCE) == 0 {
                     continue;
                 }
                 let (lflag, lkind) = match lock {
@@ -686,9 +678,6 @@ impl<'w, P: Provider> Window<'w, P> {
         let data = std::mem::take(buf);
         let mut eng = self.engine();
         eng.st.am.push_out(target, Out::Owned(h, data));
-        if let Some(w) = eng.st.rma.wins.get_mut(&self.id) {
-            *w.sent.entry(target).or_insert(0) += *count;
-        }
         *count = 0;
         self.am_dirty.borrow_mut()[trank as usize] = true;
         eng.flush_out()?;

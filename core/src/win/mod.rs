@@ -258,6 +258,9 @@ pub struct Window<'w, P: Provider> {
     cntr_targets: RefCell<Vec<Rank>>,
     /// Operations issued or recorded in the current epoch.
     epoch_ops: Cell<u64>,
+    /// Fences this rank has ended on the window (the count of `FENCE`s it waits for from
+    /// every rank).
+    fences: Cell<u64>,
     /// The current lock epoch is exclusive.
     excl: Cell<bool>,
     /// The provider's ranks may be processes (else threads of this one: see `self_addr`).
@@ -500,6 +503,7 @@ impl<'w, P: Provider> Window<'w, P> {
             cntr_seen: Cell::new(CntrValue::default()),
             cntr_targets: RefCell::new(Vec::new()),
             epoch_ops: Cell::new(0),
+            fences: Cell::new(0),
             excl: Cell::new(false),
             spans_processes: caps.spans_processes,
             freed: Cell::new(false),

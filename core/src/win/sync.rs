@@ -63,36 +63,87 @@ impl<'w, P: Provider> Window<'w, P> {
             }
             return self.comm.barrier();
         }
-        self.drain_pending(None)?;
-        self.complete_local()?;
-        self.prove_delivery(None)?;
         if self.native_put && self.native_get && self.native_atomics {
+            self.drain_pending(None)?;
+            self.complete_local()?;
+            self.prove_delivery(None)?;
             // Every operation is complete at the origin, hence at the target: a barrier is
             // enough.
             return self.comm.barrier();
         }
-        // Everybody learns how many active-message operations each origin sent it, then waits
-        // until it has applied them (per origin, cumulative counts).
-        let n = self.comm.size() as usize;
-        let sent: SmallVec<[u64; 8]> = {
-            let eng = self.engine();
-            let w = eng.st.rma.wins.get(&self.id).expect("window registered");
-            (0..n as u32)
-                .map(|r| w.sent.get(&self.world(r)).copied().unwrap_or(0))
-                .collect()
+        // Every rank tells every rank (itself included) that it has reached the fence with a
+        // FENCE message sent after its operations, and waits for everybody's. Delivery is in
+        // order per pair, so a rank that has every FENCE has applied every operation of the
+        // epoch; and nobody's next operations leave before their sender had every FENCE, so
+        // none reaches a rank that has not called the fence (MPI's rule). With aggregation
+        // the FENCE rides on the last batch to each target. One message each way replaces
+        // an alltoall of operation counts and a barrier.
+        let n = self.comm.size();
+        let me = self.comm.rank();
+        // This rank's FENCE to itself goes as a message only behind active messages it sent
+        // itself (in order with them); otherwise it is counted here, without a message.
+        let fold_self = self.am_dirty.borrow()[me as usize]
+            || self.pending.borrow().iter().any(|o| o.trank == me);
+        let all: SmallVec<[(u32, u64); 8]> = (0..n)
+            .filter(|&t| t != me || fold_self)
+            .map(|t| (t, 0))
+            .collect();
+        // As for COMPLETE: folding is only safe where native writes complete on delivery.
+        let delivery = self
+            .engine()
+            .st
+            .am
+            .caps
+            .rma
+            .is_none_or(|r| r.delivery_complete());
+        let folded = if self.sched.aggregates() && delivery {
+            self.drain_pending(Some((rma::B_FENCE, &all)))?
+        } else {
+            self.drain_pending(None)?;
+            Targets::new()
         };
-        let mut incoming: SmallVec<[u64; 8]> = smallvec::smallvec![0u64; n];
-        self.comm.alltoall(&sent, &mut incoming)?;
+        // Deferred operations to this rank were issued by the drain just above.
+        let to_self = std::mem::take(&mut self.am_dirty.borrow_mut()[me as usize]) || fold_self;
+        self.complete_local()?;
+        self.prove_delivery(None)?;
         let id = self.id;
+        let seq = self.fences.get() + 1;
+        self.fences.set(seq);
+        let worlds: SmallVec<[Rank; 8]> = (0..n).map(|t| self.world(t)).collect();
         let mut eng = self.engine();
-        // `applied` counts per window, not per origin; compare against the total.
-        let total: u64 = incoming.iter().sum();
-        eng.wait_until("fence: operations from other ranks", |e| {
-            e.st.rma.wins.get(&id).is_some_and(|w| w.applied >= total)
+        for (t, &w) in worlds.iter().enumerate() {
+            if t as u32 == me && !to_self {
+                if let Some(win) = eng.st.rma.wins.get_mut(&id) {
+                    *win.fences.entry(w).or_insert(0) += 1;
+                }
+            } else if !folded.contains(&(t as u32)) {
+                let mut h = Hdr::new(rma::H_FENCE);
+                h.u32(id);
+                eng.st.am.push_ctrl(w, h);
+            }
+        }
+        eng.flush_out()?;
+        let mut failed = None;
+        eng.wait_until("fence: every rank's FENCE", |e| {
+            let Some(w) = e.st.rma.wins.get(&id) else {
+                return true;
+            };
+            let mut all_in = true;
+            for &r in &worlds {
+                if w.fences.get(&r).copied().unwrap_or(0) < seq {
+                    all_in = false;
+                    if let Some(why) = e.st.am.peer_failure(r) {
+                        failed = Some(Error::peer_failed(r, why));
+                        return true;
+                    }
+                }
+            }
+            all_in
         })?;
-        drop(eng);
-        // Nobody starts the next epoch before everybody has applied this one.
-        self.comm.barrier()
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     // ------------------------------------------------------------------------------ PSCW

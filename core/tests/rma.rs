@@ -544,6 +544,63 @@ fn atomics_every_op_and_type() {
 
 /// shm: allocated windows are native (memory copies, CPU atomics, a lock word in shared
 /// memory) and give the same results as the active-message path above.
+/// What one epoch wrote anywhere is what the next epoch reads: rank 2 puts into rank 1's
+/// window, and after the fence rank 0 gets it from there. On shm every pair has its own ring,
+/// so rank 0's get can reach rank 1 before rank 2's put of the epoch before, unless the fence
+/// keeps everybody until everybody has applied its epoch.
+#[test]
+fn a_fence_orders_epochs_across_three_ranks() {
+    for s in [Sched::Off, Sched::Aggregate] {
+        testing::world_dyn(3, "shm", |c| {
+            let me = c.rank();
+            let mut m = vec![0u64; 8];
+            c.win_create(&mut m, info(s), |w| {
+                for k in 1..=3000u64 {
+                    let v = [k; 8];
+                    w.fence_epoch(Assert::NONE, |e| {
+                        if me == 2 {
+                            e.put(&v, 1, 0)?;
+                        }
+                        Ok(())
+                    })?;
+                    let mut got = [0u64; 8];
+                    w.fence_epoch(Assert::NONE, |e| {
+                        if me == 0 {
+                            e.get(&mut got, 1, 0)?;
+                        }
+                        Ok(())
+                    })?;
+                    if me == 0 {
+                        assert_eq!(got, [k; 8], "epoch {k} ({s:?}): the get overtook the put");
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+        });
+    }
+}
+
+/// A window freed right after a fence: the fence's last messages (each rank's word that it
+/// has applied the epoch) must not arrive for a window already gone, which would fail the
+/// sender as malformed. Five ranks, so that the barrier of `free` does not hear from every
+/// rank directly.
+#[test]
+fn a_window_freed_right_after_a_fence() {
+    testing::world_dyn(5, "shm", |c| {
+        let me = c.rank();
+        for i in 0..150u64 {
+            let mut m = vec![0u64; 8];
+            let v = [i];
+            c.win_create(&mut m, info(Sched::Off), |w| {
+                w.fence_epoch(Assert::NONE, |e| e.put(&v, (me + 1) % 5, me as usize))
+            })
+            .unwrap();
+            assert_eq!(m[((me + 4) % 5) as usize], i);
+        }
+    });
+}
+
 #[test]
 fn shm_native_atomics_agree_with_the_reference() {
     testing::world_dyn(3, "shm", |c| {

@@ -20,6 +20,7 @@
 //! | `BATCH` | aggregated operations, optionally with a lock before and a sync after | win, flags, tokens | records |
 //! | `REPLY_BATCH` | the data of a batch's small gets, one message for many | — | records: token, len, data |
 //! | `FENCE` | this origin reached the fence: every operation it sent before has arrived | win | — |
+//! | `DONE` | this target holds every rank's `FENCE`: it has applied the epoch | win | — |
 //!
 //! Active messages between a pair are delivered in order, so a `COMPLETE`, `UNLOCK` or `FLUSH`
 //! is processed after every operation the origin sent before it: no per-operation
@@ -52,7 +53,8 @@ pub(crate) const H_ACK: u8 = H_PUT + 12;
 pub(crate) const H_BATCH: u8 = H_PUT + 13;
 pub(crate) const H_REPLY_BATCH: u8 = H_PUT + 14;
 pub(crate) const H_FENCE: u8 = H_PUT + 15;
-const _: () = assert!(H_FENCE < am::RMA_IDS.end);
+pub(crate) const H_DONE: u8 = H_PUT + 16;
+const _: () = assert!(H_DONE < am::RMA_IDS.end);
 
 /// The exact header length of RMA message `kind` (see the table above), `None` if unknown.
 #[inline]
@@ -64,7 +66,7 @@ pub(crate) fn header_len(kind: u8) -> Option<usize> {
         H_ACC => 15,
         H_RMW => 24,
         H_RMW_REPLY | H_GRANT | H_ACK => 9,
-        H_POST | H_COMPLETE | H_FENCE => 5,
+        H_POST | H_COMPLETE | H_FENCE | H_DONE => 5,
         H_LOCK => 14,
         H_UNLOCK | H_FLUSH => 13,
         H_BATCH => 15,
@@ -171,6 +173,8 @@ pub(crate) struct WinState {
     pub completes: HashMap<Rank, u32>,
     /// FENCEs received per origin rank since the window was created (cumulative).
     pub fences: HashMap<Rank, u64>,
+    /// DONEs received per target rank since the window was created (cumulative).
+    pub dones: HashMap<Rank, u64>,
     /// Ranks holding the lock shared (a rank at most once per window), and the exclusive
     /// holder: kept by name so that a holder that dies can be released.
     shared: smallvec::SmallVec<[Rank; 4]>,
@@ -189,6 +193,7 @@ impl WinState {
             posts: HashMap::new(),
             completes: HashMap::new(),
             fences: HashMap::new(),
+            dones: HashMap::new(),
             shared: smallvec::SmallVec::new(),
             exclusive: None,
             waiters: VecDeque::new(),

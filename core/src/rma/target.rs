@@ -164,6 +164,14 @@ pub(crate) fn on_am(
             *w.fences.entry(src).or_insert(0) += 1;
             Some(())
         }
+        H_DONE => {
+            let win = rd.u32()?;
+            let Some(w) = st.rma.wins.get_mut(&win) else {
+                return unknown_window(st, src, win);
+            };
+            *w.dones.entry(src).or_insert(0) += 1;
+            Some(())
+        }
         H_POST | H_COMPLETE => {
             if kind == H_COMPLETE {
                 st.am.own_raw_to(src);

@@ -47,6 +47,7 @@ impl<'w, P: Provider> Window<'w, P> {
     /// Issue one operation now. Returns the token to wait on for its (local) completion, if
     /// any.
     pub(super) fn issue(&self, op: PendingOp, force_token: Option<()>) -> Result<Option<u64>> {
+        self.await_done(op.trank)?;
         self.epoch_ops.set(self.epoch_ops.get() + 1);
         let target = self.world(op.trank);
         let peer = self.peers[op.trank as usize];
@@ -659,6 +660,47 @@ impl<'w, P: Provider> Window<'w, P> {
         Ok(())
     }
 
+    /// Before an operation goes to `trank`: wait until it has said it applied the epoch of the
+    /// last fence (its DONE), so that nothing of the next epoch overtakes what another rank
+    /// sent it in that one. Usually long arrived; free once every rank's has been seen.
+    pub(super) fn await_done(&self, trank: u32) -> Result<()> {
+        let k = self.fences.get();
+        if self.done_seen.get() >= k {
+            return Ok(());
+        }
+        let id = self.id;
+        let n = self.comm.size();
+        let worlds: SmallVec<[Rank; 8]> = (0..n).map(|t| self.world(t)).collect();
+        let target = self.world(trank);
+        let mut eng = self.engine();
+        let mut failed = None;
+        eng.wait_until("fence: the target's DONE", |e| {
+            let Some(w) = e.st.rma.wins.get(&id) else {
+                return true;
+            };
+            if w.dones.get(&target).copied().unwrap_or(0) >= k {
+                return true;
+            }
+            if let Some(why) = e.st.am.peer_failure(target) {
+                failed = Some(Error::peer_failed(target, why));
+                return true;
+            }
+            false
+        })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let all = eng.st.rma.wins.get(&id).is_some_and(|w| {
+            worlds
+                .iter()
+                .all(|r| w.dones.get(r).copied().unwrap_or(0) >= k)
+        });
+        if all {
+            self.done_seen.set(k);
+        }
+        Ok(())
+    }
+
     /// Send a batch (if it has records or a sync flag).
     pub(super) fn send_batch(
         &self,
@@ -671,6 +713,9 @@ impl<'w, P: Provider> Window<'w, P> {
     ) -> Result<()> {
         if buf.is_empty() && flags == 0 {
             return Ok(());
+        }
+        if !buf.is_empty() {
+            self.await_done(trank)?;
         }
         let target = self.world(trank);
         let mut h = Hdr::new(rma::H_BATCH);

@@ -261,6 +261,9 @@ pub struct Window<'w, P: Provider> {
     /// Fences this rank has ended on the window (the count of `FENCE`s it waits for from
     /// every rank).
     fences: Cell<u64>,
+    /// The last of those fences for which every rank's DONE has been seen: operations to a
+    /// rank wait for its DONE of the last fence (it has applied that epoch) before they go.
+    done_seen: Cell<u64>,
     /// The current lock epoch is exclusive.
     excl: Cell<bool>,
     /// The provider's ranks may be processes (else threads of this one: see `self_addr`).
@@ -504,6 +507,7 @@ impl<'w, P: Provider> Window<'w, P> {
             cntr_targets: RefCell::new(Vec::new()),
             epoch_ops: Cell::new(0),
             fences: Cell::new(0),
+            done_seen: Cell::new(0),
             excl: Cell::new(false),
             spans_processes: caps.spans_processes,
             freed: Cell::new(false),
@@ -746,7 +750,9 @@ impl<'w, P: Provider> Window<'w, P> {
         if self.freed.replace(true) {
             return Ok(());
         }
-        let b = self.comm.barrier();
+        // Every DONE of the last fence in first, so that none arrives for a window gone.
+        let d = (0..self.comm.size()).try_for_each(|t| self.await_done(t));
+        let b = self.comm.barrier().and(d);
         let mut eng = self.engine();
         // Replies still queued may read this window's memory: copy them before it goes.
         eng.st.am.own_raw_payloads();

@@ -74,10 +74,15 @@ impl<'w, P: Provider> Window<'w, P> {
         // Every rank tells every rank (itself included) that it has reached the fence with a
         // FENCE message sent after its operations, and waits for everybody's. Delivery is in
         // order per pair, so a rank that has every FENCE has applied every operation of the
-        // epoch; and nobody's next operations leave before their sender had every FENCE, so
-        // none reaches a rank that has not called the fence (MPI's rule). With aggregation
-        // the FENCE rides on the last batch to each target. One message each way replaces
-        // an alltoall of operation counts and a barrier.
+        // epoch. With aggregation the FENCE rides on the last batch to each target. Holding
+        // every FENCE says that everybody sent everything, not that everybody has applied
+        // what it was sent, and a next-epoch operation must not overtake this epoch's at its
+        // target (a get from C reaching B before D's put to B of this epoch; a native put
+        // overtaking an active-message accumulate of the same origin still queued there). So
+        // each rank then says DONE to every rank, and an operation of a later epoch waits for
+        // its target's DONE (`await_done`), which has usually arrived by then. Together this
+        // replaces an alltoall of operation counts and a barrier, with no round trip of its
+        // own on the way out of the fence.
         let n = self.comm.size();
         let me = self.comm.rank();
         // This rank's FENCE to itself goes as a message only behind active messages it sent
@@ -140,10 +145,22 @@ impl<'w, P: Provider> Window<'w, P> {
             }
             all_in
         })?;
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = failed {
+            return Err(e);
         }
+        for (t, &w) in worlds.iter().enumerate() {
+            if t as u32 == me {
+                if let Some(win) = eng.st.rma.wins.get_mut(&id) {
+                    *win.dones.entry(w).or_insert(0) += 1;
+                }
+            } else {
+                let mut h = Hdr::new(rma::H_DONE);
+                h.u32(id);
+                eng.st.am.push_ctrl(w, h);
+            }
+        }
+        eng.flush_out()?;
+        Ok(())
     }
 
     // ------------------------------------------------------------------------------ PSCW

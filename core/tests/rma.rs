@@ -601,6 +601,55 @@ fn a_window_freed_right_after_a_fence() {
     });
 }
 
+/// Native puts and active-message accumulates on one window (loopback's RMA mode): an
+/// accumulate of one epoch may still be queued at its target when the fence returns at the
+/// origin; a native put of the next epoch must not land before it (the result would be the
+/// sum, not the value put).
+#[test]
+fn a_native_put_does_not_overtake_the_last_epochs_accumulate() {
+    for s in [Sched::Off, Sched::Aggregate] {
+        testing::world_with(2, &opts(true), |c| {
+            let me = c.rank();
+            let mut m = vec![0u64; 2];
+            c.win_create(&mut m, info(s), |w| {
+                assert_eq!(
+                    w.native_paths(),
+                    (true, true, false),
+                    "put/get native, acc not"
+                );
+                for k in 1..=500u64 {
+                    let one = [1u64];
+                    let val = [10 * k];
+                    w.fence_epoch(Assert::NONE, |e| {
+                        if me == 0 {
+                            e.accumulate(&one, 1, 0, Op::Sum)?;
+                        }
+                        Ok(())
+                    })?;
+                    w.fence_epoch(Assert::NONE, |e| {
+                        if me == 0 {
+                            e.put(&val, 1, 0)?;
+                        }
+                        Ok(())
+                    })?;
+                    if me == 1 {
+                        let mut got = [0u64];
+                        w.read_local(0, &mut got)?;
+                        assert_eq!(
+                            got[0],
+                            10 * k,
+                            "epoch {k} ({s:?}): the put overtook the sum"
+                        );
+                    }
+                    c.barrier()?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        });
+    }
+}
+
 #[test]
 fn shm_native_atomics_agree_with_the_reference() {
     testing::world_dyn(3, "shm", |c| {

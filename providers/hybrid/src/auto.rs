@@ -15,7 +15,7 @@
 //! its peer; neighbouring buckets with the same order are merged. UD-SR is in every bucket, so a
 //! peer with UD alone can be sent every message up to 8192 bytes, as with the default chain
 //! (and the provider's limits stay the same); the chain ends as the default does, with the
-//! zero-copy channels, which no message of this version reaches.
+//! zero-copy channels, which carry the rendezvous of larger messages.
 //!
 //! **Per host, cached.** The lowest rank of each host calibrates, unless a cache file for this
 //! host and these settings exists (`WEFT_HYBRID_AUTO_CACHE`, default `$XDG_CACHE_HOME/weft`
@@ -139,8 +139,8 @@ pub fn chain_from(c: &Costs) -> Chain {
             });
         }
     }
-    // Beyond the measured sizes, the default chain's end: the zero-copy channels (the
-    // hybrid moves larger messages in pieces of at most 8192 bytes, so none reaches them).
+    // Beyond the measured sizes, the default chain's end: the zero-copy channels, which the
+    // rendezvous of larger messages takes (RC-RDMA to a connected peer, else UD-ZCOPY).
     rules.extend([
         Rule {
             cond: Cond::TRUE,

@@ -93,20 +93,7 @@ impl<'w, P: Provider> Window<'w, P> {
             .filter(|&t| t != me || fold_self)
             .map(|t| (t, 0))
             .collect();
-        // As for COMPLETE: folding is only safe where native writes complete on delivery.
-        let delivery = self
-            .engine()
-            .st
-            .am
-            .caps
-            .rma
-            .is_none_or(|r| r.delivery_complete());
-        let folded = if self.sched.aggregates() && delivery {
-            self.drain_pending(Some((rma::B_FENCE, &all)))?
-        } else {
-            self.drain_pending(None)?;
-            Targets::new()
-        };
+        let folded = self.drain_folding(rma::B_FENCE, &all)?;
         // Deferred operations to this rank were issued by the drain just above.
         let to_self = std::mem::take(&mut self.am_dirty.borrow_mut()[me as usize]) || fold_self;
         self.complete_local()?;
@@ -265,10 +252,11 @@ impl<'w, P: Provider> Window<'w, P> {
         Ok(())
     }
 
-    pub(super) fn complete(&self, targets: &[u32]) -> Result<()> {
-        let fold: SmallVec<[(u32, u64); 4]> = targets.iter().map(|t| (*t, 0)).collect();
-        // Folding COMPLETE into the last batch would let it overtake native writes that
-        // complete at transmission (they are proven delivered below, before COMPLETE goes).
+    /// Issue the deferred operations, folding sync `flag` into the last batch to each of
+    /// `targets` where that is safe: under aggregation, and only where native writes complete
+    /// on delivery (folded, the sync could overtake writes that complete at transmission,
+    /// which are proven delivered before an unfolded sync goes). Returns the targets folded.
+    fn drain_folding(&self, flag: u8, targets: &[(u32, u64)]) -> Result<Targets> {
         let delivery = self
             .engine()
             .st
@@ -276,12 +264,17 @@ impl<'w, P: Provider> Window<'w, P> {
             .caps
             .rma
             .is_none_or(|r| r.delivery_complete());
-        let folded = if self.sched.aggregates() && delivery {
-            self.drain_pending(Some((rma::B_COMPLETE, &fold)))?
+        if self.sched.aggregates() && delivery {
+            self.drain_pending(Some((flag, targets)))
         } else {
             self.drain_pending(None)?;
-            Targets::new()
-        };
+            Ok(Targets::new())
+        }
+    }
+
+    pub(super) fn complete(&self, targets: &[u32]) -> Result<()> {
+        let fold: SmallVec<[(u32, u64); 4]> = targets.iter().map(|t| (*t, 0)).collect();
+        let folded = self.drain_folding(rma::B_COMPLETE, &fold)?;
         // Gets and native operations must be complete before we say so.
         self.complete_local()?;
         // Where writes complete at transmission, a target that got only native writes learns

@@ -541,6 +541,17 @@ mod tests {
         assert_eq!(rounds, 6);
     }
 
+    /// Whether piece `i` of round `round` is lost: `loss` % of them, by a hash of `seed`.
+    fn lossy(seed: u64, loss: u32) -> impl Fn(u32, usize) -> bool {
+        move |round: u32, i: usize| {
+            let mut x = seed ^ (round as u64) << 32 ^ i as u64;
+            x ^= x >> 33;
+            x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+            x ^= x >> 33;
+            (x % 100) < loss as u64
+        }
+    }
+
     proptest! {
         #[test]
         fn every_piece_arrives_whatever_is_lost(
@@ -549,13 +560,7 @@ mod tests {
             seed in any::<u64>(),
             loss in 0u32..40,
         ) {
-            let h = |round: u32, i: usize| {
-                let mut x = seed ^ (round as u64) << 32 ^ i as u64;
-                x ^= x >> 33;
-                x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-                x ^= x >> 33;
-                (x % 100) < loss as u64
-            };
+            let h = lossy(seed, loss);
             run(len, 1024, depth, h);
         }
 
@@ -566,13 +571,7 @@ mod tests {
             seed in any::<u64>(),
             loss in 0u32..40,
         ) {
-            let h = |round: u32, i: usize| {
-                let mut x = seed ^ (round as u64) << 32 ^ i as u64;
-                x ^= x >> 33;
-                x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-                x ^= x >> 33;
-                (x % 100) < loss as u64
-            };
+            let h = lossy(seed, loss);
             run_with(len, 1024, depth, false, h);
         }
     }

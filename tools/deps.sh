@@ -10,6 +10,9 @@
 #   iproute2   ip, for the two-network-namespace tests
 #   valgrind   memcheck runs of the soundness tests in .ci/run
 #   fonts-dejavu-core   the font `weft bench --plot` draws with
+#   libfabric-dev libfabric-bin   libfabric's headers (weft-ofi-sys generates its bindings from them
+#              with bindgen, found with pkg-config; the library itself is opened at run time) and
+#              fi_pingpong, the `ofi:*` baselines of `weft bench`
 #   libibverbs-dev cmake libclang-dev libnl-3-dev libnl-route-3-dev pkg-config
 #              the rdma-core backend of weft-verbs (cargo feature `rdma-core`): the ibverbs-sys
 #              crate configures rdma-core's headers with cmake and generates bindings with clang
@@ -26,6 +29,8 @@ command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 [ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
+[ -f /usr/include/rdma/fi_tagged.h ] || need+=(libfabric-dev)
+command -v fi_pingpong >/dev/null 2>&1 || need+=(libfabric-bin)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)

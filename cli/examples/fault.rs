@@ -22,6 +22,7 @@ use weft::ErrorKind;
 // The providers that span processes.
 use weft_hybrid as _;
 use weft_limic as _;
+use weft_ofi as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 use weft_verbs_rc as _;

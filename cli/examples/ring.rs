@@ -15,6 +15,7 @@ use std::process::ExitCode;
 // The providers that span processes.
 use weft_hybrid as _;
 use weft_limic as _;
+use weft_ofi as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 use weft_verbs_rc as _;

@@ -91,7 +91,7 @@ fn a_misspelt_host_provider_is_an_error_not_a_fallback() {
     let err = stderr(&o);
     assert!(
         err.contains(
-            "unknown provider 'shmm (WEFT_SHM_PROVIDER)'; available: shm, limic, tcp-sim, verbs-rc, verbs-ud, hybrid, none"
+            "unknown provider 'shmm (WEFT_SHM_PROVIDER)'; available: shm, limic, tcp-sim, verbs-rc, verbs-ud, hybrid, ofi, none"
         ),
         "{err}"
     );

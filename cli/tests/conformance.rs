@@ -19,6 +19,11 @@ fn weft_test(args: &[&str]) -> (i32, String, String) {
 
 fn passes(args: &[&str]) {
     let (code, out, err) = weft_test(args);
+    passed(args, code, &out, &err);
+}
+
+/// The report of `weft test args` says every check passed.
+fn passed(args: &[&str], code: i32, out: &str, err: &str) {
     assert_eq!(code, 0, "weft test {args:?}:\n{out}\n{err}");
     let n = weft_conformance::CHECKS.len();
     assert!(
@@ -222,4 +227,21 @@ fn in_process_runs_and_usage_errors() {
             && err.contains("ABI 2.0"),
         "{err}"
     );
+}
+
+/// `ofi` over libfabric's reliable-datagram stacks on this machine: `tcp;ofi_rxm` (tcp's
+/// connections under ofi_rxm) and `udp;ofi_rxd` (datagrams made reliable by ofi_rxd, with
+/// native atomics). Skipped where libfabric is missing (tools/deps.sh installs it).
+#[test]
+fn ofi_passes_across_processes_over_tcp_and_udp() {
+    for prov in ["tcp;ofi_rxm", "udp;ofi_rxd"] {
+        let env = format!("WEFT_OFI_PROVIDER={prov}");
+        let args = ["--provider", "ofi", "-n", "3", "--env", &env];
+        let (code, out, err) = weft_test(&args);
+        if code == 2 && err.contains("cannot run across processes here") {
+            common::skip(&format!("libfabric provider {prov}: {err}"));
+            continue;
+        }
+        passed(&args, code, &out, &err);
+    }
 }

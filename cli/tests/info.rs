@@ -54,7 +54,7 @@ fn provider_selection_is_shown() {
     assert!(o.status.success());
     assert!(
         stdout(&o).contains(
-            "WEFT_PROVIDER selects, in order: limic, tcp-sim, verbs-rc, verbs-ud, hybrid, loopback"
+            "WEFT_PROVIDER selects, in order: limic, tcp-sim, verbs-rc, verbs-ud, hybrid, ofi, loopback"
         ),
         "{}",
         stdout(&o)

@@ -5,6 +5,7 @@
 
 use proptest::test_runner::{Config, TestRunner};
 use weft_limic as _;
+use weft_ofi as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 

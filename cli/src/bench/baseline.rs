@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | `ucx:posix`, `ucx:sysv`, `ucx:cma`, `ucx:tcp` | `ucx_perftest` (ucx-utils) | tag_lat | tag_bw, streaming |
 //! | `ucx:put` | `ucx_perftest` over posix (shared memory) | put_poll_lat only: ucp_put_lat | — |
-//! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin) | ping-pong | size / one-way time |
+//! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin): `tcp` and `shm` on reliable datagram endpoints (tcp's through `ofi_rxm`, as weft's `ofi` uses them), `udp` on datagrams | ping-pong | size / one-way time |
 //! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi), vader with its CMA single copy | ping-pong | size / one-way time |
 //! | `ompi:2copy` | the same with `btl_vader_single_copy_mechanism none` (two copies) | ping-pong | size / one-way time |
 //! | `mpich` | NetPIPE `NPmpich2` (netpipe-mpich2) | ping-pong | size / one-way time |
@@ -82,9 +82,10 @@ impl Baseline {
                 tls: "posix,self",
                 put: true,
             },
+            // Reliable datagrams over tcp (tcp;ofi_rxm): the stack weft's `ofi` runs on.
             "ofi:tcp" => Tool::Ofi {
                 prov: "tcp",
-                ep: "msg",
+                ep: "rdm",
             },
             "ofi:udp" => Tool::Ofi {
                 prov: "udp",

@@ -1,0 +1,116 @@
+//! `ofi`: weft over any libfabric provider (`tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`, `efa`, `cxi`,
+//! `psm3`...), mapped the way MPICH CH4's OFI netmod maps MPI (paper 003):
+//!
+//! * **Selection**: `WEFT_OFI_PROVIDER` names the libfabric provider (as `FI_PROVIDER` would);
+//!   without it, the first `fi_getinfo` answer for `FI_EP_RDM` with
+//!   `FI_TAGGED | FI_MSG | FI_RMA | FI_ATOMIC`, then without atomics, without RMA, without tagged
+//!   messaging: each missing capability falls back to the core's active-message path.
+//! * **Tagged messaging** natively: `fi_tsendmsg`/`fi_trecvmsg` with weft's context, source rank
+//!   and tag packed into the 64-bit tag ([`tag`]), `fi_tinject` for small sends, `FI_PEEK` for
+//!   probe, `fi_cancel`; a synchronous send carries its operation in remote CQ data and the
+//!   receiver acknowledges the match. Above `WEFT_OFI_RNDV` bytes a send is announced (an empty
+//!   tagged message with the length and the operation in its CQ data); the matching receive
+//!   answers with the bytes it can take and posts a receive for them in the provider's own
+//!   context, then the data follows. A truncated large message thus still delivers its prefix
+//!   and its length, and no libfabric provider's handling of a truncated large message is
+//!   relied on (libfabric 1.17's `tcp;ofi_rxm` drops the connection, `shm` never completes the
+//!   send).
+//! * **Active messages** over `FI_MSG`: a pool of pre-posted receive buffers; a send is injected
+//!   when it fits the provider's inject size, else copied into a send buffer. A 12-byte prefix
+//!   carries the kind, the header length, the source rank and a per-pair sequence number (the
+//!   receiver restores send order where a provider's completion order does not promise it).
+//! * **Addresses** through the bootstrap (`fi_getname`, one allgather) into an `FI_AV_TABLE`.
+//! * **RMA and atomics** (module `fabric`): `fi_readmsg`/`fi_writemsg` with iovecs up to the
+//!   provider's `iov_limit`, atomics through `fi_atomicmsg`/`fi_fetch_atomicmsg`/
+//!   `fi_compare_atomicmsg` for every (operation, type) `fi_query_atomic` accepts; scalable
+//!   registration (the window id is the key, addresses are offsets) where the provider lets
+//!   the user choose keys; a completion counter per window on an endpoint of its own (bulk
+//!   completion for fence and flush), CQ entries for request-based operations.
+//!
+//! libfabric is opened at run time (`weft-ofi-sys`); where it or its headers were missing, the
+//! provider is registered all the same and says why it cannot run.
+
+pub mod tag;
+
+#[cfg(weft_libfabric)]
+mod fabric;
+#[cfg(weft_libfabric)]
+pub use fabric::Ofi;
+
+weft_provider::param!(pub PROVIDER: Str = "ofi", "PROVIDER", "",
+    "the libfabric provider to use (as FI_PROVIDER names it: tcp;ofi_rxm, shm, verbs;ofi_rxm, ...); empty: the first that fi_getinfo offers for FI_EP_RDM");
+weft_provider::param!(pub DOMAIN: Str = "ofi", "DOMAIN", "",
+    "the libfabric domain (fi_info's domain name, e.g. lo or eth0 for tcp); empty: the first offered");
+weft_provider::param!(pub RNDV: Str = "ofi", "RNDV", "auto",
+    "tagged messages above this size (64 to 1M) are announced and their data sent once the receiver asks; smaller receives go through bounce buffers of this size, so libfabric never truncates; auto: 16K, shm's inject size on shm");
+weft_provider::param!(pub AM_BUF: Size = "ofi", "AM_BUF", "16K",
+    "bytes of each active-message buffer (the largest active-message payload, 1K to 1M)");
+weft_provider::param!(pub AM_RX: Uint = "ofi", "AM_RX", "64",
+    "active-message receive buffers kept posted (8 to 4096); as many send buffers");
+
+#[cfg(not(weft_libfabric))]
+mod absent {
+    //! Built without libfabric's headers: the provider exists, and says why it cannot run.
+    use weft_provider::bootstrap::Bootstrap;
+    use weft_provider::provider::{
+        Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider,
+    };
+    use weft_provider::{Error, ErrorDetail, Rank, Result};
+
+    /// The `ofi` provider of a build without libfabric: never opens.
+    pub struct Ofi(std::convert::Infallible);
+
+    fn why() -> Error {
+        Error::from(ErrorDetail::Unsupported(format!(
+            "ofi: {}",
+            weft_ofi_sys::BUILD_NOTE
+        )))
+    }
+
+    impl Provider for Ofi {
+        fn name(&self) -> &str {
+            match self.0 {}
+        }
+        fn caps(&self) -> &Caps {
+            match self.0 {}
+        }
+        fn rank(&self) -> Rank {
+            match self.0 {}
+        }
+        fn size(&self) -> u32 {
+            match self.0 {}
+        }
+        fn am_send(
+            &mut self,
+            _: Rank,
+            _: &[u8],
+            _: &[std::io::IoSlice<'_>],
+        ) -> Result<SendOutcome> {
+            match self.0 {}
+        }
+        fn progress(&mut self, _: &mut dyn Sink) -> Result<usize> {
+            match self.0 {}
+        }
+    }
+
+    impl StaticProvider for Ofi {
+        const NAME: &'static str = "ofi";
+        fn probe(_: &ProbeContext) -> std::result::Result<(), String> {
+            Err(weft_ofi_sys::BUILD_NOTE.to_string())
+        }
+        fn open(_: &mut dyn Bootstrap) -> Result<Self> {
+            Err(why())
+        }
+        fn static_caps() -> Result<Caps> {
+            Err(why())
+        }
+    }
+}
+#[cfg(not(weft_libfabric))]
+pub use absent::Ofi;
+
+weft_provider::register_provider!(
+    Ofi,
+    priority = 5,
+    summary = "any libfabric provider (WEFT_OFI_PROVIDER: tcp;ofi_rxm, shm, verbs;ofi_rxm...)"
+);

@@ -229,12 +229,13 @@ fn in_process_runs_and_usage_errors() {
     );
 }
 
-/// `ofi` over libfabric's reliable-datagram stacks on this machine: `tcp;ofi_rxm` (tcp's
-/// connections under ofi_rxm) and `udp;ofi_rxd` (datagrams made reliable by ofi_rxd, with
-/// native atomics). Skipped where libfabric is missing (tools/deps.sh installs it).
+/// `ofi` over libfabric's providers on this machine: `tcp;ofi_rxm` (tcp's connections under
+/// ofi_rxm, native tag matching, RMA and software atomics), `udp;ofi_rxd` (datagrams made
+/// reliable by ofi_rxd, native atomics) and `shm` (active messages only before libfabric 1.19).
+/// Skipped where libfabric is missing (tools/deps.sh installs it).
 #[test]
-fn ofi_passes_across_processes_over_tcp_and_udp() {
-    for prov in ["tcp;ofi_rxm", "udp;ofi_rxd"] {
+fn ofi_passes_across_processes() {
+    for prov in ["tcp;ofi_rxm", "udp;ofi_rxd", "shm"] {
         let env = format!("WEFT_OFI_PROVIDER={prov}");
         let args = ["--provider", "ofi", "-n", "3", "--env", &env];
         let (code, out, err) = weft_test(&args);

@@ -7,7 +7,7 @@
 //! operation"), never pointers, so a stale or foreign completion cannot reach freed memory.
 
 use crate::tag::Layout;
-use crate::{AM_BUF, AM_RX, DOMAIN, PROVIDER, RNDV};
+use crate::{AM_BUF, AM_RX, DOMAIN, NATIVE, PROVIDER, RNDV};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CString};
@@ -36,8 +36,6 @@ const K_SYNC_ACK: u8 = 1;
 /// A large message's receiver asks for its data (header: the sender's operation index (u64),
 /// the data id (u32), the bytes it takes (u64)).
 const K_CTS: u8 = 2;
-/// A first message between two ranks at open (see `wire_up`).
-const K_HELLO: u8 = 3;
 /// No bounce buffer.
 const NO_BOUNCE: u32 = u32::MAX;
 /// Bounce buffers allocated (and registered) at a time.
@@ -171,6 +169,25 @@ fn choose(prov: &str, dom: &str) -> Result<Chosen> {
     ))))
 }
 
+/// `WEFT_OFI_NATIVE`: whether the core hands tagged messages, RMA and atomics to libfabric, or
+/// only active messages. Not on shm before 1.19 (unless asked): across processes its shared
+/// receive context matches a message that arrived before its receive against the message's own
+/// ignore mask instead of the receive's (a receive with a wildcard tag never matches it;
+/// libfabric 1.17 `util_srx`), and its RMA operations never complete in the conformance suite.
+fn native_ops(prov: &str) -> bool {
+    match NATIVE.raw().trim().to_ascii_lowercase().as_str() {
+        "1" | "on" | "yes" | "true" => true,
+        "0" | "off" | "no" | "false" => false,
+        _ => {
+            let version = fabric().map_or(0, |f| {
+                // SAFETY: fi_version takes no arguments and returns the library's version.
+                unsafe { (f.fi_version)() }
+            });
+            !(prov.split(';').next() == Some("shm") && version < fi_version(1, 19))
+        }
+    }
+}
+
 /// `WEFT_OFI_RNDV`: a size, or `auto`: 16 KiB, but the inject size on libfabric 1.17's shm,
 /// whose larger messages hang when they arrive before their receive (libfabric issue 9143,
 /// fixed in 1.19).
@@ -270,9 +287,10 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
         .clamp(1 << 10, 1 << 20);
     let iov = tx.iov_limit.min(rx.iov_limit).clamp(1, 64);
     let mut c = Caps::am_only(MAX_HDR, am_buf - PREFIX - MAX_HDR, iov);
-    c.tagged = ch.caps & FI_TAGGED != 0;
     // SAFETY: as above.
     let name = unsafe { cstr((*(*ch.info).fabric_attr).prov_name) };
+    let native = native_ops(&name);
+    c.tagged = ch.caps & FI_TAGGED != 0 && native;
     // shm reaches the processes of one host; the others go through a network.
     c.spans_hosts = name.split(';').next() != Some("shm");
     let mr_mode = d.mr_mode as u64;
@@ -280,7 +298,7 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
     // A fabric that needs local registration pins pages (verbs); the cache then checks frames.
     c.mr_pins = c.mr_local;
     c.inject_size = tx.inject_size;
-    if ch.caps & FI_RMA != 0 {
+    if ch.caps & FI_RMA != 0 && native {
         c.rma = Some(RmaCaps {
             read: true,
             write: true,
@@ -300,7 +318,7 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
         });
         c.counters = d.cntr_cnt > 0;
     }
-    if ch.caps & FI_ATOMIC != 0 {
+    if ch.caps & FI_ATOMIC != 0 && native {
         if let Some(dom) = dom {
             let (t, max) = atomic_table(dom);
             c.atomics = t;
@@ -485,9 +503,6 @@ pub struct Ofi {
     done: VecDeque<(Token, Result<Completed>)>,
     deferred: VecDeque<Deferred>,
     cntrs: Vec<Option<WinCntr>>,
-    /// Peers heard from during `wire_up`, and the active messages that came with them.
-    hellos: u32,
-    kept: Vec<(Rank, Vec<u8>, Vec<u8>)>,
     /// Counters and endpoints of closed windows, reset and kept for the next window (closing an
     /// endpoint while the fabric still holds connections of it is not safe on every provider).
     spare_cntrs: Vec<WinCntr>,
@@ -553,8 +568,6 @@ impl Ofi {
             deferred: VecDeque::new(),
             cntrs: Vec::new(),
             spare_cntrs: Vec::new(),
-            hellos: 0,
-            kept: Vec::new(),
             scratch: Vec::new(),
             n_inject: 0,
             n_am_copy: 0,
@@ -648,41 +661,7 @@ impl Ofi {
             }
         }
         me.post_am_buffers()?;
-        if me.what.starts_with("shm ") {
-            me.wire_up()?;
-        }
         Ok(me)
-    }
-
-    /// Exchange one message with every peer before the job starts: libfabric 1.17's shm maps a
-    /// peer on first contact, and a message from a peer not yet mapped that meets a receive from
-    /// any source is lost (seen with three processes; threads of one process share the map).
-    fn wire_up(&mut self) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut next = 0;
-        // A peer done with its wire-up may already send: keep what arrives for `progress`.
-        let mut sink = Keep::default();
-        while next < self.size || self.hellos + 1 < self.size {
-            if next < self.size
-                && (next == self.rank
-                    || self.am_post(next, K_HELLO, &[], &[])? == SendOutcome::Sent)
-            {
-                next += 1;
-            }
-            self.progress(&mut sink)?;
-            if Instant::now() > deadline {
-                return Err(Error::from(ErrorDetail::Timeout {
-                    what: format!(
-                        "the shm wire-up ({} of {} peers)",
-                        self.hellos,
-                        self.size - 1
-                    ),
-                    secs: 60.0,
-                }));
-            }
-        }
-        self.kept = sink.0;
-        Ok(())
     }
 
     /// Open an endpoint bound to the CQ and the AV (and, for a window, to its counter, with CQ
@@ -1183,7 +1162,6 @@ impl Ofi {
                     _ => sink.peer_failed(src, "acknowledged a synchronous send it was not sent"),
                 }
             }
-            K_HELLO => self.hellos += 1,
             K_CTS if h.len() == 20 => {
                 let op = u64::from_le_bytes(h[..8].try_into().unwrap_or_default()) as usize;
                 let id = u32::from_le_bytes(h[8..12].try_into().unwrap_or_default());
@@ -1811,10 +1789,6 @@ impl Provider for Ofi {
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {
         let mut n = self.retry_deferred()?;
-        for (src, h, p) in std::mem::take(&mut self.kept) {
-            sink.am(src, &h, &p);
-            n += 1;
-        }
         while let Some(&(r, op)) = self.acks.front() {
             match self.am_post(r, K_SYNC_ACK, &op.to_le_bytes(), &[])? {
                 SendOutcome::Sent => {
@@ -2301,20 +2275,6 @@ impl Provider for Ofi {
         }
         self.spare_cntrs.push(w);
         Ok(())
-    }
-}
-
-/// A sink for `wire_up`: active messages kept (nothing else can arrive before the job starts).
-#[derive(Default)]
-struct Keep(Vec<(Rank, Vec<u8>, Vec<u8>)>);
-
-impl Sink for Keep {
-    fn am(&mut self, src: Rank, h: &[u8], p: &[u8]) {
-        self.0.push((src, h.to_vec(), p.to_vec()));
-    }
-    fn complete(&mut self, _: Token, _: Result<Completed>) {}
-    fn peer_failed(&mut self, r: Rank, why: &str) {
-        tracing::warn!("ofi: rank {r} failed during the wire-up: {why}");
     }
 }
 

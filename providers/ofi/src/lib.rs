@@ -14,7 +14,11 @@
 //!   context, then the data follows. A truncated large message thus still delivers its prefix
 //!   and its length, and no libfabric provider's handling of a truncated large message is
 //!   relied on (libfabric 1.17's `tcp;ofi_rxm` drops the connection, `shm` never completes the
-//!   send).
+//!   send). Receives smaller than `WEFT_OFI_RNDV` are posted into bounce buffers of that size,
+//!   so libfabric never truncates at all.
+//! * `WEFT_OFI_NATIVE`: tagged messages, RMA and atomics through libfabric (1), or active
+//!   messages only with the core doing the rest (0); `auto` is 0 on shm before libfabric 1.19,
+//!   whose tag matching and RMA fail across processes.
 //! * **Active messages** over `FI_MSG`: a pool of pre-posted receive buffers; a send is injected
 //!   when it fits the provider's inject size, else copied into a send buffer. A 12-byte prefix
 //!   carries the kind, the header length, the source rank and a per-pair sequence number (the
@@ -43,6 +47,8 @@ weft_provider::param!(pub DOMAIN: Str = "ofi", "DOMAIN", "",
     "the libfabric domain (fi_info's domain name, e.g. lo or eth0 for tcp); empty: the first offered");
 weft_provider::param!(pub RNDV: Str = "ofi", "RNDV", "auto",
     "tagged messages above this size (64 to 1M) are announced and their data sent once the receiver asks; smaller receives go through bounce buffers of this size, so libfabric never truncates; auto: 16K, shm's inject size on shm");
+weft_provider::param!(pub NATIVE: Str = "ofi", "NATIVE", "auto",
+    "1: tagged messages, RMA and atomics through libfabric wherever the provider offers them; 0: libfabric carries active messages only and weft's core does the rest; auto: 1, but 0 on shm before libfabric 1.19 (its tag matching and RMA fail across processes)");
 weft_provider::param!(pub AM_BUF: Size = "ofi", "AM_BUF", "16K",
     "bytes of each active-message buffer (the largest active-message payload, 1K to 1M)");
 weft_provider::param!(pub AM_RX: Uint = "ofi", "AM_RX", "64",

@@ -1519,14 +1519,18 @@ impl Ofi {
         Ok(())
     }
 
+    /// The open counter (and its endpoint) of id `c`.
+    fn win_cntr(&self, c: CntrId) -> Result<&WinCntr> {
+        c.checked_sub(1)
+            .and_then(|i| self.cntrs.get(i as usize))
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::invalid(format!("no open completion counter {c}")))
+    }
+
     /// Report an operation that needs no libfabric call as finished, where `done` says.
     fn finish_now(&mut self, done: &Completion) -> Result<()> {
         if let Some(c) = done.cntr {
-            let w = c
-                .checked_sub(1)
-                .and_then(|i| self.cntrs.get(i as usize))
-                .and_then(Option::as_ref)
-                .ok_or_else(|| Error::invalid(format!("no open completion counter {c}")))?;
+            let w = self.win_cntr(c)?;
             // SAFETY: an open counter.
             check("fi_cntr_add", unsafe { fi_cntr_add(w.cntr, 1) })?;
         }
@@ -1565,12 +1569,7 @@ impl Ofi {
     fn rma_ep(&self, done: &Completion) -> Result<*mut fid_ep> {
         match done.cntr {
             None => Ok(self.ep),
-            Some(c) => c
-                .checked_sub(1)
-                .and_then(|i| self.cntrs.get(i as usize))
-                .and_then(Option::as_ref)
-                .map(|w| w.ep)
-                .ok_or_else(|| Error::invalid(format!("no open completion counter {c}"))),
+            Some(c) => self.win_cntr(c).map(|w| w.ep),
         }
     }
 
@@ -2247,11 +2246,7 @@ impl Provider for Ofi {
     }
 
     fn cntr_read(&mut self, c: CntrId) -> Result<CntrValue> {
-        let w = c
-            .checked_sub(1)
-            .and_then(|i| self.cntrs.get(i as usize))
-            .and_then(Option::as_ref)
-            .ok_or_else(|| Error::invalid(format!("no open completion counter {c}")))?;
+        let w = self.win_cntr(c)?;
         // SAFETY: an open counter.
         Ok(unsafe {
             CntrValue {
@@ -2262,11 +2257,10 @@ impl Provider for Ofi {
     }
 
     fn cntr_close(&mut self, c: CntrId) -> Result<()> {
-        let w = c
-            .checked_sub(1)
-            .and_then(|i| self.cntrs.get_mut(i as usize))
-            .and_then(Option::take)
-            .ok_or_else(|| Error::invalid(format!("no open completion counter {c}")))?;
+        self.win_cntr(c)?;
+        let w = self.cntrs[c as usize - 1]
+            .take()
+            .expect("win_cntr found it open");
         // SAFETY: an open counter with nothing outstanding on it (the contract); it and its
         // endpoint are kept for the next window, from zero.
         unsafe {

@@ -78,6 +78,15 @@ fn available(fab: &str) -> bool {
     }
 }
 
+/// Run `f` on `n` ranks over each libfabric provider of [`FABRICS`] that is available here.
+fn each_fabric(n: u32, f: impl Fn(&'static str, Ofi, Arc<Barrier>) + Send + Sync + Copy + 'static) {
+    for fab in FABRICS {
+        if available(fab) {
+            world(fab, n, move |p, bar| f(fab, p, bar));
+        }
+    }
+}
+
 /// Run `f` on `n` ranks over libfabric provider `fab`.
 fn world<R: Send + 'static>(
     fab: &'static str,
@@ -113,164 +122,145 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn truncation_reports_the_message_length_and_keeps_the_prefix() {
-    for fab in FABRICS {
-        if !available(fab) {
-            continue;
-        }
-        world(fab, 2, move |mut p, bar| {
-            let mut ev = Events::default();
-            bar.wait();
-            let sizes = [50usize, 200_000, 8000, 1 << 20, 16, 17, 5000];
-            // Each size twice: the receive posted first, then the message arriving first
-            // (unexpected). Active messages pace the two ranks.
-            for (k, (n, recv_first)) in sizes
-                .iter()
-                .flat_map(|n| [(*n, true), (*n, false)])
-                .enumerate()
-            {
-                let tag = k as i32;
-                let data = pattern(n, k as u8);
-                if p.rank() == 0 {
-                    if recv_first {
-                        until(&mut p, &mut ev, "the receiver", |e| e.am.len() > k);
-                    }
-                    // SAFETY: `data` outlives the wait below.
-                    unsafe { p.tagged_send(1, 8, tag, &[RawIov::new(data.as_ptr(), n)], false, 1) }
-                        .unwrap();
-                    if !recv_first {
-                        am(&mut p, &mut ev, 1, b"sent");
-                    }
-                    assert_eq!(wait(&mut p, &mut ev, 1).unwrap(), Completed::Done, "{fab}");
-                    if recv_first {
-                        am(&mut p, &mut ev, 1, b"done");
-                    } else {
-                        until(&mut p, &mut ev, "the receiver", |e| e.am.len() > k);
-                    }
-                } else {
-                    if !recv_first {
-                        until(&mut p, &mut ev, "the sender", |e| e.am.len() > k);
-                    }
-                    let mut b = [0xAAu8; 32];
-                    // SAFETY: `b` outlives the wait below.
-                    unsafe {
-                        p.tagged_recv(
-                            Some(0),
-                            8,
-                            Some(tag),
-                            &[RawIovMut::new(b.as_mut_ptr(), 16)],
-                            2,
-                        )
-                    }
+    each_fabric(2, |fab, mut p, bar| {
+        let mut ev = Events::default();
+        bar.wait();
+        let sizes = [50usize, 200_000, 8000, 1 << 20, 16, 17, 5000];
+        // Each size twice: the receive posted first, then the message arriving first
+        // (unexpected). Active messages pace the two ranks.
+        for (k, (n, recv_first)) in sizes
+            .iter()
+            .flat_map(|n| [(*n, true), (*n, false)])
+            .enumerate()
+        {
+            let tag = k as i32;
+            let data = pattern(n, k as u8);
+            if p.rank() == 0 {
+                if recv_first {
+                    until(&mut p, &mut ev, "the receiver", |e| e.am.len() > k);
+                }
+                // SAFETY: `data` outlives the wait below.
+                unsafe { p.tagged_send(1, 8, tag, &[RawIov::new(data.as_ptr(), n)], false, 1) }
                     .unwrap();
-                    if recv_first {
-                        am(&mut p, &mut ev, 0, b"posted");
-                    }
-                    let r = wait(&mut p, &mut ev, 2).unwrap();
-                    let Completed::Received(st) = r else {
-                        panic!("{fab}: {r:?}")
-                    };
-                    assert_eq!((st.source, st.tag, st.bytes), (0, tag, n), "{fab}");
-                    let m = n.min(16);
-                    assert!(
-                        b[m..].iter().all(|x| *x == 0xAA),
-                        "{fab} {n}: wrote past the message or buffer"
-                    );
-                    assert_eq!(b[..m], data[..m], "{fab} {n}: the prefix differs");
-                    if recv_first {
-                        until(&mut p, &mut ev, "the sender", |e| e.am.len() > k);
-                    } else {
-                        am(&mut p, &mut ev, 0, b"done");
-                    }
+                if !recv_first {
+                    am(&mut p, &mut ev, 1, b"sent");
+                }
+                assert_eq!(wait(&mut p, &mut ev, 1).unwrap(), Completed::Done, "{fab}");
+                if recv_first {
+                    am(&mut p, &mut ev, 1, b"done");
+                } else {
+                    until(&mut p, &mut ev, "the receiver", |e| e.am.len() > k);
+                }
+            } else {
+                if !recv_first {
+                    until(&mut p, &mut ev, "the sender", |e| e.am.len() > k);
+                }
+                let mut b = [0xAAu8; 32];
+                // SAFETY: `b` outlives the wait below.
+                unsafe {
+                    p.tagged_recv(
+                        Some(0),
+                        8,
+                        Some(tag),
+                        &[RawIovMut::new(b.as_mut_ptr(), 16)],
+                        2,
+                    )
+                }
+                .unwrap();
+                if recv_first {
+                    am(&mut p, &mut ev, 0, b"posted");
+                }
+                let r = wait(&mut p, &mut ev, 2).unwrap();
+                let Completed::Received(st) = r else {
+                    panic!("{fab}: {r:?}")
+                };
+                assert_eq!((st.source, st.tag, st.bytes), (0, tag, n), "{fab}");
+                let m = n.min(16);
+                assert!(
+                    b[m..].iter().all(|x| *x == 0xAA),
+                    "{fab} {n}: wrote past the message or buffer"
+                );
+                assert_eq!(b[..m], data[..m], "{fab} {n}: the prefix differs");
+                if recv_first {
+                    until(&mut p, &mut ev, "the sender", |e| e.am.len() > k);
+                } else {
+                    am(&mut p, &mut ev, 0, b"done");
                 }
             }
-            bar.wait();
-        });
-    }
+        }
+        bar.wait();
+    });
 }
 
 #[test]
 fn active_messages_arrive_in_order() {
-    for fab in FABRICS {
-        if !available(fab) {
-            continue;
-        }
-        world(fab, 2, move |mut p, bar| {
-            let mut ev = Events::default();
-            bar.wait();
-            const N: usize = 2000;
-            if p.rank() == 0 {
-                for i in 0..N {
-                    let body = pattern(i % 3000, i as u8);
-                    let t0 = Instant::now();
-                    while p
-                        .am_send(1, &(i as u32).to_le_bytes(), &[IoSlice::new(&body)])
-                        .unwrap()
-                        == SendOutcome::Busy
-                    {
-                        p.progress(&mut ev).unwrap();
-                        assert!(t0.elapsed() < T, "busy for ever");
-                    }
-                }
-                until(&mut p, &mut ev, "the ack", |e| !e.am.is_empty());
-            } else {
-                until(&mut p, &mut ev, "all messages", |e| e.am.len() == N);
-                for (i, (src, h, body)) in ev.am.iter().enumerate() {
-                    assert_eq!((*src, h.as_slice()), (0, &(i as u32).to_le_bytes()[..]));
-                    assert_eq!(body, &pattern(i % 3000, i as u8), "{fab}: message {i}");
-                }
-                while p.am_send(0, b"ok", &[]).unwrap() == SendOutcome::Busy {
+    each_fabric(2, |fab, mut p, bar| {
+        let mut ev = Events::default();
+        bar.wait();
+        const N: usize = 2000;
+        if p.rank() == 0 {
+            for i in 0..N {
+                let body = pattern(i % 3000, i as u8);
+                let t0 = Instant::now();
+                while p
+                    .am_send(1, &(i as u32).to_le_bytes(), &[IoSlice::new(&body)])
+                    .unwrap()
+                    == SendOutcome::Busy
+                {
                     p.progress(&mut ev).unwrap();
+                    assert!(t0.elapsed() < T, "busy for ever");
                 }
             }
-            p.close().unwrap();
-            bar.wait();
-        });
-    }
+            until(&mut p, &mut ev, "the ack", |e| !e.am.is_empty());
+        } else {
+            until(&mut p, &mut ev, "all messages", |e| e.am.len() == N);
+            for (i, (src, h, body)) in ev.am.iter().enumerate() {
+                assert_eq!((*src, h.as_slice()), (0, &(i as u32).to_le_bytes()[..]));
+                assert_eq!(body, &pattern(i % 3000, i as u8), "{fab}: message {i}");
+            }
+            while p.am_send(0, b"ok", &[]).unwrap() == SendOutcome::Busy {
+                p.progress(&mut ev).unwrap();
+            }
+        }
+        p.close().unwrap();
+        bar.wait();
+    });
 }
 
 #[test]
 fn wildcard_receives_match_every_source_and_tag() {
-    for fab in FABRICS {
-        if !available(fab) {
-            continue;
-        }
-        world(fab, 3, move |mut p, bar| {
-            let mut ev = Events::default();
-            bar.wait();
-            let r = p.rank();
-            if r == 0 {
-                let mut seen = [false; 3];
-                for k in 0..2 {
-                    let mut b = [0u8; 4];
-                    // SAFETY: `b` outlives the wait below.
-                    unsafe {
-                        p.tagged_recv(None, 2, None, &[RawIovMut::new(b.as_mut_ptr(), 4)], k)
-                    }
-                    .unwrap();
-                    let Completed::Received(st) = wait(&mut p, &mut ev, k).unwrap() else {
-                        panic!("{fab}: not a receive")
-                    };
-                    assert_eq!((st.tag, st.bytes), (40 + st.source as i32, 4), "{fab}");
-                    assert_eq!(u32::from_le_bytes(b), st.source, "{fab}");
-                    seen[st.source as usize] = true;
-                }
-                assert_eq!(seen, [false, true, true], "{fab}");
-                for d in 1..3 {
-                    am(&mut p, &mut ev, d, b"bye");
-                }
-            } else {
-                let b = r.to_le_bytes();
+    each_fabric(3, |fab, mut p, bar| {
+        let mut ev = Events::default();
+        bar.wait();
+        let r = p.rank();
+        if r == 0 {
+            let mut seen = [false; 3];
+            for k in 0..2 {
+                let mut b = [0u8; 4];
                 // SAFETY: `b` outlives the wait below.
-                unsafe {
-                    p.tagged_send(0, 2, 40 + r as i32, &[RawIov::new(b.as_ptr(), 4)], false, 9)
-                }
-                .unwrap();
-                assert_eq!(wait(&mut p, &mut ev, 9).unwrap(), Completed::Done, "{fab}");
-                until(&mut p, &mut ev, "the end", |e| !e.am.is_empty());
+                unsafe { p.tagged_recv(None, 2, None, &[RawIovMut::new(b.as_mut_ptr(), 4)], k) }
+                    .unwrap();
+                let Completed::Received(st) = wait(&mut p, &mut ev, k).unwrap() else {
+                    panic!("{fab}: not a receive")
+                };
+                assert_eq!((st.tag, st.bytes), (40 + st.source as i32, 4), "{fab}");
+                assert_eq!(u32::from_le_bytes(b), st.source, "{fab}");
+                seen[st.source as usize] = true;
             }
-            bar.wait();
-        });
-    }
+            assert_eq!(seen, [false, true, true], "{fab}");
+            for d in 1..3 {
+                am(&mut p, &mut ev, d, b"bye");
+            }
+        } else {
+            let b = r.to_le_bytes();
+            // SAFETY: `b` outlives the wait below.
+            unsafe { p.tagged_send(0, 2, 40 + r as i32, &[RawIov::new(b.as_ptr(), 4)], false, 9) }
+                .unwrap();
+            assert_eq!(wait(&mut p, &mut ev, 9).unwrap(), Completed::Done, "{fab}");
+            until(&mut p, &mut ev, "the end", |e| !e.am.is_empty());
+        }
+        bar.wait();
+    });
 }
 
 /// A synchronous send completes only once its receive matched; probe reports a waiting
@@ -278,109 +268,104 @@ fn wildcard_receives_match_every_source_and_tag() {
 /// receive that nothing matches is cancelled and reports so.
 #[test]
 fn ssend_waits_for_the_match_and_probe_and_cancel_work() {
-    for fab in FABRICS {
-        if !available(fab) {
-            continue;
-        }
-        world(fab, 2, move |mut p, bar| {
-            let mut ev = Events::default();
-            bar.wait();
-            let big = pattern(100_000, 3);
-            if p.rank() == 0 {
-                let small = [7u8; 8];
-                // SAFETY: both buffers outlive the waits below.
-                unsafe {
-                    p.tagged_send(1, 2, 5, &[RawIov::new(small.as_ptr(), 8)], true, 1)
-                        .unwrap();
-                    p.tagged_send(1, 2, 6, &[RawIov::new(big.as_ptr(), big.len())], false, 2)
-                        .unwrap();
-                }
-                // Nothing has been received yet: the synchronous send must not complete.
-                let t0 = Instant::now();
-                while t0.elapsed() < Duration::from_millis(200) {
-                    p.progress(&mut ev).unwrap();
-                }
-                assert!(
-                    ev.take(1).is_none(),
-                    "{fab}: ssend completed before its match"
-                );
-                am(&mut p, &mut ev, 1, b"go");
-                assert_eq!(wait(&mut p, &mut ev, 1).unwrap(), Completed::Done, "{fab}");
-                assert_eq!(wait(&mut p, &mut ev, 2).unwrap(), Completed::Done, "{fab}");
-                until(&mut p, &mut ev, "the end", |e| !e.am.is_empty());
-            } else {
-                until(&mut p, &mut ev, "go", |e| !e.am.is_empty());
-                // Probe both, before receiving either. (libfabric 1.17's shm reports neither
-                // the length nor the CQ data of a message it peeks at, and the peeked message
-                // is not received afterwards: fixed upstream later; not probed there.)
-                let probes: &[(i32, usize)] = if fab == "shm" {
-                    &[]
-                } else {
-                    &[(5, 8), (6, 100_000)]
-                };
-                for &(tag, n) in probes {
-                    let t0 = Instant::now();
-                    let st = loop {
-                        p.progress(&mut ev).unwrap();
-                        if let Some(st) = p.tagged_probe(Some(0), 2, Some(tag)).unwrap() {
-                            break st;
-                        }
-                        assert!(t0.elapsed() < T, "{fab}: probe found nothing");
-                    };
-                    assert_eq!((st.source, st.tag, st.bytes), (0, tag, n), "{fab}");
-                }
-                assert!(
-                    p.tagged_probe(Some(0), 2, Some(77)).unwrap().is_none(),
-                    "{fab}"
-                );
-                let mut a = [0u8; 8];
-                let mut b = vec![0u8; 100_000];
-                // SAFETY: the buffers outlive the waits below.
-                unsafe {
-                    p.tagged_recv(Some(0), 2, Some(5), &[RawIovMut::new(a.as_mut_ptr(), 8)], 3)
-                        .unwrap();
-                    p.tagged_recv(
-                        Some(0),
-                        2,
-                        Some(6),
-                        &[RawIovMut::new(b.as_mut_ptr(), b.len())],
-                        4,
-                    )
+    each_fabric(2, |fab, mut p, bar| {
+        let mut ev = Events::default();
+        bar.wait();
+        let big = pattern(100_000, 3);
+        if p.rank() == 0 {
+            let small = [7u8; 8];
+            // SAFETY: both buffers outlive the waits below.
+            unsafe {
+                p.tagged_send(1, 2, 5, &[RawIov::new(small.as_ptr(), 8)], true, 1)
                     .unwrap();
-                }
-                assert!(matches!(
-                    wait(&mut p, &mut ev, 3).unwrap(),
-                    Completed::Received(_)
-                ));
-                assert!(matches!(
-                    wait(&mut p, &mut ev, 4).unwrap(),
-                    Completed::Received(_)
-                ));
-                assert_eq!(a, [7u8; 8], "{fab}");
-                assert!(b == big, "{fab}: the large message differs");
-                let mut never = [0u8; 8];
-                // SAFETY: `never` outlives the receive: it is cancelled (checked) before the end.
-                unsafe {
-                    p.tagged_recv(
-                        Some(0),
-                        2,
-                        Some(78),
-                        &[RawIovMut::new(never.as_mut_ptr(), 8)],
-                        5,
-                    )
+                p.tagged_send(1, 2, 6, &[RawIov::new(big.as_ptr(), big.len())], false, 2)
                     .unwrap();
-                }
-                let cancelled = p.tagged_cancel(5).unwrap();
-                let r = if cancelled {
-                    Completed::Cancelled
-                } else {
-                    wait(&mut p, &mut ev, 5).unwrap()
-                };
-                assert_eq!(r, Completed::Cancelled, "{fab}");
-                am(&mut p, &mut ev, 0, b"end");
             }
-            p.close().unwrap();
-            bar.wait();
-        });
-    }
+            // Nothing has been received yet: the synchronous send must not complete.
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_millis(200) {
+                p.progress(&mut ev).unwrap();
+            }
+            assert!(
+                ev.take(1).is_none(),
+                "{fab}: ssend completed before its match"
+            );
+            am(&mut p, &mut ev, 1, b"go");
+            assert_eq!(wait(&mut p, &mut ev, 1).unwrap(), Completed::Done, "{fab}");
+            assert_eq!(wait(&mut p, &mut ev, 2).unwrap(), Completed::Done, "{fab}");
+            until(&mut p, &mut ev, "the end", |e| !e.am.is_empty());
+        } else {
+            until(&mut p, &mut ev, "go", |e| !e.am.is_empty());
+            // Probe both, before receiving either. (libfabric 1.17's shm reports neither
+            // the length nor the CQ data of a message it peeks at, and the peeked message
+            // is not received afterwards: fixed upstream later; not probed there.)
+            let probes: &[(i32, usize)] = if fab == "shm" {
+                &[]
+            } else {
+                &[(5, 8), (6, 100_000)]
+            };
+            for &(tag, n) in probes {
+                let t0 = Instant::now();
+                let st = loop {
+                    p.progress(&mut ev).unwrap();
+                    if let Some(st) = p.tagged_probe(Some(0), 2, Some(tag)).unwrap() {
+                        break st;
+                    }
+                    assert!(t0.elapsed() < T, "{fab}: probe found nothing");
+                };
+                assert_eq!((st.source, st.tag, st.bytes), (0, tag, n), "{fab}");
+            }
+            assert!(
+                p.tagged_probe(Some(0), 2, Some(77)).unwrap().is_none(),
+                "{fab}"
+            );
+            let mut a = [0u8; 8];
+            let mut b = vec![0u8; 100_000];
+            // SAFETY: the buffers outlive the waits below.
+            unsafe {
+                p.tagged_recv(Some(0), 2, Some(5), &[RawIovMut::new(a.as_mut_ptr(), 8)], 3)
+                    .unwrap();
+                p.tagged_recv(
+                    Some(0),
+                    2,
+                    Some(6),
+                    &[RawIovMut::new(b.as_mut_ptr(), b.len())],
+                    4,
+                )
+                .unwrap();
+            }
+            assert!(matches!(
+                wait(&mut p, &mut ev, 3).unwrap(),
+                Completed::Received(_)
+            ));
+            assert!(matches!(
+                wait(&mut p, &mut ev, 4).unwrap(),
+                Completed::Received(_)
+            ));
+            assert_eq!(a, [7u8; 8], "{fab}");
+            assert!(b == big, "{fab}: the large message differs");
+            let mut never = [0u8; 8];
+            // SAFETY: `never` outlives the receive: it is cancelled (checked) before the end.
+            unsafe {
+                p.tagged_recv(
+                    Some(0),
+                    2,
+                    Some(78),
+                    &[RawIovMut::new(never.as_mut_ptr(), 8)],
+                    5,
+                )
+                .unwrap();
+            }
+            let cancelled = p.tagged_cancel(5).unwrap();
+            let r = if cancelled {
+                Completed::Cancelled
+            } else {
+                wait(&mut p, &mut ev, 5).unwrap()
+            };
+            assert_eq!(r, Completed::Cancelled, "{fab}");
+            am(&mut p, &mut ev, 0, b"end");
+        }
+        p.close().unwrap();
+        bar.wait();
+    });
 }

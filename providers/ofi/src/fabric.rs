@@ -19,7 +19,7 @@ use weft_ofi_sys::*;
 use weft_provider::bootstrap::Bootstrap;
 use weft_provider::provider::{
     Access, AtomicOp, Caps, CntrId, CntrValue, Completed, Completion, CompletionLevel, MemRegion,
-    ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
+    PeerCaps, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps, SendOutcome, Sink,
     StaticProvider, TaggedStatus, Token,
 };
 use weft_provider::types::{AtomicTable, BasicType, Op as WOp};
@@ -53,6 +53,12 @@ const ANNOUNCE_OPS: usize = 1 << (63 - LEN_BITS);
 const SYNC_POLL: Duration = Duration::from_millis(50);
 /// Keys of registrations without a caller's key (window ids are 32-bit, so no clash).
 const FIRST_KEY: u64 = 1 << 32;
+/// The handle of a write-rendezvous registration: this bit and its operation (a `fid_mr`
+/// pointer, the handle of a native registration, never has it).
+const W_HANDLE: u64 = 1 << 63;
+/// How long taking back a write-rendezvous receive may wait for libfabric before the process
+/// ends (the buffer cannot be given back while libfabric may still write into it).
+const WRECV_WAIT: Duration = Duration::from_secs(10);
 
 fn fi_err(what: &str, rc: isize) -> Error {
     Error::from(ErrorDetail::Provider {
@@ -275,7 +281,8 @@ fn fi_types(op: WOp, ty: BasicType) -> (fi_op, fi_datatype) {
 }
 
 /// Capabilities of a chosen endpoint; `dom` (an open domain) answers `fi_query_atomic`.
-fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
+/// `native`: `WEFT_OFI_NATIVE`'s answer unless given.
+fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>, native: Option<bool>) -> Caps {
     // SAFETY: `ch.info` is a live fi_info from fi_getinfo with its attribute structs.
     let (tx, rx, d) = unsafe {
         let i = &*ch.info;
@@ -289,7 +296,7 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
     let mut c = Caps::am_only(MAX_HDR, am_buf - PREFIX - MAX_HDR, iov);
     // SAFETY: as above.
     let name = unsafe { cstr((*(*ch.info).fabric_attr).prov_name) };
-    let native = native_ops(&name);
+    let native = native.unwrap_or_else(|| native_ops(&name));
     c.tagged = ch.caps & FI_TAGGED != 0 && native;
     // shm reaches the processes of one host; the others go through a network.
     c.spans_hosts = name.split(';').next() != Some("shm");
@@ -317,6 +324,20 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>) -> Caps {
             rndv_only: false,
         });
         c.counters = d.cntr_cnt > 0;
+    }
+    if ch.caps & FI_TAGGED != 0 && !native && !c.mr_local {
+        // Active messages only, but the core's write rendezvous still moves large messages
+        // without copies: a "registration" posts the receive buffer as a tagged receive in the
+        // provider's data context, the "write" is a tagged send to it (see `wrecv_open`).
+        c.rma = Some(RmaCaps {
+            write: true,
+            max_iov: iov,
+            user_memory: true,
+            completion: CompletionLevel::Delivery,
+            rndv_only: true,
+            ..RmaCaps::default()
+        });
+        c.per_peer = true;
     }
     if ch.caps & FI_ATOMIC != 0 && native {
         if let Some(dom) = dom {
@@ -412,6 +433,16 @@ enum Op {
         source: Rank,
         tag: i32,
         len: usize,
+    },
+    /// A receive buffer registered for the write rendezvous, posted as a tagged receive;
+    /// `done`: its completion came (libfabric's error number, 0 for success).
+    WRecv {
+        done: Option<i32>,
+    },
+    /// A write-rendezvous write: a tagged send to a [`Op::WRecv`]'s key.
+    WSend {
+        token: Token,
+        dest: Rank,
     },
 }
 
@@ -516,12 +547,25 @@ pub struct Ofi {
     n_write: u64,
     n_atomic: u64,
     n_ack: u64,
+    /// Registrations are write-rendezvous receives (active-message mode with tagged messaging).
+    wrndv: bool,
+    n_wrndv: u64,
 }
 
 impl Ofi {
     /// Open on libfabric provider `prov` in domain `dom` (empty: the first `fi_getinfo` offers);
     /// `open` takes both from `WEFT_OFI_PROVIDER` and `WEFT_OFI_DOMAIN`. Collective.
     pub fn open_on(boot: &mut dyn Bootstrap, prov: &str, dom: &str) -> Result<Self> {
+        Self::open_with(boot, prov, dom, None)
+    }
+
+    /// As [`Ofi::open_on`], with `native` in place of `WEFT_OFI_NATIVE` when given.
+    pub fn open_with(
+        boot: &mut dyn Bootstrap,
+        prov: &str,
+        dom: &str,
+        native: Option<bool>,
+    ) -> Result<Self> {
         let lib =
             fabric().map_err(|e| Error::from(ErrorDetail::Unsupported(format!("ofi: {e}"))))?;
         let ch = choose(prov, dom)?;
@@ -578,6 +622,8 @@ impl Ofi {
             n_write: 0,
             n_atomic: 0,
             n_ack: 0,
+            wrndv: false,
+            n_wrndv: 0,
         };
         // From here on `Drop` closes whatever was opened.
         // SAFETY: `info` is live; each object is opened on its live parent and stored at once.
@@ -620,7 +666,8 @@ impl Ofi {
             )?;
             me.ep = me.endpoint(None)?;
         }
-        me.caps = caps_of(&ch, Some(me.dom));
+        me.caps = caps_of(&ch, Some(me.dom), native);
+        me.wrndv = me.caps.rma.is_some_and(|r| r.rndv_only);
         // Addresses: one allgather through the bootstrap, into the address vector.
         let mut name = vec![0u8; 256];
         let mut len = name.len();
@@ -927,6 +974,10 @@ impl Ofi {
                 self.ops[i] = Op::Cancelled(b);
                 true
             }
+            Op::WRecv { done: None } => {
+                self.ops[i] = Op::WRecv { done: Some(ev.err) };
+                true
+            }
             _ => false,
         }
     }
@@ -1002,9 +1053,17 @@ impl Ofi {
                     Op::Send { token, .. }
                     | Op::Recv { token, .. }
                     | Op::LSend { token, .. }
-                    | Op::LRecv { token, .. } => Some(token),
+                    | Op::LRecv { token, .. }
+                    | Op::WSend { token, .. } => Some(token),
                     _ => None,
                 };
+                if let Op::WRecv { .. } = self.ops[d.op] {
+                    // Taken back (and freed) at deregistration; no write can land.
+                    self.ops[d.op] = Op::WRecv {
+                        done: Some(-(rc as i32)),
+                    };
+                    continue;
+                }
                 self.free_op(d.op);
                 if let Some(t) = token {
                     self.done
@@ -1510,7 +1569,19 @@ impl Ofi {
                 };
                 sink.complete(token, r);
             }
-            Op::Peek(_) | Op::Orphan | Op::Cancelled(_) | Op::Free => {
+            Op::WSend { token, dest } => {
+                self.free_op(i);
+                let r = if ev.err == 0 {
+                    Ok(Completed::Done)
+                } else {
+                    Err(Error::peer_failed(
+                        dest,
+                        format!("write-rendezvous data: {}", reason()),
+                    ))
+                };
+                sink.complete(token, r);
+            }
+            Op::Peek(_) | Op::Orphan | Op::Cancelled(_) | Op::Free | Op::WRecv { .. } => {
                 if !self.absorb(&ev) {
                     tracing::debug!("ofi: completion for finished operation {i}");
                 }
@@ -1718,6 +1789,131 @@ impl Ofi {
     }
 }
 
+/// The write rendezvous in active-message mode (`wrndv`). The core's receiver registers its
+/// buffer for one peer's write of the whole message and sends the key; the sender writes, then
+/// tells the receiver (`WFIN`), which deregisters before it hands the buffer back. Here the
+/// registration posts the buffer as a tagged receive with an exact tag in the provider's data
+/// context (the key: never a wildcard, and posted before the key leaves, so libfabric 1.17
+/// shm's faults with unexpected messages cannot arise), and the write is a tagged send with
+/// that tag: libfabric moves the data its own way (shm: one CMA copy or its pipelined
+/// segments) with no copy through active-message buffers.
+impl Ofi {
+    fn wrecv_open(&mut self, base: *mut u8, len: usize, access: Access) -> Result<MemRegion> {
+        if access.remote_read || access.remote_atomic || !access.remote_write || len == 0 {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "ofi: with WEFT_OFI_NATIVE=0 a registration serves the write rendezvous only"
+                    .into(),
+            )));
+        }
+        let id = self.next_data_id;
+        self.next_data_id = id.wrapping_add(1);
+        let key = self.layout.data_tag(self.rank, id);
+        let op = self.new_op(Op::WRecv { done: None });
+        self.post(Deferred {
+            recv: true,
+            iov: SmallVec::from_slice(&[(base as usize, len, 0)]),
+            peer: FI_ADDR_UNSPEC,
+            tag: key,
+            ignore: 0,
+            data: 0,
+            flags: 0,
+            op,
+        })?;
+        Ok(MemRegion {
+            key,
+            addr: 0,
+            len,
+            handle: W_HANDLE | op as u64,
+            desc: 0,
+        })
+    }
+
+    /// Take write-rendezvous receive `i` back: once its data is in (the usual case: the
+    /// sender's `WFIN` follows its completion), else cancelled. libfabric must answer within
+    /// [`WRECV_WAIT`]; if it does not, the process ends, because returning would hand back a
+    /// buffer libfabric may still write into.
+    fn wrecv_close(&mut self, i: usize) -> Result<()> {
+        if !matches!(self.ops.get(i), Some(Op::WRecv { .. })) {
+            return Err(Error::invalid(
+                "ofi: deregistering a region it never registered",
+            ));
+        }
+        if let Some(d) = self.deferred.iter().position(|d| d.op == i) {
+            // Never reached libfabric.
+            self.deferred.remove(d);
+            self.free_op(i);
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut cancelled = false;
+        loop {
+            if let Op::WRecv { done: Some(err) } = self.ops[i] {
+                self.free_op(i);
+                if err != 0 && err != FI_ECANCELED as i32 {
+                    tracing::warn!(
+                        "ofi: a write-rendezvous receive failed: {}",
+                        strerror(err as i64)
+                    );
+                }
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if !cancelled && waited > SYNC_POLL {
+                // No data came: the sender failed or the receive was given up. A receive
+                // that is already matched cannot be cancelled; its completion still comes.
+                // SAFETY: `ep` is open; the context names one of its posted receives.
+                unsafe { fi_cancel(&mut (*self.ep).fid, ctx(i)) };
+                cancelled = true;
+            }
+            if waited > WRECV_WAIT {
+                tracing::error!("ofi: libfabric kept a receive buffer after cancellation");
+                eprintln!(
+                    "weft: ofi: libfabric neither completed nor cancelled a receive into a buffer                      that is being given back ({} s); ending the process rather than let it                      write there",
+                    WRECV_WAIT.as_secs()
+                );
+                std::process::abort();
+            }
+            self.drive()?;
+        }
+    }
+
+    fn wsend(
+        &mut self,
+        dest: Rank,
+        local: &[RawIov],
+        remote: RemoteAddr,
+        done: Completion,
+    ) -> Result<()> {
+        self.peer_ok(dest)?;
+        if remote.addr != 0 || !self.layout.is_data(remote.key) {
+            return Err(Error::from(ErrorDetail::RemoteAccess {
+                rank: dest,
+                what: "not a write-rendezvous key of the ofi provider".into(),
+            }));
+        }
+        let Some(token) = done.cq else {
+            return Err(Error::invalid(
+                "ofi: a write-rendezvous write reports through the completion queue",
+            ));
+        };
+        if local.iter().map(|x| x.len).sum::<usize>() == 0 {
+            return Err(Error::invalid("ofi: an empty write-rendezvous write"));
+        }
+        let op = self.new_op(Op::WSend { token, dest });
+        self.n_wrndv += 1;
+        self.post(Deferred {
+            recv: false,
+            iov: raw(local),
+            peer: self.addrs[dest as usize],
+            tag: remote.key,
+            ignore: 0,
+            data: 0,
+            flags: 0,
+            op,
+        })
+    }
+}
+
 /// The first `n` bytes of an iovec.
 fn truncate(iov: &[(usize, usize, u64)], mut n: usize) -> SmallVec<[(usize, usize, u64); 4]> {
     let mut v = SmallVec::new();
@@ -1755,6 +1951,11 @@ impl Provider for Ofi {
 
     fn caps(&self) -> &Caps {
         &self.caps
+    }
+
+    fn peer_caps(&self, _peer: Rank) -> Option<PeerCaps> {
+        // Written, never read: the core's write rendezvous.
+        self.wrndv.then(|| PeerCaps::from(&self.caps))
     }
 
     fn rank(&self) -> Rank {
@@ -1866,6 +2067,7 @@ impl Provider for Ofi {
             ("rma_read", self.n_read),
             ("rma_write", self.n_write),
             ("atomics", self.n_atomic),
+            ("rndv_write", self.n_wrndv),
         ]
     }
 
@@ -2103,6 +2305,9 @@ impl Provider for Ofi {
         len: usize,
         access: Access,
     ) -> Result<MemRegion> {
+        if self.wrndv {
+            return self.wrecv_open(base, len, access);
+        }
         self.register(base, len, access, None)
     }
 
@@ -2113,10 +2318,18 @@ impl Provider for Ofi {
         access: Access,
         key: u64,
     ) -> Result<MemRegion> {
+        if self.wrndv {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "ofi: with WEFT_OFI_NATIVE=0 windows go by active messages".into(),
+            )));
+        }
         self.register(base, len, access, Some(key))
     }
 
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {
+        if mr.handle & W_HANDLE != 0 {
+            return self.wrecv_close((mr.handle & !W_HANDLE) as usize);
+        }
         let p = mr.handle as *mut fid_mr;
         if p.is_null() {
             return Err(Error::invalid(
@@ -2135,6 +2348,11 @@ impl Provider for Ofi {
         remote: RemoteAddr,
         done: Completion,
     ) -> Result<()> {
+        if self.wrndv {
+            return Err(Error::from(ErrorDetail::Unsupported(
+                "ofi: with WEFT_OFI_NATIVE=0 there are no reads".into(),
+            )));
+        }
         self.rma(src, false, &raw_mut(local), remote, done)
     }
 
@@ -2145,6 +2363,9 @@ impl Provider for Ofi {
         remote: RemoteAddr,
         done: Completion,
     ) -> Result<()> {
+        if self.wrndv {
+            return self.wsend(dest, local, remote, done);
+        }
         self.rma(dest, true, &raw(local), remote, done)
     }
 
@@ -2322,7 +2543,7 @@ impl StaticProvider for Ofi {
 
     fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {
         let ch = choose(&PROVIDER.get_str(), &DOMAIN.get_str()).map_err(|e| e.to_string())?;
-        let one_host = !caps_of(&ch, None).spans_hosts;
+        let one_host = !caps_of(&ch, None, None).spans_hosts;
         // SAFETY: `info` came from fi_getinfo (through fi_dupinfo) and is freed once.
         unsafe { (fabric()?.fi_freeinfo)(ch.info) };
         if one_host && ctx.hosts > 1 {
@@ -2347,7 +2568,7 @@ impl StaticProvider for Ofi {
             let ok = ch.caps & FI_ATOMIC != 0
                 && (lib.fi_fabric)((*ch.info).fabric_attr, &mut fab, null_mut()) == 0
                 && fi_domain(fab, ch.info, &mut dom, null_mut()) == 0;
-            let c = caps_of(&ch, ok.then_some(dom));
+            let c = caps_of(&ch, ok.then_some(dom), None);
             if !dom.is_null() {
                 fi_close(&mut (*dom).fid);
             }

@@ -18,7 +18,10 @@
 //!   so libfabric never truncates at all.
 //! * `WEFT_OFI_NATIVE`: tagged messages, RMA and atomics through libfabric (1), or active
 //!   messages only with the core doing the rest (0); `auto` is 0 on shm before libfabric 1.19,
-//!   whose tag matching and RMA fail across processes.
+//!   whose tag matching and RMA fail across processes. Without native RMA the provider still
+//!   offers the core's write rendezvous (`RmaCaps::rndv_only`): a registration posts the
+//!   receive buffer as a tagged receive under an exact tag of its own context, the write is a
+//!   tagged send there, so large messages move by libfabric's own bulk path.
 //! * **Active messages** over `FI_MSG`: a pool of pre-posted receive buffers; a send is injected
 //!   when it fits the provider's inject size, else copied into a send buffer. A 12-byte prefix
 //!   carries the kind, the header length, the source rank and a per-pair sequence number (the

@@ -84,6 +84,11 @@ impl Layout {
         self.raw(DATA_CTX, src, (id % (self.tag_max() as u32 + 1)) as i32)
     }
 
+    /// Whether `bits` lie in the provider's data context (a key handed out for a write).
+    pub fn is_data(&self, bits: u64) -> bool {
+        bits >> (64 - CTX_BITS) == DATA_CTX as u64
+    }
+
     fn raw(&self, ctx: u32, src: Rank, tag: i32) -> u64 {
         let tb = self.tag_bits();
         ((ctx as u64) << (tb + self.rank_bits)) | ((src as u64) << tb) | tag as u64
@@ -141,6 +146,8 @@ mod tests {
         let e = l.pack(2, 0, 1 << 28).unwrap_err().to_string();
         assert!(e.contains("268435455"), "{e}");
         assert!(l.pack(DATA_CTX, 0, 0).is_err());
+        assert!(l.is_data(l.data_tag(3, 77)));
+        assert!(!l.is_data(l.pack(DATA_CTX - 1, 3, 77).unwrap()));
         assert!(l.pack(2, 0, -1).is_err());
         assert!(l.matcher(2, None, Some(1 << 28)).is_err());
     }

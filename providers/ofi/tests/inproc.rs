@@ -9,7 +9,10 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weft_ofi::Ofi;
 use weft_provider::bootstrap::InProcessJob;
-use weft_provider::provider::{Completed, Provider, RawIov, RawIovMut, SendOutcome, Sink, Token};
+use weft_provider::provider::{
+    Access, Completed, Completion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink,
+    Token,
+};
 use weft_provider::{Rank, Result};
 
 const T: Duration = Duration::from_secs(20);
@@ -80,9 +83,18 @@ fn available(fab: &str) -> bool {
 
 /// Run `f` on `n` ranks over each libfabric provider of [`FABRICS`] that is available here.
 fn each_fabric(n: u32, f: impl Fn(&'static str, Ofi, Arc<Barrier>) + Send + Sync + Copy + 'static) {
+    each_fabric_as(n, None, f)
+}
+
+/// As [`each_fabric`], with `native` in place of `WEFT_OFI_NATIVE` when given.
+fn each_fabric_as(
+    n: u32,
+    native: Option<bool>,
+    f: impl Fn(&'static str, Ofi, Arc<Barrier>) + Send + Sync + Copy + 'static,
+) {
     for fab in FABRICS {
         if available(fab) {
-            world(fab, n, move |p, bar| f(fab, p, bar));
+            world(fab, n, native, move |p, bar| f(fab, p, bar));
         }
     }
 }
@@ -91,6 +103,7 @@ fn each_fabric(n: u32, f: impl Fn(&'static str, Ofi, Arc<Barrier>) + Send + Sync
 fn world<R: Send + 'static>(
     fab: &'static str,
     n: u32,
+    native: Option<bool>,
     f: impl Fn(Ofi, Arc<Barrier>) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let job = InProcessJob::new(n, T);
@@ -99,7 +112,12 @@ fn world<R: Send + 'static>(
     let hs: Vec<_> = (0..n)
         .map(|r| {
             let (job, bar, f) = (job.clone(), bar.clone(), f.clone());
-            std::thread::spawn(move || f(Ofi::open_on(&mut job.rank(r), fab, "").unwrap(), bar))
+            std::thread::spawn(move || {
+                f(
+                    Ofi::open_with(&mut job.rank(r), fab, "", native).unwrap(),
+                    bar,
+                )
+            })
         })
         .collect();
     hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -366,6 +384,97 @@ fn ssend_waits_for_the_match_and_probe_and_cancel_work() {
             am(&mut p, &mut ev, 0, b"end");
         }
         p.close().unwrap();
+        bar.wait();
+    });
+}
+
+/// With active messages only (`WEFT_OFI_NATIVE=0`), a registration for remote writes is a
+/// receive posted under the key it hands out and a "write" is a send to that key: the data
+/// lands whole; a registration nobody wrote to is taken back at deregistration, and a late
+/// write to its key lands nowhere (not in the buffer given back); a key that is not the
+/// provider's is refused.
+#[test]
+fn write_rendezvous_without_native_rma() {
+    each_fabric_as(2, Some(false), |fab, mut p, bar| {
+        let mut ev = Events::default();
+        let rma = p.caps().rma.expect("write rendezvous offered");
+        assert!(rma.rndv_only && rma.write && !rma.read, "{fab}: {rma:?}");
+        let n = 1 << 20;
+        let data = pattern(n, 9);
+        bar.wait();
+        if p.rank() == 1 {
+            let mut buf = vec![0u8; n];
+            let mut spare = vec![0u8; 256];
+            // SAFETY: both buffers outlive their registrations (deregistered below).
+            let (m, s) = unsafe {
+                (
+                    p.mr_register(buf.as_mut_ptr(), n, Access::WRITE).unwrap(),
+                    p.mr_register(spare.as_mut_ptr(), 256, Access::WRITE)
+                        .unwrap(),
+                )
+            };
+            let mut keys = m.key.to_le_bytes().to_vec();
+            keys.extend_from_slice(&s.key.to_le_bytes());
+            am(&mut p, &mut ev, 0, &keys);
+            until(&mut p, &mut ev, "the writer's fin", |e| !e.am.is_empty());
+            p.mr_deregister(&m).unwrap();
+            assert!(buf == data, "{fab}: the written data differs");
+            // Nobody wrote to the spare: deregistration cancels its receive, and a write that
+            // comes afterwards must not reach the buffer.
+            p.mr_deregister(&s).unwrap();
+            am(&mut p, &mut ev, 0, b"revoked");
+            until(&mut p, &mut ev, "the late write's fin", |e| e.am.len() == 2);
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_millis(100) {
+                p.progress(&mut ev).unwrap();
+            }
+            assert!(
+                spare.iter().all(|b| *b == 0),
+                "{fab}: a revoked key was written"
+            );
+            assert!(p.counters().contains(&("rndv_write", 0)), "{fab}");
+            am(&mut p, &mut ev, 0, b"end");
+        } else {
+            until(&mut p, &mut ev, "the keys", |e| !e.am.is_empty());
+            let k = &ev.am[0].1;
+            let key = u64::from_le_bytes(k[..8].try_into().unwrap());
+            let spare = u64::from_le_bytes(k[8..16].try_into().unwrap());
+            let at = |key| RemoteAddr { addr: 0, key };
+            // SAFETY: `data` outlives the waits below.
+            unsafe {
+                let bad = p.rma_write(
+                    1,
+                    &[RawIov::new(data.as_ptr(), 8)],
+                    at(7),
+                    Completion::cq(9),
+                );
+                assert!(bad.is_err(), "{fab}: a foreign key was taken");
+                p.rma_write(
+                    1,
+                    &[RawIov::new(data.as_ptr(), n)],
+                    at(key),
+                    Completion::cq(1),
+                )
+                .unwrap();
+            }
+            assert_eq!(wait(&mut p, &mut ev, 1).unwrap(), Completed::Done, "{fab}");
+            am(&mut p, &mut ev, 1, b"fin");
+            until(&mut p, &mut ev, "revoked", |e| e.am.len() == 2);
+            // SAFETY: as above. 64 bytes: an eager message that waits unexpected.
+            unsafe {
+                p.rma_write(
+                    1,
+                    &[RawIov::new(data.as_ptr(), 64)],
+                    at(spare),
+                    Completion::cq(2),
+                )
+                .unwrap();
+            }
+            assert_eq!(wait(&mut p, &mut ev, 2).unwrap(), Completed::Done, "{fab}");
+            am(&mut p, &mut ev, 1, b"fin");
+            assert!(p.counters().contains(&("rndv_write", 2)), "{fab}");
+            until(&mut p, &mut ev, "the end", |e| e.am.len() == 3);
+        }
         bar.wait();
     });
 }

@@ -13,6 +13,10 @@
 //!   `(ctx,t)` and `(ctx)` — so a receive of any pattern finds the earliest matching message at
 //!   the head of one list, and unlinking from all four is O(1).
 //!
+//! A key is hashed at most once per operation: nodes remember the index of their bucket, so
+//! unlinking one needs no lookup, and each map remembers the last key it was asked for (a
+//! ping-pong asks for the same one every time), which a comparison answers without hashing.
+//!
 //! Sequence numbers keep MPI's ordering: among matching candidates the earliest wins, which
 //! gives non-overtaking order per (source, communicator) when arrivals are fed in order.
 
@@ -30,6 +34,136 @@ struct List {
     tail: u32,
 }
 
+const EMPTY: List = List {
+    head: NIL,
+    tail: NIL,
+};
+
+/// Buckets by key: the map gives a key's bucket *index* once, the node remembers it, so
+/// unlinking a node needs no hashing. A bucket that empties stays (the next post with the same
+/// key, the steady state of a ping-pong, reuses it with one lookup) until more than
+/// [`PURGE_AT`] are empty, when the empty ones are dropped and their indices reused (bounds
+/// memory when keys are many and short-lived, e.g. one tag per message).
+struct Buckets<K> {
+    /// The last key looked up and its bucket: a ping-pong asks for the same key over and over,
+    /// and comparing it costs less than hashing it. Cleared when buckets are purged.
+    hot: Option<(K, u32)>,
+    map: HashMap<K, u32>,
+    lists: Vec<List>,
+    free: Vec<u32>,
+    empty: usize,
+}
+
+const PURGE_AT: usize = 4096;
+
+impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
+    fn new() -> Self {
+        Buckets {
+            hot: None,
+            map: HashMap::new(),
+            lists: Vec::new(),
+            free: Vec::new(),
+            empty: 0,
+        }
+    }
+
+    /// The bucket of `key`, if it has one.
+    #[inline]
+    fn find(&self, key: &K) -> Option<u32> {
+        match self.hot {
+            Some((k, b)) if k == *key => Some(b),
+            _ => self.map.get(key).copied(),
+        }
+    }
+
+    /// The first node of `key`'s bucket.
+    #[inline]
+    fn head(&self, key: &K) -> Option<u32> {
+        let b = self.find(key)?;
+        let h = self.lists[b as usize].head;
+        (h != NIL).then_some(h)
+    }
+
+    /// The bucket of `key`, made (or revived) if needed.
+    #[inline]
+    fn bucket(&mut self, key: K) -> u32 {
+        if let Some(b) = self.find(&key) {
+            if self.lists[b as usize].head == NIL {
+                self.empty -= 1;
+            }
+            self.hot = Some((key, b));
+            return b;
+        }
+        let b = match self.free.pop() {
+            Some(b) => {
+                self.lists[b as usize] = EMPTY;
+                b
+            }
+            None => {
+                self.lists.push(EMPTY);
+                (self.lists.len() - 1) as u32
+            }
+        };
+        self.map.insert(key, b);
+        self.hot = Some((key, b));
+        b
+    }
+
+    /// Append node `idx` to bucket `b` (list number `which` of the node).
+    #[inline]
+    fn push<N: Links>(&mut self, nodes: &mut [N], b: u32, idx: u32, which: usize) {
+        let list = &mut self.lists[b as usize];
+        let tail = list.tail;
+        *nodes[idx as usize].link(which) = (tail, NIL);
+        if tail == NIL {
+            list.head = idx;
+        } else {
+            nodes[tail as usize].link(which).1 = idx;
+        }
+        list.tail = idx;
+    }
+
+    /// Unlink node `idx` from bucket `b`.
+    #[inline]
+    fn unlink<N: Links>(&mut self, nodes: &mut [N], b: u32, idx: u32, which: usize) {
+        let (prev, next) = *nodes[idx as usize].link(which);
+        if prev != NIL {
+            nodes[prev as usize].link(which).1 = next;
+        }
+        if next != NIL {
+            nodes[next as usize].link(which).0 = prev;
+        }
+        let list = &mut self.lists[b as usize];
+        if list.head == idx {
+            list.head = next;
+        }
+        if list.tail == idx {
+            list.tail = prev;
+        }
+        if list.head == NIL {
+            self.empty += 1;
+            if self.empty > PURGE_AT {
+                self.purge();
+            }
+        }
+    }
+
+    /// Drop the empty buckets (no live node refers to one), keeping their indices for reuse.
+    #[cold]
+    fn purge(&mut self) {
+        self.hot = None;
+        let (lists, free) = (&self.lists, &mut self.free);
+        self.map.retain(|_, b| {
+            let keep = lists[*b as usize].head != NIL;
+            if !keep {
+                free.push(*b);
+            }
+            keep
+        });
+        self.empty = 0;
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct PKey {
     ctx: u32,
@@ -40,16 +174,19 @@ struct PKey {
 struct PNode<R> {
     seq: u64,
     key: PKey,
+    /// Its bucket in `posted`.
+    bucket: u32,
     /// (prev, next) in its bucket.
     link: (u32, u32),
     val: Option<R>,
 }
 
 struct UNode<M> {
-    ctx: u32,
     src: u32,
     tag: i32,
-    /// (prev, next) in the exact, by-source, by-tag and by-context lists.
+    /// Its buckets in the exact, by-source, by-tag and by-context maps.
+    buckets: [u32; 4],
+    /// (prev, next) in those four lists.
     links: [(u32, u32); 4],
     val: Option<M>,
 }
@@ -73,19 +210,16 @@ impl PostedHandle {
 pub struct Matcher<R, M> {
     pnodes: Vec<PNode<R>>,
     pfree: Vec<u32>,
-    posted: HashMap<PKey, List>,
+    posted: Buckets<PKey>,
     wild_posted: usize,
     posted_count: usize,
-    /// Empty buckets kept in `posted` / the unexpected maps (see `purge`).
-    posted_empty: usize,
-    unexpected_empty: usize,
 
     unodes: Vec<UNode<M>>,
     ufree: Vec<u32>,
-    u_exact: HashMap<(u32, u32, i32), List>,
-    u_src: HashMap<(u32, u32), List>,
-    u_tag: HashMap<(u32, i32), List>,
-    u_ctx: HashMap<u32, List>,
+    u_exact: Buckets<(u32, u32, i32)>,
+    u_src: Buckets<(u32, u32)>,
+    u_tag: Buckets<(u32, i32)>,
+    u_ctx: Buckets<u32>,
     unexpected_count: usize,
 
     seq: u64,
@@ -103,94 +237,16 @@ trait Links {
 }
 
 impl<R> Links for PNode<R> {
+    #[inline]
     fn link(&mut self, _i: usize) -> &mut (u32, u32) {
         &mut self.link
     }
 }
 
 impl<M> Links for UNode<M> {
+    #[inline]
     fn link(&mut self, i: usize) -> &mut (u32, u32) {
         &mut self.links[i]
-    }
-}
-
-/// Append node `idx` to `list` (list number `which` of the node).
-fn list_push<N: Links>(nodes: &mut [N], list: &mut List, idx: u32, which: usize) {
-    let tail = list.tail;
-    *nodes[idx as usize].link(which) = (tail, NIL);
-    if tail == NIL {
-        list.head = idx;
-    } else {
-        nodes[tail as usize].link(which).1 = idx;
-    }
-    list.tail = idx;
-}
-
-/// Unlink node `idx` from the list stored under `key` in `map`. Returns true when the list
-/// became empty; the entry stays in the map (reused by the next post with the same key, so a
-/// steady post/match cycle costs one lookup and no insert/remove) until [`purge`] drops it.
-fn list_unlink<N: Links, K: std::hash::Hash + Eq>(
-    nodes: &mut [N],
-    map: &mut HashMap<K, List>,
-    key: &K,
-    idx: u32,
-    which: usize,
-) -> bool {
-    let (prev, next) = *nodes[idx as usize].link(which);
-    if prev != NIL {
-        nodes[prev as usize].link(which).1 = next;
-    }
-    if next != NIL {
-        nodes[next as usize].link(which).0 = prev;
-    }
-    match map.get_mut(key) {
-        Some(list) => {
-            if list.head == idx {
-                list.head = next;
-            }
-            if list.tail == idx {
-                list.tail = prev;
-            }
-            list.head == NIL
-        }
-        None => false,
-    }
-}
-
-/// Drop empty buckets once there are many (bounds memory when keys are many and short-lived,
-/// e.g. one tag per message).
-fn purge<K: std::hash::Hash + Eq>(maps: &mut [&mut HashMap<K, List>], empty: &mut usize) {
-    if *empty > 4096 {
-        for m in maps.iter_mut() {
-            m.retain(|_, l| l.head != NIL);
-        }
-        *empty = 0;
-    }
-}
-
-/// Append node `idx` to the bucket `key`, reviving a kept empty bucket or creating one.
-fn bucket_push<K: std::hash::Hash + Eq, N: Links>(
-    map: &mut HashMap<K, List>,
-    key: K,
-    nodes: &mut [N],
-    idx: u32,
-    which: usize,
-    empty: &mut usize,
-) {
-    match map.get_mut(&key) {
-        Some(l) => {
-            if l.head == NIL {
-                *empty -= 1;
-            }
-            list_push(nodes, l, idx, which);
-        }
-        None => {
-            let l = map.entry(key).or_insert(List {
-                head: NIL,
-                tail: NIL,
-            });
-            list_push(nodes, l, idx, which);
-        }
     }
 }
 
@@ -199,17 +255,15 @@ impl<R, M> Matcher<R, M> {
         Matcher {
             pnodes: Vec::new(),
             pfree: Vec::new(),
-            posted: HashMap::new(),
+            posted: Buckets::new(),
             wild_posted: 0,
             posted_count: 0,
-            posted_empty: 0,
-            unexpected_empty: 0,
             unodes: Vec::new(),
             ufree: Vec::new(),
-            u_exact: HashMap::new(),
-            u_src: HashMap::new(),
-            u_tag: HashMap::new(),
-            u_ctx: HashMap::new(),
+            u_exact: Buckets::new(),
+            u_src: Buckets::new(),
+            u_tag: Buckets::new(),
+            u_ctx: Buckets::new(),
             unexpected_count: 0,
             seq: 0,
         }
@@ -225,25 +279,24 @@ impl<R, M> Matcher<R, M> {
         self.unexpected_count
     }
 
-    fn next_seq(&mut self) -> u64 {
-        self.seq += 1;
-        self.seq
-    }
-
     // ---------------------------------------------------------------- posted receives
 
     /// Append a receive to the posted queue. Call only after [`Self::take_unexpected`] found
     /// nothing, or the order would be wrong.
+    #[inline]
     pub fn post(&mut self, ctx: u32, src: Option<u32>, tag: Option<i32>, r: R) -> PostedHandle {
         let key = PKey {
             ctx,
             src: src.unwrap_or(ANY_SRC),
             tag: tag.unwrap_or(ANY_TAG),
         };
-        let seq = self.next_seq();
+        self.seq += 1;
+        let seq = self.seq;
+        let bucket = self.posted.bucket(key);
         let node = PNode {
             seq,
             key,
+            bucket,
             link: (NIL, NIL),
             val: Some(r),
         };
@@ -257,14 +310,7 @@ impl<R, M> Matcher<R, M> {
                 (self.pnodes.len() - 1) as u32
             }
         };
-        bucket_push(
-            &mut self.posted,
-            key,
-            &mut self.pnodes,
-            idx,
-            0,
-            &mut self.posted_empty,
-        );
+        self.posted.push(&mut self.pnodes, bucket, idx, 0);
         if src.is_none() || tag.is_none() {
             self.wild_posted += 1;
         }
@@ -272,12 +318,11 @@ impl<R, M> Matcher<R, M> {
         PostedHandle { idx, seq }
     }
 
+    #[inline]
     fn remove_posted(&mut self, idx: u32) -> R {
-        let key = self.pnodes[idx as usize].key;
-        if list_unlink(&mut self.pnodes, &mut self.posted, &key, idx, 0) {
-            self.posted_empty += 1;
-            purge(&mut [&mut self.posted], &mut self.posted_empty);
-        }
+        let n = &self.pnodes[idx as usize];
+        let (key, bucket) = (n.key, n.bucket);
+        self.posted.unlink(&mut self.pnodes, bucket, idx, 0);
         if key.src == ANY_SRC || key.tag == ANY_TAG {
             self.wild_posted -= 1;
         }
@@ -290,42 +335,38 @@ impl<R, M> Matcher<R, M> {
     }
 
     /// A message `(ctx, src, tag)` arrived: take the earliest posted receive it matches.
+    #[inline]
     pub fn take_posted(&mut self, ctx: u32, src: u32, tag: i32) -> Option<R> {
+        let exact = self.posted.head(&PKey { ctx, src, tag });
+        if self.wild_posted == 0 {
+            return exact.map(|idx| self.remove_posted(idx));
+        }
         let mut best: Option<(u64, u32)> = None;
-        let mut consider = |this: &Self, key: PKey| {
-            if let Some(l) = this.posted.get(&key).filter(|l| l.head != NIL) {
-                let s = this.pnodes[l.head as usize].seq;
-                if best.is_none_or(|(bs, _)| s < bs) {
-                    best = Some((s, l.head));
-                }
+        for head in [
+            exact,
+            self.posted.head(&PKey {
+                ctx,
+                src,
+                tag: ANY_TAG,
+            }),
+            self.posted.head(&PKey {
+                ctx,
+                src: ANY_SRC,
+                tag,
+            }),
+            self.posted.head(&PKey {
+                ctx,
+                src: ANY_SRC,
+                tag: ANY_TAG,
+            }),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let s = self.pnodes[head as usize].seq;
+            if best.is_none_or(|(bs, _)| s < bs) {
+                best = Some((s, head));
             }
-        };
-        consider(self, PKey { ctx, src, tag });
-        if self.wild_posted > 0 {
-            consider(
-                self,
-                PKey {
-                    ctx,
-                    src,
-                    tag: ANY_TAG,
-                },
-            );
-            consider(
-                self,
-                PKey {
-                    ctx,
-                    src: ANY_SRC,
-                    tag,
-                },
-            );
-            consider(
-                self,
-                PKey {
-                    ctx,
-                    src: ANY_SRC,
-                    tag: ANY_TAG,
-                },
-            );
         }
         best.map(|(_, idx)| self.remove_posted(idx))
     }
@@ -343,10 +384,16 @@ impl<R, M> Matcher<R, M> {
 
     /// Store a message that matched no posted receive.
     pub fn add_unexpected(&mut self, ctx: u32, src: u32, tag: i32, m: M) {
+        let buckets = [
+            self.u_exact.bucket((ctx, src, tag)),
+            self.u_src.bucket((ctx, src)),
+            self.u_tag.bucket((ctx, tag)),
+            self.u_ctx.bucket(ctx),
+        ];
         let node = UNode {
-            ctx,
             src,
             tag,
+            buckets,
             links: [(NIL, NIL); 4],
             val: Some(m),
         };
@@ -360,32 +407,29 @@ impl<R, M> Matcher<R, M> {
                 (self.unodes.len() - 1) as u32
             }
         };
-        let e = &mut self.unexpected_empty;
-        bucket_push(
-            &mut self.u_exact,
-            (ctx, src, tag),
-            &mut self.unodes,
-            idx,
-            0,
-            e,
-        );
-        bucket_push(&mut self.u_src, (ctx, src), &mut self.unodes, idx, 1, e);
-        bucket_push(&mut self.u_tag, (ctx, tag), &mut self.unodes, idx, 2, e);
-        bucket_push(&mut self.u_ctx, ctx, &mut self.unodes, idx, 3, e);
+        let n = &mut self.unodes;
+        self.u_exact.push(n, buckets[0], idx, 0);
+        self.u_src.push(n, buckets[1], idx, 1);
+        self.u_tag.push(n, buckets[2], idx, 2);
+        self.u_ctx.push(n, buckets[3], idx, 3);
         self.unexpected_count += 1;
     }
 
+    #[inline]
     fn find_unexpected(&self, ctx: u32, src: Option<u32>, tag: Option<i32>) -> Option<u32> {
-        let l = match (src, tag) {
-            (Some(s), Some(t)) => self.u_exact.get(&(ctx, s, t)),
-            (Some(s), None) => self.u_src.get(&(ctx, s)),
-            (None, Some(t)) => self.u_tag.get(&(ctx, t)),
-            (None, None) => self.u_ctx.get(&ctx),
-        }?;
-        (l.head != NIL).then_some(l.head)
+        if self.unexpected_count == 0 {
+            return None;
+        }
+        match (src, tag) {
+            (Some(s), Some(t)) => self.u_exact.head(&(ctx, s, t)),
+            (Some(s), None) => self.u_src.head(&(ctx, s)),
+            (None, Some(t)) => self.u_tag.head(&(ctx, t)),
+            (None, None) => self.u_ctx.head(&ctx),
+        }
     }
 
     /// Take the earliest unexpected message matching a receive pattern.
+    #[inline]
     pub fn take_unexpected(
         &mut self,
         ctx: u32,
@@ -393,24 +437,15 @@ impl<R, M> Matcher<R, M> {
         tag: Option<i32>,
     ) -> Option<(u32, i32, M)> {
         let idx = self.find_unexpected(ctx, src, tag)?;
-        let (c, s, t) = {
+        let (s, t, b) = {
             let n = &self.unodes[idx as usize];
-            (n.ctx, n.src, n.tag)
+            (n.src, n.tag, n.buckets)
         };
-        let emptied = list_unlink(&mut self.unodes, &mut self.u_exact, &(c, s, t), idx, 0) as usize
-            + list_unlink(&mut self.unodes, &mut self.u_src, &(c, s), idx, 1) as usize
-            + list_unlink(&mut self.unodes, &mut self.u_tag, &(c, t), idx, 2) as usize
-            + list_unlink(&mut self.unodes, &mut self.u_ctx, &c, idx, 3) as usize;
-        if emptied > 0 {
-            self.unexpected_empty += emptied;
-            if self.unexpected_empty > 4096 {
-                self.u_exact.retain(|_, l| l.head != NIL);
-                self.u_src.retain(|_, l| l.head != NIL);
-                self.u_tag.retain(|_, l| l.head != NIL);
-                self.u_ctx.retain(|_, l| l.head != NIL);
-                self.unexpected_empty = 0;
-            }
-        }
+        let n = &mut self.unodes;
+        self.u_exact.unlink(n, b[0], idx, 0);
+        self.u_src.unlink(n, b[1], idx, 1);
+        self.u_tag.unlink(n, b[2], idx, 2);
+        self.u_ctx.unlink(n, b[3], idx, 3);
         self.unexpected_count -= 1;
         self.ufree.push(idx);
         let m = self.unodes[idx as usize]
@@ -494,6 +529,45 @@ mod tests {
         assert_eq!(m.cancel(h), Some(9));
         assert_eq!(m.cancel(h), None);
         assert_eq!(m.take_posted(0, 3, 1), None);
+    }
+
+    /// Many short-lived keys (one tag per message) empty thousands of buckets: they are
+    /// dropped and their slots reused, and matching stays right across the purges.
+    #[test]
+    fn empty_buckets_are_purged_and_reused() {
+        let mut m: Matcher<u32, u32> = Matcher::new();
+        for t in 0..3 * PURGE_AT as i32 {
+            m.post(0, Some(1), Some(t), t as u32);
+            m.add_unexpected(1, 2, t, t as u32);
+            if t % 3 == 0 {
+                // Some keys stay live across purges.
+                continue;
+            }
+            assert_eq!(m.take_posted(0, 1, t), Some(t as u32));
+            assert_eq!(
+                m.take_unexpected(1, None, Some(t)).map(|x| x.2),
+                Some(t as u32)
+            );
+        }
+        assert!(
+            m.posted.map.len() <= PURGE_AT + PURGE_AT,
+            "{}",
+            m.posted.map.len()
+        );
+        assert!(
+            m.posted.lists.len() < 2 * PURGE_AT + 16,
+            "{}",
+            m.posted.lists.len()
+        );
+        for t in (0..3 * PURGE_AT as i32).step_by(3) {
+            assert_eq!(m.take_posted(0, 1, t), Some(t as u32), "tag {t}");
+            assert_eq!(
+                m.take_unexpected(1, Some(2), None).map(|x| x.2),
+                Some(t as u32)
+            );
+        }
+        assert_eq!((m.posted_len(), m.unexpected_len()), (0, 0));
+        assert_eq!(m.take_posted(0, 1, 3), None);
     }
 
     /// The obvious matcher: linear scans over two lists in order.

@@ -13,7 +13,7 @@ pub(crate) struct Hdr {
 }
 
 impl Hdr {
-    #[inline]
+    #[inline(always)]
     pub(crate) fn new(kind: u8) -> Self {
         let mut h = Hdr {
             buf: [0; MIN_AM_HEADER],
@@ -22,27 +22,27 @@ impl Hdr {
         h.u8(kind);
         h
     }
-    #[inline]
+    #[inline(always)]
     pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
         self.buf[self.len as usize] = v;
         self.len += 1;
         self
     }
-    #[inline]
+    #[inline(always)]
     pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
         let l = self.len as usize;
         self.buf[l..l + 4].copy_from_slice(&v.to_le_bytes());
         self.len += 4;
         self
     }
-    #[inline]
+    #[inline(always)]
     pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
         let l = self.len as usize;
         self.buf[l..l + 8].copy_from_slice(&v.to_le_bytes());
         self.len += 8;
         self
     }
-    #[inline]
+    #[inline(always)]
     pub(crate) fn bytes(&self) -> &[u8] {
         &self.buf[..self.len as usize]
     }

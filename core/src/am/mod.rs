@@ -136,6 +136,23 @@ impl AmState {
         }
     }
 
+    /// `peer` is connected, alive and has no narrower capabilities: what the lean send path
+    /// needs to know (anything else goes the general way).
+    #[inline]
+    pub(crate) fn plain_ready(&self, peer: Rank) -> bool {
+        match self.peers.get(peer as usize) {
+            Some(s) => s.connected && s.narrow.is_none() && self.failed[peer as usize].is_none(),
+            None => false,
+        }
+    }
+
+    /// `r` is a rank of the world that has not failed (the test of [`Self::check_peer`],
+    /// without building its error).
+    #[inline]
+    pub(crate) fn alive(&self, r: Rank) -> bool {
+        self.failed.get(r as usize).is_some_and(Option::is_none)
+    }
+
     /// `r` is a rank of the world that has not failed.
     #[inline]
     pub(crate) fn check_peer(&self, r: Rank) -> Result<()> {

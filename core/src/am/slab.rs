@@ -34,6 +34,27 @@ impl<T> Default for Slab<T> {
 }
 
 impl<T> Slab<T> {
+    /// Insert the item `make` builds from its own id.
+    #[inline]
+    pub(crate) fn insert_with(&mut self, make: impl FnOnce(ReqId) -> T) -> ReqId {
+        self.live += 1;
+        if let Some(i) = self.free.pop() {
+            let s = &mut self.slots[i as usize];
+            s.gen += 1;
+            let id = ((s.gen as u64) << 32) | i as u64;
+            s.item = Some(make(id));
+            id
+        } else {
+            let id = (1u64 << 32) | self.slots.len() as u64;
+            self.slots.push(Slot {
+                gen: 1,
+                item: Some(make(id)),
+            });
+            id
+        }
+    }
+
+    #[inline]
     pub(crate) fn insert(&mut self, r: T) -> ReqId {
         self.live += 1;
         if let Some(i) = self.free.pop() {
@@ -51,6 +72,7 @@ impl<T> Slab<T> {
         }
     }
 
+    #[inline]
     pub(crate) fn get_mut(&mut self, id: ReqId) -> Option<&mut T> {
         let s = self.slots.get_mut((id & 0xffff_ffff) as usize)?;
         if s.gen as u64 != id >> 32 {
@@ -59,6 +81,7 @@ impl<T> Slab<T> {
         s.item.as_mut()
     }
 
+    #[inline]
     pub(crate) fn get(&self, id: ReqId) -> Option<&T> {
         let s = self.slots.get((id & 0xffff_ffff) as usize)?;
         if s.gen as u64 != id >> 32 {
@@ -80,6 +103,25 @@ impl<T> Slab<T> {
             self.free.push(i as u32);
         }
         s.item.take()
+    }
+
+    /// Remove `id`, dropping its item where it lies (no move of a large item out of the
+    /// slab); false if `id` is not live.
+    #[inline]
+    pub(crate) fn discard(&mut self, id: ReqId) -> bool {
+        let i = (id & 0xffff_ffff) as usize;
+        let Some(s) = self.slots.get_mut(i) else {
+            return false;
+        };
+        if s.gen as u64 != id >> 32 || s.item.is_none() {
+            return false;
+        }
+        self.live -= 1;
+        if s.gen < MAX_GEN {
+            self.free.push(i as u32);
+        }
+        s.item = None;
+        true
     }
 
     /// Ids of the live requests.
@@ -118,7 +160,12 @@ mod tests {
             assert_ne!(id, 0);
             assert!(!seen.contains(&id), "id {id:#x} issued twice");
             seen.push(id);
-            assert!(s.remove(id).is_some());
+            if id & 1 == 0 {
+                assert!(s.remove(id).is_some());
+            } else {
+                assert!(s.discard(id));
+                assert!(!s.discard(id), "discarded twice");
+            }
         }
         // Slot 0 retired at MAX_GEN; later ids come from new slots.
         assert_eq!(s.slots[0].gen, MAX_GEN);

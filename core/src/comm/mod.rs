@@ -266,7 +266,11 @@ impl<P: Provider> Drop for World<P> {
 }
 
 /// Translate a result's world source rank into the communicator's rank.
+#[inline]
 fn localize(group: &Option<Rc<Group>>, r: Result<Status>) -> Result<Status> {
+    if group.is_none() {
+        return r;
+    }
     match r {
         Ok(s) => Ok(Comm::<DynProvider>::local_status(group, s)),
         Err(e) => match e.truncated() {
@@ -279,6 +283,7 @@ fn localize(group: &Option<Rc<Group>>, r: Result<Status>) -> Result<Status> {
     }
 }
 
+#[inline]
 fn check_tag(tag: i32) -> Result<i32> {
     if tag < 0 {
         return Err(Error::from(ErrorDetail::InvalidTag {
@@ -355,6 +360,7 @@ impl<P: Provider> Comm<P> {
     }
 
     /// World rank of communicator rank `r`.
+    #[inline]
     pub fn world_rank(&self, r: u32) -> Result<Rank> {
         if r >= self.size {
             return Err(Error::from(ErrorDetail::InvalidRank {
@@ -398,6 +404,7 @@ impl<P: Provider> Comm<P> {
         localize(&self.group, r)
     }
 
+    #[inline]
     fn post_send(
         &self,
         buf: SendBuf,
@@ -415,6 +422,7 @@ impl<P: Provider> Comm<P> {
             .isend(w, ctx, tag, buf, sync, scope)
     }
 
+    #[inline]
     fn post_recv(
         &self,
         buf: RecvBuf,
@@ -428,6 +436,7 @@ impl<P: Provider> Comm<P> {
         self.sh.engine.borrow_mut().irecv(s, ctx, t, buf, scope)
     }
 
+    #[inline]
     fn complete(&self, p: Posted) -> Result<Status> {
         let r = match p {
             Posted::Done(r) => r,

@@ -313,7 +313,10 @@ impl<P: Provider> Engine<P> {
     ) -> Result<()> {
         let mut idle = 0u32;
         let mut rounds = 0u32;
-        let start = self.cfg.timeout.map(|t| (Instant::now(), t));
+        // The clock is read after the second round, so a wait that ends within two rounds (the
+        // common case: one progress call brings what it waits for) costs no clock read; the
+        // timeout counts from there.
+        let mut start: Option<Instant> = None;
         loop {
             if done(self) {
                 return Ok(());
@@ -330,8 +333,11 @@ impl<P: Provider> Engine<P> {
                 idle = 0;
             }
             rounds = rounds.wrapping_add(1);
+            if rounds == 2 && start.is_none() && self.cfg.timeout.is_some() {
+                start = Some(Instant::now());
+            }
             if rounds % 256 == 0 {
-                if let Some((t0, limit)) = start {
+                if let (Some(limit), Some(t0)) = (self.cfg.timeout, start) {
                     if t0.elapsed() > limit {
                         return Err(Error::from(ErrorDetail::Timeout {
                             what: what.to_string(),

@@ -28,15 +28,22 @@ impl P2pState {
             None
         };
         if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+            let no_wkeys = self.wkeys.is_empty();
             if let Some(Req {
                 kind: Kind::Recv(r),
+                done,
                 ..
             }) = self.reqs.get_mut(id)
             {
                 let n = payload.len().min(r.buf.cap);
                 r.buf.write(0, &payload[..n]);
-                let cap = r.buf.cap;
-                self.finish(id, recv_result(status(src, tag, payload.len()), cap));
+                let res = recv_result(status(src, tag, payload.len()), r.buf.cap);
+                if no_wkeys && done.is_none() {
+                    // A posted receive without a write key: done here (what `finish` does).
+                    *done = Some(res);
+                } else {
+                    self.finish(id, res);
+                }
             }
             self.eager_consumed(am, src, payload.len());
             if let Some(s) = sreq {

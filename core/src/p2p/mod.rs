@@ -456,17 +456,39 @@ impl P2pState {
     /// The result of a finished request, freeing it; `None` if still running.
     #[inline]
     pub(crate) fn try_take(&mut self, am: &mut AmState, id: ReqId) -> Option<Result<Status>> {
-        match self.reqs.get(id) {
-            Some(Req { done: Some(_), .. }) => self.remove(am, id).and_then(|r| r.done),
+        // Still running (the first look of every wait): answered without a call.
+        if let Some(Req { done: None, .. }) = self.reqs.get(id) {
+            return None;
+        }
+        self.take_done(am, id)
+    }
+
+    #[inline(never)]
+    fn take_done(&mut self, am: &mut AmState, id: ReqId) -> Option<Result<Status>> {
+        match self.reqs.get_mut(id) {
+            Some(Req {
+                done: d @ Some(_), ..
+            }) => {
+                let r = d.take();
+                self.forget(am, id);
+                r
+            }
             Some(_) => None,
             None => Some(Err(Error::invalid("request already completed"))),
         }
     }
 
-    /// Remove request `id`, releasing the registration that described its buffer.
+    /// Drop request `id` where it lies (as [`Self::remove`], without handing it back).
     #[inline]
-    fn remove(&mut self, am: &mut AmState, id: ReqId) -> Option<Req> {
-        let r = self.reqs.remove(id)?;
+    fn forget(&mut self, am: &mut AmState, id: ReqId) {
+        if self.reqs.discard(id) {
+            self.release_side(am, id);
+        }
+    }
+
+    /// What lives beside request `id` (its local registration, a parked result) goes with it.
+    #[inline]
+    fn release_side(&mut self, am: &mut AmState, id: ReqId) {
         if !self.locals.is_empty() {
             if let Some((_, m)) = self.locals.remove(&id) {
                 am.mr.release(m);
@@ -475,6 +497,13 @@ impl P2pState {
         if !self.parked.is_empty() {
             self.parked.remove(&id);
         }
+    }
+
+    /// Remove request `id`, releasing the registration that described its buffer.
+    #[inline]
+    fn remove(&mut self, am: &mut AmState, id: ReqId) -> Option<Req> {
+        let r = self.reqs.remove(id)?;
+        self.release_side(am, id);
         Some(r)
     }
 
@@ -599,7 +628,7 @@ impl P2pState {
         let held = match self.reqs.get(id) {
             None => return Ok(()),
             Some(Req { done: Some(_), .. }) => {
-                self.remove(am, id);
+                self.forget(am, id);
                 return Ok(());
             }
             Some(Req { kind, .. }) => match kind {

@@ -29,8 +29,8 @@ impl P2pState {
         // A failed source can still have sent messages that arrived before it failed: they
         // match as usual; only a receive nothing can satisfy fails.
         let dead = match src {
-            Some(s) => am.check_peer(s).err(),
-            None => None,
+            Some(s) if !am.alive(s) => am.check_peer(s).err(),
+            _ => None,
         };
         if let Some(e) = dead {
             if e.kind() != ErrorKind::PeerFailed
@@ -84,22 +84,18 @@ impl P2pState {
                 }
             }
         }
-        let id = self.reqs.insert(Req::new(
-            scope,
-            Kind::Recv(RecvReq {
-                src,
-                buf,
-                phase: RecvPhase::Posted(PostedHandle::dangling()),
-            }),
-        ));
-        let h = self.matcher.post(ctx, src, tag, id);
-        if let Some(Req {
-            kind: Kind::Recv(r),
-            ..
-        }) = self.reqs.get_mut(id)
-        {
-            r.phase = RecvPhase::Posted(h);
-        }
+        let matcher = &mut self.matcher;
+        let id = self.reqs.insert_with(|id| {
+            let h = matcher.post(ctx, src, tag, id);
+            Req::new(
+                scope,
+                Kind::Recv(RecvReq {
+                    src,
+                    buf,
+                    phase: RecvPhase::Posted(h),
+                }),
+            )
+        });
         Ok(Posted::Pending(id))
     }
 
@@ -203,7 +199,7 @@ impl P2pState {
                 unsafe { p.tagged_recv(src, ctx, tag, &pieces, id) }
             });
         if let Err(e) = posted {
-            self.remove(am, id);
+            self.forget(am, id);
             return Err(e);
         }
         Ok(Posted::Pending(id))

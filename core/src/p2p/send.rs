@@ -12,10 +12,55 @@ use crate::provider::{Access, Completion, Provider, RawIov, RemoteAddr, SendOutc
 use crate::types::Rank;
 use crate::{Error, ErrorKind, Result};
 use smallvec::SmallVec;
+use std::io::IoSlice;
 
 impl P2pState {
+    /// Post a send. The lean path first: a small contiguous non-synchronous message to a
+    /// connected, healthy peer with nothing queued ahead, within its eager credit, handed to the
+    /// provider in the call (no request, no iovec vectors). Anything else, or a provider that
+    /// is busy, takes [`Self::isend_general`], which decides every case afresh.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     pub(crate) fn isend<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &mut AmState,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+    ) -> Result<Posted> {
+        let len = buf.len;
+        if !sync
+            && len <= self.eager_limit
+            && matches!(buf.layout, Layout::Contig)
+            && !am.caps.tagged
+            && am.plain_ready(dest)
+            && am.out.is_empty_to(dest)
+            && !zcopy(am, dest, len)
+            && self.eager_out[dest as usize] + len + EAGER_OVERHEAD <= self.eager_window
+        {
+            let mut h = Hdr::new(H_EAGER);
+            h.u8(0).u32(ctx).u32(tag as u32);
+            let data = if len == 0 {
+                &[][..]
+            } else {
+                // SAFETY: `base..base+len` is the buffer the send borrows for the call.
+                unsafe { std::slice::from_raw_parts(buf.base, len) }
+            };
+            if p.am_send(dest, h.bytes(), &[IoSlice::new(data)])? == SendOutcome::Sent {
+                self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
+                return Ok(Posted::Done(Ok(status(dest, tag, len))));
+            }
+        }
+        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn isend_general<P: Provider>(
         &mut self,
         p: &mut P,
         am: &mut AmState,
@@ -235,7 +280,7 @@ impl P2pState {
             unsafe { p.tagged_send(dest, ctx, tag, &pieces, sync, id) }
         });
         if let Err(e) = posted {
-            self.remove(am, id);
+            self.forget(am, id);
             return Err(e);
         }
         Ok(Posted::Pending(id))
@@ -522,6 +567,16 @@ fn send_now<P: Provider>(
     h: &Hdr,
     buf: &SendBuf,
 ) -> Result<SendOutcome> {
+    if let Layout::Contig = buf.layout {
+        // The lean path: one piece, no iovec vectors.
+        let data = if buf.len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: `base..base+len` is the buffer the send borrows for the call.
+            unsafe { std::slice::from_raw_parts(buf.base, buf.len) }
+        };
+        return p.am_send(dest, h.bytes(), &[IoSlice::new(data)]);
+    }
     let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();
     buf.pieces(0, buf.len, &mut pieces);
     am.send_pieces(p, dest, h.bytes(), &pieces)

@@ -9,6 +9,7 @@
 //!   it holds it. Rank 2 then locks the same window: it must get the lock (released, or taken
 //!   over from the dead holder), not wait for good. `FAULT_WINDOW=alloc` uses an allocated
 //!   window (on shm: native locks in shared memory), otherwise one over user memory.
+//! * `finalize` (4 ranks): rank 1 dies while the others finalize; each returns "peer failed".
 //! * `collective` (3 ranks): rank 1 is killed while ranks 0 and 2 are in a barrier, then an
 //!   allreduce, then a window fence: all must fail with "peer failed", not hang.
 //!
@@ -58,7 +59,11 @@ fn main() -> ExitCode {
         }
     };
     let case = std::env::var("FAULT_CASE").unwrap_or_else(|_| "send".into());
-    let want = if case == "send" { 2 } else { 3 };
+    let want = match case.as_str() {
+        "send" => 2,
+        "finalize" => 4,
+        _ => 3,
+    };
     if world.size() != want {
         eprintln!("fault: case {case} needs exactly {want} ranks");
         return ExitCode::from(2);
@@ -68,6 +73,7 @@ fn main() -> ExitCode {
         "send" => send_case(world),
         "lock" => lock_case(world),
         "collective" => collective_case(world),
+        "finalize" => finalize_case(world),
         other => {
             eprintln!("fault: unknown FAULT_CASE {other}");
             ExitCode::from(2)
@@ -187,6 +193,37 @@ fn collective_case(world: weft::World) -> ExitCode {
     });
     let _ = world.finalize();
     if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// Rank 1 dies once the others are about to finalize. In finalize's barrier (4 ranks,
+/// dissemination) rank 2 waits for a message from rank 1 that will never come, while ranks 0
+/// and 3 have one to send to it: every survivor must come back with "peer failed", without
+/// `WEFT_TIMEOUT`.
+fn finalize_case(world: weft::World) -> ExitCode {
+    let mut one = [0u64];
+    if world.allreduce(&[1u64], &mut one, weft::Op::Sum).is_err() {
+        return ExitCode::from(1);
+    }
+    let r = world.rank();
+    let mut b = [0u8];
+    if r == 1 {
+        for peer in [0, 2, 3] {
+            if world.recv(&mut b, peer, 9).is_err() {
+                return ExitCode::from(1);
+            }
+        }
+        die();
+    }
+    if world.send(&[1u8], 1, 9).is_err() {
+        return ExitCode::from(1);
+    }
+    let f = world.finalize();
+    println!("fault: rank {r} finalize: {}", verdict(&f));
+    if verdict(&f) == "peer-failed" {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)

@@ -361,7 +361,8 @@ fn a_lock_holder_killed_mid_epoch_does_not_block_the_others() {
 
 /// A rank killed while the others are in a barrier, an allreduce and a window fence with it:
 /// each fails with "peer failed" on every survivor, none waits for a message that will not
-/// come.
+/// come — also not when the window is freed (no `WEFT_TIMEOUT`: before, freeing waited for the
+/// other survivor's DONE of a fence the failure had cut short, for good, or until the timeout).
 #[test]
 fn a_rank_killed_during_a_collective_fails_it_everywhere() {
     let fault = example("weft-cli", "fault");
@@ -370,7 +371,7 @@ fn a_rank_killed_during_a_collective_fails_it_everywhere() {
             weft_run(&["--keep-going", "-n", "3", "--provider", p, "--"])
                 .arg(&fault)
                 .env("FAULT_CASE", "collective")
-                .env("WEFT_TIMEOUT", "30"),
+                .env_remove("WEFT_TIMEOUT"),
             90,
         );
         let out = stdout(&o);
@@ -382,6 +383,32 @@ fn a_rank_killed_during_a_collective_fails_it_everywhere() {
                     stderr(&o)
                 );
             }
+        }
+        assert_eq!(o.status.code(), Some(137), "{p}: {out}");
+    }
+}
+
+/// A rank that dies while the others finalize: each survivor's finalize returns "peer failed",
+/// with no `WEFT_TIMEOUT` set (a receive from the dead rank in finalize's barrier fails with it,
+/// a send to it fails at once).
+#[test]
+fn a_rank_killed_during_finalize_does_not_hang_the_others() {
+    let fault = example("weft-cli", "fault");
+    for p in ["shm", "tcp-sim", "verbs-ud"] {
+        let o = run_bounded(
+            weft_run(&["--keep-going", "-n", "4", "--provider", p, "--"])
+                .arg(&fault)
+                .env("FAULT_CASE", "finalize")
+                .env_remove("WEFT_TIMEOUT"),
+            60,
+        );
+        let out = stdout(&o);
+        for r in [0, 2, 3] {
+            assert!(
+                out.contains(&format!("fault: rank {r} finalize: peer-failed")),
+                "{p}: {out}\n{}",
+                stderr(&o)
+            );
         }
         assert_eq!(o.status.code(), Some(137), "{p}: {out}");
     }

@@ -664,6 +664,12 @@ impl<'w, P: Provider> Window<'w, P> {
     /// last fence (its DONE), so that nothing of the next epoch overtakes what another rank
     /// sent it in that one. Usually long arrived; free once every rank's has been seen.
     pub(super) fn await_done(&self, trank: u32) -> Result<()> {
+        self.await_done_or(trank, false)
+    }
+
+    /// [`Self::await_done`]; with `freeing`, the wait also ends when any rank of the window
+    /// has failed: a fence that a failure cut short on some rank never sends its DONE there.
+    pub(super) fn await_done_or(&self, trank: u32, freeing: bool) -> Result<()> {
         let k = self.fences.get();
         if self.done_seen.get() >= k {
             return Ok(());
@@ -684,6 +690,13 @@ impl<'w, P: Provider> Window<'w, P> {
             if let Some(why) = e.st.am.peer_failure(target) {
                 failed = Some(Error::peer_failed(target, why));
                 return true;
+            }
+            if freeing && e.st.am.nfailed > 0 {
+                if let Some(&r) = worlds.iter().find(|r| e.st.am.is_failed(**r)) {
+                    let why = e.st.am.peer_failure(r).unwrap_or("failed").to_string();
+                    failed = Some(Error::peer_failed(r, why));
+                    return true;
+                }
             }
             false
         })?;

@@ -750,10 +750,17 @@ impl<'w, P: Provider> Window<'w, P> {
         if self.freed.replace(true) {
             return Ok(());
         }
-        // Every DONE of the last fence in first, so that none arrives for a window gone.
-        let d = (0..self.comm.size()).try_for_each(|t| self.await_done(t));
+        // Every DONE of the last fence in first, so that none arrives for a window gone. If a
+        // rank of the window failed, some may never come (a fence the failure cut short sends
+        // none) and others may come late: the window is then remembered as released, so that
+        // what still arrives for it is dropped, not taken for a protocol error.
+        let d = (0..self.comm.size()).try_for_each(|t| self.await_done_or(t, true));
+        let cut_short = d.is_err();
         let b = self.comm.barrier().and(d);
         let mut eng = self.engine();
+        if cut_short {
+            eng.st.rma.released.push(self.id);
+        }
         // Replies still queued may read this window's memory: copy them before it goes.
         eng.st.am.own_raw_payloads();
         eng.st.rma.wins.remove(&self.id);

@@ -35,6 +35,18 @@ pub(crate) struct RecvBuf {
 }
 
 impl SendBuf {
+    /// The bytes of a contiguous buffer as one slice; `None` for a typed layout.
+    #[inline]
+    pub(crate) fn contig_bytes(&self) -> Option<&[u8]> {
+        match self.layout {
+            Layout::Contig if self.len == 0 => Some(&[]),
+            // SAFETY: `base..base+len` is the buffer the request holding this `SendBuf`
+            // borrows (bounds checked by its creator); the slice lives no longer than `self`.
+            Layout::Contig => Some(unsafe { std::slice::from_raw_parts(self.base, self.len) }),
+            Layout::Typed(..) => None,
+        }
+    }
+
     /// iovec pieces for packed bytes `[off, off+len)`, as raw `(ptr, len)`.
     #[inline]
     pub(crate) fn pieces(&self, off: usize, len: usize, out: &mut SmallVec<[RawIov; 8]>) {

@@ -35,24 +35,19 @@ impl P2pState {
         let len = buf.len;
         if !sync
             && len <= self.eager_limit
-            && matches!(buf.layout, Layout::Contig)
             && !am.caps.tagged
             && am.plain_ready(dest)
             && am.out.is_empty_to(dest)
             && !zcopy(am, dest, len)
             && self.eager_out[dest as usize] + len + EAGER_OVERHEAD <= self.eager_window
         {
-            let mut h = Hdr::new(H_EAGER);
-            h.u8(0).u32(ctx).u32(tag as u32);
-            let data = if len == 0 {
-                &[][..]
-            } else {
-                // SAFETY: `base..base+len` is the buffer the send borrows for the call.
-                unsafe { std::slice::from_raw_parts(buf.base, len) }
-            };
-            if p.am_send(dest, h.bytes(), &[IoSlice::new(data)])? == SendOutcome::Sent {
-                self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
-                return Ok(Posted::Done(Ok(status(dest, tag, len))));
+            if let Some(data) = buf.contig_bytes() {
+                let mut h = Hdr::new(H_EAGER);
+                h.u8(0).u32(ctx).u32(tag as u32);
+                if p.am_send(dest, h.bytes(), &[IoSlice::new(data)])? == SendOutcome::Sent {
+                    self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
+                    return Ok(Posted::Done(Ok(status(dest, tag, len))));
+                }
             }
         }
         self.isend_general(p, am, dest, ctx, tag, buf, sync, scope)
@@ -567,14 +562,8 @@ fn send_now<P: Provider>(
     h: &Hdr,
     buf: &SendBuf,
 ) -> Result<SendOutcome> {
-    if let Layout::Contig = buf.layout {
-        // The lean path: one piece, no iovec vectors.
-        let data = if buf.len == 0 {
-            &[][..]
-        } else {
-            // SAFETY: `base..base+len` is the buffer the send borrows for the call.
-            unsafe { std::slice::from_raw_parts(buf.base, buf.len) }
-        };
+    if let Some(data) = buf.contig_bytes() {
+        // One piece: no iovec vectors.
         return p.am_send(dest, h.bytes(), &[IoSlice::new(data)]);
     }
     let mut pieces: SmallVec<[RawIov; 8]> = SmallVec::new();

@@ -1800,10 +1800,7 @@ impl Ofi {
 impl Ofi {
     fn wrecv_open(&mut self, base: *mut u8, len: usize, access: Access) -> Result<MemRegion> {
         if access.remote_read || access.remote_atomic || !access.remote_write || len == 0 {
-            return Err(Error::from(ErrorDetail::Unsupported(
-                "ofi: with WEFT_OFI_NATIVE=0 a registration serves the write rendezvous only"
-                    .into(),
-            )));
+            return Err(am_mode("a registration serves the write rendezvous only"));
         }
         let id = self.next_data_id;
         self.next_data_id = id.wrapping_add(1);
@@ -1912,6 +1909,13 @@ impl Ofi {
             op,
         })
     }
+}
+
+/// What active-message mode (`WEFT_OFI_NATIVE=0`) does not do.
+fn am_mode(what: &str) -> Error {
+    Error::from(ErrorDetail::Unsupported(format!(
+        "ofi: with WEFT_OFI_NATIVE=0 {what}"
+    )))
 }
 
 /// The first `n` bytes of an iovec.
@@ -2319,9 +2323,7 @@ impl Provider for Ofi {
         key: u64,
     ) -> Result<MemRegion> {
         if self.wrndv {
-            return Err(Error::from(ErrorDetail::Unsupported(
-                "ofi: with WEFT_OFI_NATIVE=0 windows go by active messages".into(),
-            )));
+            return Err(am_mode("windows go by active messages"));
         }
         self.register(base, len, access, Some(key))
     }
@@ -2349,9 +2351,7 @@ impl Provider for Ofi {
         done: Completion,
     ) -> Result<()> {
         if self.wrndv {
-            return Err(Error::from(ErrorDetail::Unsupported(
-                "ofi: with WEFT_OFI_NATIVE=0 there are no reads".into(),
-            )));
+            return Err(am_mode("there are no reads"));
         }
         self.rma(src, false, &raw_mut(local), remote, done)
     }

@@ -39,6 +39,21 @@ const EMPTY: List = List {
     tail: NIL,
 };
 
+/// Put `x` into a free slot of `v` (one `free` names) or at its end; its index.
+#[inline]
+fn place<T>(v: &mut Vec<T>, free: &mut Vec<u32>, x: T) -> u32 {
+    match free.pop() {
+        Some(i) => {
+            v[i as usize] = x;
+            i
+        }
+        None => {
+            v.push(x);
+            (v.len() - 1) as u32
+        }
+    }
+}
+
 /// Buckets by key: the map gives a key's bucket *index* once, the node remembers it, so
 /// unlinking a node needs no hashing. A bucket that empties stays (the next post with the same
 /// key, the steady state of a ping-pong, reuses it with one lookup) until more than
@@ -94,16 +109,7 @@ impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
             self.hot = Some((key, b));
             return b;
         }
-        let b = match self.free.pop() {
-            Some(b) => {
-                self.lists[b as usize] = EMPTY;
-                b
-            }
-            None => {
-                self.lists.push(EMPTY);
-                (self.lists.len() - 1) as u32
-            }
-        };
+        let b = place(&mut self.lists, &mut self.free, EMPTY);
         self.map.insert(key, b);
         self.hot = Some((key, b));
         b
@@ -300,16 +306,7 @@ impl<R, M> Matcher<R, M> {
             link: (NIL, NIL),
             val: Some(r),
         };
-        let idx = match self.pfree.pop() {
-            Some(i) => {
-                self.pnodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.pnodes.push(node);
-                (self.pnodes.len() - 1) as u32
-            }
-        };
+        let idx = place(&mut self.pnodes, &mut self.pfree, node);
         self.posted.push(&mut self.pnodes, bucket, idx, 0);
         if src.is_none() || tag.is_none() {
             self.wild_posted += 1;
@@ -397,16 +394,7 @@ impl<R, M> Matcher<R, M> {
             links: [(NIL, NIL); 4],
             val: Some(m),
         };
-        let idx = match self.ufree.pop() {
-            Some(i) => {
-                self.unodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.unodes.push(node);
-                (self.unodes.len() - 1) as u32
-            }
-        };
+        let idx = place(&mut self.unodes, &mut self.ufree, node);
         let n = &mut self.unodes;
         self.u_exact.push(n, buckets[0], idx, 0);
         self.u_src.push(n, buckets[1], idx, 1);

@@ -221,8 +221,10 @@ pub struct Hybrid {
     /// Control messages received, with the sequence number a `Closed` carries.
     ctrl_in: Vec<(Rank, Ctrl, u32)>,
     actions: Vec<Action>,
-    /// Peers whose RC connection is being closed: RC sends to them still completing.
-    draining: Vec<Rank>,
+    /// Peers whose RC connection is being closed: RC sends to them still completing. The flag
+    /// is set by the first `closing` after the drain began: only from then on may the peer be
+    /// reported drained (see `closing`).
+    draining: Vec<(Rank, bool)>,
     /// Connections both sides drained, to tear down once every message the peer sent before
     /// its `Closed` has been delivered here: (peer, its next sequence number at `Closed`).
     teardown: Vec<(Rank, u32)>,
@@ -374,8 +376,8 @@ impl Hybrid {
                     self.rc.quiesce(p)?;
                     // Rendezvous with the peer go by UD-ZCOPY from now on.
                     self.caps_changed.push(p);
-                    if !self.draining.contains(&p) {
-                        self.draining.push(p);
+                    if !self.draining.iter().any(|d| d.0 == p) {
+                        self.draining.push((p, false));
                     }
                 }
                 Action::Teardown(p) => {
@@ -395,11 +397,22 @@ impl Hybrid {
     /// Rebalancing: report drained connections to the budget, and tear down those both sides
     /// drained once the peer's messages sent before its `Closed` have all been delivered (the
     /// last of them may still sit in RC's queues behind the `Closed` that came by UD).
+    ///
+    /// A peer is reported drained no earlier than the second `closing` after its drain began.
+    /// Until the core has read the peer's new capabilities (the `CapsChanged` event goes out at
+    /// the end of this `progress`, and the core reads it after it has issued the RMA reads it
+    /// decided meanwhile), a rendezvous matched under the old ones still reads over RC; once
+    /// drained is reported the peer may destroy its end, and such a read would find nobody
+    /// there. By the second call every such read has been posted, so `quiet` counts it. A
+    /// teardown likewise waits until nothing of ours to the peer is in flight.
     fn closing(&mut self) -> Result<()> {
         let mut k = 0;
         while k < self.draining.len() {
-            let p = self.draining[k];
-            if self.rc.quiet(p) {
+            let (p, armed) = self.draining[k];
+            if !armed {
+                self.draining[k].1 = true;
+                k += 1;
+            } else if self.rc.quiet(p) {
                 self.draining.swap_remove(k);
                 self.budget.drained(p, &mut self.actions);
             } else {
@@ -410,8 +423,9 @@ impl Hybrid {
         while k < self.teardown.len() {
             let (p, upto) = self.teardown[k];
             let delivered = self.peers[p as usize].reorder.expected();
-            // Every number before `upto` delivered (wrap-safe).
-            if self.peers[p as usize].failed || upto.wrapping_sub(delivered) as i32 <= 0 {
+            let failed = self.peers[p as usize].failed;
+            // Every number before `upto` delivered (wrap-safe), and nothing of ours in flight.
+            if failed || (upto.wrapping_sub(delivered) as i32 <= 0 && self.rc.quiet(p)) {
                 self.teardown.swap_remove(k);
                 self.rc.disconnect(p)?;
                 // The budget may have agreed on a new connection meanwhile (verbs-rc ignored

@@ -87,8 +87,13 @@ impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
     fn find(&self, key: &K) -> Option<u32> {
         match self.hot {
             Some((k, b)) if k == *key => Some(b),
-            _ => self.map.get(key).copied(),
+            _ => self.find_cold(key),
         }
+    }
+
+    #[inline(never)]
+    fn find_cold(&self, key: &K) -> Option<u32> {
+        self.map.get(key).copied()
     }
 
     /// The first node of `key`'s bucket.
@@ -281,6 +286,7 @@ impl<R, M> Matcher<R, M> {
     }
 
     /// Number of unexpected messages.
+    #[inline]
     pub fn unexpected_len(&self) -> usize {
         self.unexpected_count
     }

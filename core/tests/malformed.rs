@@ -24,6 +24,12 @@ const GARBAGE_KIND: u8 = 2;
 const OVERLONG: u8 = 3;
 const TRAILING: u8 = 4;
 const UNKNOWN_REQUEST: u8 = 5;
+/// A well-formed plain eager header (the arrival path's lean case) with a payload longer than
+/// the provider announced.
+const OVERSIZED: u8 = 6;
+
+/// The payload limit `mangler` announces (loopback carries more).
+const MANGLER_MAX_PAYLOAD: usize = 4096;
 
 pub struct Mangler {
     inner: Loopback,
@@ -42,6 +48,11 @@ impl Sink for Mangle<'_> {
         let ours = header.first() == Some(&1) && header.get(6..10) == Some(&5u32.to_le_bytes()[..]);
         if self.me != 0 || src != 1 || mode == CLEAN || !ours {
             return self.inner.am(src, header, payload);
+        }
+        if mode == OVERSIZED {
+            return self
+                .inner
+                .am(src, header, &vec![7u8; MANGLER_MAX_PAYLOAD + 1]);
         }
         let mut h = header.to_vec();
         match mode {
@@ -98,6 +109,8 @@ impl StaticProvider for Mangler {
         // Announce 64-byte headers (loopback carries 128), so OVERLONG exceeds the promise.
         let mut caps = inner.caps().clone();
         caps.max_am_header = 64;
+        caps.max_am_payload = MANGLER_MAX_PAYLOAD;
+        caps.eager_limit = caps.eager_limit.min(MANGLER_MAX_PAYLOAD);
         Ok(Mangler { inner, caps })
     }
     fn static_caps() -> Result<Caps> {
@@ -119,7 +132,14 @@ fn malformed_deliveries_fail_the_peer_instead_of_hanging() {
         finalize_may_fail: true,
         ..Options::default()
     };
-    for mode in [TRUNCATE, GARBAGE_KIND, OVERLONG, TRAILING, UNKNOWN_REQUEST] {
+    for mode in [
+        TRUNCATE,
+        GARBAGE_KIND,
+        OVERLONG,
+        TRAILING,
+        UNKNOWN_REQUEST,
+        OVERSIZED,
+    ] {
         MODE.store(mode, Ordering::SeqCst);
         let t0 = std::time::Instant::now();
         testing::world_dyn_with(2, "mangler", &opts, |c| {
@@ -136,11 +156,19 @@ fn malformed_deliveries_fail_the_peer_instead_of_hanging() {
                     "mode {mode}: {e}"
                 );
                 assert!(e.to_string().contains("rank 1"), "mode {mode}: {e}");
+                // What the failed peer sent after the malformed message, well formed as it
+                // may be, is dropped: a receive for it fails instead of matching it.
+                let r = c.recv(&mut buf, 1, 6);
+                assert!(
+                    r.as_ref().is_err_and(|e| e.kind() == ErrorKind::PeerFailed),
+                    "mode {mode}: a message from a failed peer was received: {r:?}"
+                );
                 // Later operations with that peer fail at once too.
                 let e = c.send(&buf, 1, 6).unwrap_err();
                 assert_eq!(e.kind(), ErrorKind::PeerFailed);
             } else {
                 c.send(&[9u8; 8], 0, 5).unwrap();
+                let _ = c.send(&[8u8; 8], 0, 6);
             }
             // Rank 1 only learns of it when rank 0 leaves; the world ends without a barrier.
         });

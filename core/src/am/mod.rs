@@ -287,6 +287,15 @@ impl AmState {
         self.fail_peer(src, &format!("malformed message: {what}"));
     }
 
+    /// What [`Self::admit`] checks of a message whose header the caller has already checked:
+    /// the source is a rank of the world that has not broken the protocol, and the payload is
+    /// within the provider's limit. `false` sends the message down the general path, which
+    /// reports what is wrong.
+    #[inline]
+    pub(crate) fn admits_plain(&self, src: Rank, payload_len: usize) -> bool {
+        self.rogue.get(src as usize) == Some(&false) && payload_len <= self.caps.max_am_payload
+    }
+
     /// Check an arriving message before any handler sees it: a peer of the world that has not
     /// broken the protocol, within the provider's limits, with a header of exactly the length
     /// its handler declares (`header_len`). `false`: the message is dropped (and its sender

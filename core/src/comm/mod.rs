@@ -271,6 +271,11 @@ fn localize(group: &Option<Rc<Group>>, r: Result<Status>) -> Result<Status> {
     if group.is_none() {
         return r;
     }
+    localize_in(group, r)
+}
+
+#[inline(never)]
+fn localize_in(group: &Option<Rc<Group>>, r: Result<Status>) -> Result<Status> {
     match r {
         Ok(s) => Ok(Comm::<DynProvider>::local_status(group, s)),
         Err(e) => match e.truncated() {
@@ -400,6 +405,7 @@ impl<P: Provider> Comm<P> {
         st
     }
 
+    #[inline]
     fn finish(&self, r: Result<Status>) -> Result<Status> {
         localize(&self.group, r)
     }
@@ -438,10 +444,15 @@ impl<P: Provider> Comm<P> {
 
     #[inline]
     fn complete(&self, p: Posted) -> Result<Status> {
-        let r = match p {
-            Posted::Done(r) => r,
-            Posted::Pending(id) => self.sh.engine.borrow_mut().wait(id),
-        };
+        match p {
+            Posted::Done(r) => self.finish(r),
+            Posted::Pending(id) => self.complete_pending(id),
+        }
+    }
+
+    #[inline(never)]
+    fn complete_pending(&self, id: ReqId) -> Result<Status> {
+        let r = self.sh.engine.borrow_mut().wait(id);
         self.finish(r)
     }
 

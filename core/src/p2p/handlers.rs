@@ -4,7 +4,7 @@
 
 use super::{
     recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp, F_REMOTE, F_SYNC,
-    H_SACK, WFIN_FAILED,
+    H_EAGER, H_SACK, PLAIN_EAGER_LEN, WFIN_FAILED,
 };
 use crate::am::{AmState, Hdr, Rd};
 use crate::provider::RemoteAddr;
@@ -27,6 +27,46 @@ impl P2pState {
         } else {
             None
         };
+        self.eager_arrived(am, src, ctx, tag, sreq, payload);
+        Some(())
+    }
+
+    /// The lean arrival path: a plain (not synchronous) `EAGER` header, `kind` included, from
+    /// a rank inside the world whose payload is within the provider's limit, parsed here from
+    /// its fixed layout without the generic admission and dispatch. `false` if `header` is not
+    /// such a header (the caller takes the general path).
+    #[inline]
+    pub(crate) fn on_plain_eager(
+        &mut self,
+        am: &mut AmState,
+        src: Rank,
+        header: &[u8],
+        payload: &[u8],
+    ) -> bool {
+        let Ok(h) = <&[u8; PLAIN_EAGER_LEN]>::try_from(header) else {
+            return false;
+        };
+        if h[0] != H_EAGER || h[1] != 0 || !am.admits_plain(src, payload.len()) {
+            return false;
+        }
+        let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+        let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
+        self.eager_arrived(am, src, ctx, tag, None, payload);
+        true
+    }
+
+    /// An eager message `(ctx, tag)` from `src`: into the receive it matches, or queued as
+    /// unexpected. `sreq`: the sender's request of a synchronous send, acknowledged at match.
+    #[inline]
+    fn eager_arrived(
+        &mut self,
+        am: &mut AmState,
+        src: Rank,
+        ctx: u32,
+        tag: i32,
+        sreq: Option<u64>,
+        payload: &[u8],
+    ) {
         if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
             let no_wkeys = self.wkeys.is_empty();
             if let Some(Req {
@@ -58,7 +98,6 @@ impl P2pState {
             self.matcher
                 .add_unexpected(ctx, src, tag, Unexp::Eager { data, sreq });
         }
-        Some(())
     }
 
     pub(super) fn on_rts(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {

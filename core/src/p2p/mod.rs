@@ -74,6 +74,10 @@ const WFIN_FAILED: u64 = u64::MAX;
 const F_SYNC: u8 = 1;
 const F_REMOTE: u8 = 2;
 
+/// Length of an `EAGER` header without the synchronous send's request: kind, flags, context,
+/// tag.
+const PLAIN_EAGER_LEN: usize = 10;
+
 /// Bytes an eager message counts against its peer's window besides its payload: the share of
 /// an unexpected-queue entry and its header.
 const EAGER_OVERHEAD: usize = 64;
@@ -84,7 +88,7 @@ const EAGER_OVERHEAD: usize = 64;
 #[inline]
 pub(crate) fn header_len(kind: u8, flags: Option<u8>) -> Option<usize> {
     Some(match kind {
-        H_EAGER => 10 + if flags? & F_SYNC != 0 { 8 } else { 0 },
+        H_EAGER => PLAIN_EAGER_LEN + if flags? & F_SYNC != 0 { 8 } else { 0 },
         H_RTS => 26 + if flags? & F_REMOTE != 0 { 16 } else { 0 },
         H_CTS => 25,
         H_WCTS => 41,
@@ -489,14 +493,18 @@ impl P2pState {
     /// What lives beside request `id` (its local registration, a parked result) goes with it.
     #[inline]
     fn release_side(&mut self, am: &mut AmState, id: ReqId) {
-        if !self.locals.is_empty() {
-            if let Some((_, m)) = self.locals.remove(&id) {
-                am.mr.release(m);
-            }
+        if !self.locals.is_empty() || !self.parked.is_empty() {
+            self.release_side_maps(am, id);
         }
-        if !self.parked.is_empty() {
-            self.parked.remove(&id);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn release_side_maps(&mut self, am: &mut AmState, id: ReqId) {
+        if let Some((_, m)) = self.locals.remove(&id) {
+            am.mr.release(m);
         }
+        self.parked.remove(&id);
     }
 
     /// Remove request `id`, releasing the registration that described its buffer.

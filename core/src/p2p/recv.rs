@@ -42,7 +42,12 @@ impl P2pState {
         if am.caps.tagged {
             return self.native_recv(p, am, src, ctx, tag, buf, scope);
         }
-        if let Some((msrc, mtag, m)) = self.matcher.take_unexpected(ctx, src, tag) {
+        let unexpected = if self.matcher.unexpected_len() == 0 {
+            None
+        } else {
+            self.matcher.take_unexpected(ctx, src, tag)
+        };
+        if let Some((msrc, mtag, m)) = unexpected {
             match m {
                 Unexp::Eager { data, sreq } => {
                     let n = data.len().min(buf.cap);

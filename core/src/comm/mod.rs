@@ -209,6 +209,12 @@ impl<P: Provider> World<P> {
         }
         let rank = p.rank();
         let size = p.size();
+        let mut cfg = cfg;
+        let local = boot.nodes().local_ranks().len();
+        if cfg.spin_auto && crate::engine::oversubscribed(local) {
+            tracing::debug!("{local} ranks on this host share fewer CPUs: waits yield at once");
+            cfg.spin = 0;
+        }
         let engine = Engine::new(p, cfg)?;
         let sh = Rc::new(Shared {
             engine: RefCell::new(engine),

@@ -17,6 +17,11 @@ pub struct EngineConfig {
     pub timeout: Option<Duration>,
     /// Empty progress rounds before a waiter starts yielding the CPU.
     pub spin: u32,
+    /// `spin` holds only while this host has a CPU for each of its ranks; with more ranks
+    /// than CPUs a waiting rank yields at every empty round instead (a spinning rank would
+    /// only keep the rank it waits for off the CPU), as Open MPI's `mpi_yield_when_idle`
+    /// does when it sees oversubscription.
+    pub spin_auto: bool,
     /// Rendezvous messages up to this size send their data speculatively (`None`: 4 MiB on
     /// providers that span hosts and cannot read remote memory, else off).
     pub spec_limit: Option<usize>,
@@ -42,6 +47,7 @@ impl Default for EngineConfig {
             nt_copy_min: nt_copy_auto(),
             timeout: None,
             spin: 1000,
+            spin_auto: true,
             spec_limit: None,
             spec_buffer: 4 << 20,
             spec_behind: false,
@@ -55,8 +61,8 @@ crate::param!(EAGER_LIMIT: Size = "", "EAGER_LIMIT", "0",
     "eager/rendezvous switch-over in bytes (0: the provider's own threshold)");
 crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
     "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
-crate::param!(POLL_SPIN: Uint = "", "POLL_SPIN", "1000",
-    "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint)");
+crate::param!(POLL_SPIN: Str = "", "POLL_SPIN", "auto",
+    "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint); auto: 1000, or 0 (yield at every idle round) when this host runs more ranks than the rank has CPUs");
 crate::param!(SPEC_LIMIT: Str = "", "SPEC_LIMIT", "auto",
     "rendezvous messages up to this size send their data without waiting for the receiver's CTS: a size, 0 (never) or auto (4M on providers that span hosts and cannot read remote memory, else 0)");
 crate::param!(SPEC_BEHIND: Bool = "", "SPEC_BEHIND", "0",
@@ -99,16 +105,66 @@ impl EngineConfig {
     /// `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
+        let spin = parse_spin(&POLL_SPIN.raw())?;
         Ok(EngineConfig {
             eager_limit: (e > 0).then_some(e),
             nt_copy_min: nt_copy_min_from_env()?,
             timeout: TIMEOUT.get_seconds(true)?,
-            spin: POLL_SPIN.get_u64()?.min(u32::MAX as u64) as u32,
+            spin: spin.unwrap_or(1000),
+            spin_auto: spin.is_none(),
             spec_limit: spec_limit_from_env()?,
             spec_buffer: SPEC_BUFFER.get_size()?,
             spec_behind: SPEC_BEHIND.get_bool()?,
             eager_window: EAGER_WINDOW.get_size()?,
             mr_cache: crate::am::mr_cache::MrCache::bounds_from_env()?,
         })
+    }
+}
+
+/// `WEFT_POLL_SPIN`: `auto` (`None`: decided when the world starts) or a number of rounds.
+fn parse_spin(v: &str) -> Result<Option<u32>> {
+    match v.trim() {
+        "auto" => Ok(None),
+        n => n
+            .parse::<u64>()
+            .map(|n| Some(n.min(u32::MAX as u64) as u32))
+            .map_err(|_| {
+                Error::from(ErrorDetail::Param {
+                    var: POLL_SPIN.env_name(),
+                    value: v.to_string(),
+                    expected: "auto or a number of rounds".into(),
+                })
+            }),
+    }
+}
+
+/// Whether this host, running `local_ranks` ranks, has fewer CPUs online than ranks. Not the
+/// CPUs this process may run on: a launcher that pins each rank to one CPU leaves every rank
+/// a single one, oversubscribed or not.
+pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
+    // SAFETY: sysconf reads a system setting; it takes a constant and touches no memory of ours.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    online > 0 && local_ranks as i64 > online as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_spin_is_auto_or_a_number() {
+        assert_eq!(parse_spin("auto").unwrap(), None);
+        assert_eq!(parse_spin(" 0 ").unwrap(), Some(0));
+        assert_eq!(parse_spin("1000").unwrap(), Some(1000));
+        assert_eq!(parse_spin("99999999999").unwrap(), Some(u32::MAX));
+        let e = parse_spin("fast").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Param);
+        assert!(e.to_string().contains("WEFT_POLL_SPIN"), "{e}");
+    }
+
+    #[test]
+    fn more_ranks_than_cpus_is_oversubscribed() {
+        assert!(!oversubscribed(1));
+        assert!(oversubscribed(1 << 20));
     }
 }

@@ -14,6 +14,7 @@
 
 mod config;
 
+pub(crate) use config::oversubscribed;
 pub use config::EngineConfig;
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};

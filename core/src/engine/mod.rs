@@ -375,7 +375,7 @@ impl<P: Provider> Engine<P> {
                 return r;
             }
             if let Err(e) = self.progress() {
-                self.quarantine(id);
+                self.quarantine(id, Some(&e));
                 return Err(e);
             }
         }
@@ -389,7 +389,7 @@ impl<P: Provider> Engine<P> {
             out = e.try_take(id);
             out.is_some()
         }) {
-            self.quarantine(id);
+            self.quarantine(id, Some(&e));
             return Err(e);
         }
         out.expect("set when done")
@@ -415,14 +415,14 @@ impl<P: Provider> Engine<P> {
             dead.is_some()
         });
         if let Err(e) = waited {
-            self.quarantine(id);
+            self.quarantine(id, Some(&e));
             return Err(e);
         }
         if let Some(r) = out {
             return r;
         }
         let _ = self.cancel(id);
-        self.quarantine(id);
+        self.quarantine(id, None);
         let r = dead.expect("set when the wait ended without the request");
         let why = self.st.peer_failure(r).unwrap_or_default();
         Err(Error::peer_failed(
@@ -440,9 +440,13 @@ impl<P: Provider> Engine<P> {
     /// native receive, an RMA read in flight), no safe way remains but to end the process, as
     /// MPI's default error handler does: waiting longer is a hang, and returning would let the
     /// provider write into memory the caller is about to free.
-    pub(crate) fn quarantine(&mut self, id: ReqId) {
+    /// `why`: the error the wait ended with, named in the message if the process must end.
+    pub(crate) fn quarantine(&mut self, id: ReqId, why: Option<&Error>) {
         if let Err(what) = self.st.p2p.quarantine(&mut self.p, &mut self.st.am, id) {
-            fatal(self.p.rank(), what);
+            match why {
+                Some(e) => fatal(self.p.rank(), &format!("{what} (the wait ended with: {e})")),
+                None => fatal(self.p.rank(), what),
+            }
         }
     }
 
@@ -463,7 +467,7 @@ impl<P: Provider> Engine<P> {
         let mut broken = false;
         for (id, is_recv) in self.st.p2p.scope_requests(scope) {
             if broken {
-                self.quarantine(id);
+                self.quarantine(id, first_err.as_ref());
                 continue;
             }
             if is_recv {
@@ -480,7 +484,7 @@ impl<P: Provider> Engine<P> {
                     }
                 }
                 Err(e) => {
-                    self.quarantine(id);
+                    self.quarantine(id, Some(&e));
                     broken = true;
                     first_err.get_or_insert(e);
                 }

@@ -62,7 +62,7 @@ crate::param!(EAGER_LIMIT: Size = "", "EAGER_LIMIT", "0",
 crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
     "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
 crate::param!(POLL_SPIN: Str = "", "POLL_SPIN", "auto",
-    "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint); auto: 1000, or 0 (yield at every idle round) when this host runs more ranks than the rank has CPUs");
+    "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint); auto: 1000, or 0 (yield at every idle round) when the host has fewer CPUs online than ranks of the job on it");
 crate::param!(SPEC_LIMIT: Str = "", "SPEC_LIMIT", "auto",
     "rendezvous messages up to this size send their data without waiting for the receiver's CTS: a size, 0 (never) or auto (4M on providers that span hosts and cannot read remote memory, else 0)");
 crate::param!(SPEC_BEHIND: Bool = "", "SPEC_BEHIND", "0",

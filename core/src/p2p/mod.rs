@@ -78,6 +78,16 @@ const F_REMOTE: u8 = 2;
 /// tag.
 const PLAIN_EAGER_LEN: usize = 10;
 
+/// The start of every `EAGER` header: kind, flags, context, tag (`PLAIN_EAGER_LEN` bytes; the
+/// lean arrival path, `P2pState::on_plain_eager`, reads this layout directly). A synchronous
+/// send appends its request.
+#[inline]
+fn eager_hdr(flags: u8, ctx: u32, tag: i32) -> Hdr {
+    let mut h = Hdr::new(H_EAGER);
+    h.u8(flags).u32(ctx).u32(tag as u32);
+    h
+}
+
 /// Bytes an eager message counts against its peer's window besides its payload: the share of
 /// an unexpected-queue entry and its header.
 const EAGER_OVERHEAD: usize = 64;

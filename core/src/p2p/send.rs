@@ -3,8 +3,8 @@
 
 use super::buf::{gather, Layout, SendBuf};
 use super::{
-    status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq, EAGER_OVERHEAD, F_REMOTE,
-    F_SYNC, H_CREDIT, H_DATA, H_EAGER, H_RTS, H_SDATA, H_SPEC, H_WFIN, WFIN_FAILED,
+    eager_hdr, status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq, EAGER_OVERHEAD,
+    F_REMOTE, F_SYNC, H_CREDIT, H_DATA, H_RTS, H_SDATA, H_SPEC, H_WFIN, WFIN_FAILED,
 };
 use crate::am::outbox::failure_reason;
 use crate::am::{AmState, Hdr, Out, Rd, ReqId};
@@ -42,8 +42,7 @@ impl P2pState {
             && self.eager_out[dest as usize] + len + EAGER_OVERHEAD <= self.eager_window
         {
             if let Some(data) = buf.contig_bytes() {
-                let mut h = Hdr::new(H_EAGER);
-                h.u8(0).u32(ctx).u32(tag as u32);
+                let h = eager_hdr(0, ctx, tag);
                 if p.am_send(dest, h.bytes(), &[IoSlice::new(data)])? == SendOutcome::Sent {
                     self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
                     return Ok(Posted::Done(Ok(status(dest, tag, len))));
@@ -78,8 +77,7 @@ impl P2pState {
             // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
             // plain send then needs no request at all.
             if !sync && am.out.is_empty_to(dest) && !zcopy(am, dest, buf.len) {
-                let mut h = Hdr::new(H_EAGER);
-                h.u8(0).u32(ctx).u32(tag as u32);
+                let h = eager_hdr(0, ctx, tag);
                 if send_now(p, am, dest, &h, &buf)? == SendOutcome::Sent {
                     return Ok(Posted::Done(Ok(status(dest, tag, buf.len))));
                 }
@@ -213,10 +211,7 @@ impl P2pState {
         else {
             return Ok(SendOutcome::Sent);
         };
-        let mut h = Hdr::new(H_EAGER);
-        h.u8(if r.sync() { F_SYNC } else { 0 })
-            .u32(r.ctx)
-            .u32(r.tag as u32);
+        let mut h = eager_hdr(if r.sync() { F_SYNC } else { 0 }, r.ctx, r.tag);
         if r.sync() {
             h.u64(id);
         }

@@ -46,7 +46,7 @@ use weft_verbs::reliable::{self, Header, Link};
 use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus};
 
 weft_provider::param!(MTU: Uint = "verbs", "UD_MTU", "2048",
-    "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two)");
+    "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two, at most the port's active MTU; the default is lowered to it)");
 weft_provider::param!(WINDOW: Uint = "verbs", "UD_WINDOW", "128",
     "verbs-ud: packets in flight to one peer before its acknowledgements (1 to 4096)");
 weft_provider::param!(RECVS: Uint = "verbs", "UD_RECVS", "512",
@@ -105,6 +105,8 @@ const K_MASK: u64 = 0xff << 56;
 
 struct Config {
     mtu: usize,
+    /// `WEFT_VERBS_UD_MTU` was given (else `mtu` is the default, lowered to the port's).
+    mtu_set: bool,
     window: u32,
     recvs: usize,
     send_bufs: usize,
@@ -147,6 +149,7 @@ impl Config {
         Ok(Config {
             keepalive: (ka > 0.0).then(|| Duration::from_secs_f64(ka)),
             mtu,
+            mtu_set: MTU.is_set(),
             window: range(&WINDOW, 1, 4096)? as u32,
             recvs: range(&RECVS, 16, 16384)? as usize,
             send_bufs: range(&SEND_BUFS, 16, 65536)? as usize,
@@ -154,6 +157,26 @@ impl Config {
             zcopy_min: ZCOPY_MIN.get_size()?.max(1),
             zcopy_qps: range(&ZCOPY_QPS, 0, 64)? as usize,
         })
+    }
+
+    /// Fit the packet size to the port: a datagram larger than the port's active MTU is never
+    /// delivered (the HCA fails its send), so a `WEFT_VERBS_UD_MTU` above it is refused here
+    /// rather than left to end in a silent peer; the default is lowered to it (as MVAPICH2's
+    /// `MV2_UD_MTU` defaults to the port's active MTU).
+    fn fit_mtu(&mut self, active: usize) -> Result<()> {
+        if self.mtu <= active {
+            return Ok(());
+        }
+        if self.mtu_set {
+            return Err(Error::invalid(format!(
+                "WEFT_VERBS_UD_MTU={} is above the port's active MTU ({active} bytes): no \
+                 datagram that large can be delivered (on the soft HCA, raise \
+                 WEFT_VERBS_SOFT_MTU)",
+                self.mtu
+            )));
+        }
+        self.mtu = active;
+        Ok(())
     }
 
     fn caps(&self) -> Caps {
@@ -321,8 +344,9 @@ fn job_qkey(job: &str) -> u32 {
 }
 
 impl VerbsUd {
-    fn open_with(boot: &mut dyn Bootstrap, cfg: Config) -> Result<VerbsUd> {
+    fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<VerbsUd> {
         let hca = verbs::open_default()?;
+        cfg.fit_mtu(hca.attr().active_mtu.bytes())?;
         let pd = hca.alloc_pd()?;
         let qkey = job_qkey(boot.job_id());
         let (cq, qp, zqps) = create_queues(&*hca, pd, &cfg, Some(qkey))?;
@@ -1628,8 +1652,9 @@ pub struct Footprint {
 
 /// Measure [`Footprint`] on the device `WEFT_VERBS_DEVICE` names.
 pub fn footprint() -> Result<Footprint> {
-    let cfg = Config::from_env()?;
+    let mut cfg = Config::from_env()?;
     let hca = verbs::open_default()?;
+    cfg.fit_mtu(hca.attr().active_mtu.bytes())?;
     let pd = hca.alloc_pd()?;
     let a0 = hca.accounting();
     let (cq, qp, zqps) = create_queues(&*hca, pd, &cfg, None)?;

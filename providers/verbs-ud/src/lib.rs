@@ -48,7 +48,7 @@ use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, W
 weft_provider::param!(MTU: Uint = "verbs", "UD_MTU", "2048",
     "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two, at most the port's active MTU; the default is lowered to it)");
 weft_provider::param!(WINDOW: Uint = "verbs", "UD_WINDOW", "128",
-    "verbs-ud: packets in flight to one peer before its acknowledgements (1 to 4096)");
+    "verbs-ud: packets in flight to one peer before its acknowledgements (1 to 4096); one active message is at most what this many packets hold");
 weft_provider::param!(RECVS: Uint = "verbs", "UD_RECVS", "512",
     "verbs-ud: receive buffers of the one UD queue pair, shared by every peer (16 to 16384)");
 weft_provider::param!(SEND_BUFS: Uint = "verbs", "UD_SEND_BUFS", "1024",
@@ -179,10 +179,21 @@ impl Config {
         Ok(())
     }
 
+    /// The largest payload one active message may carry: `am_send` takes a message only when
+    /// the peer's send window and the shared send buffers have room for all its packets at
+    /// once, so a message of more packets than either holds could never go.
+    fn max_payload(&self) -> usize {
+        let packets = (self.window as usize).min(self.send_bufs);
+        (packets * (self.mtu - PKT))
+            .saturating_sub(MAX_HDR)
+            .min(MAX_PAYLOAD)
+    }
+
     fn caps(&self) -> Caps {
-        let mut c = Caps::am_only(MAX_HDR, MAX_PAYLOAD, 16);
+        let max_payload = self.max_payload();
+        let mut c = Caps::am_only(MAX_HDR, max_payload, 16);
         // Aptus sends up to 8 KiB by UD-SR; larger messages by rendezvous.
-        c.eager_limit = 8 << 10;
+        c.eager_limit = max_payload.min(8 << 10);
         c.spans_hosts = true;
         if self.zcopy_qps > 0 {
             // The write rendezvous only: a receive buffer posted to a UD QP (no windows).
@@ -1144,9 +1155,11 @@ impl Provider for VerbsUd {
             )));
         }
         let total: usize = payload.iter().map(|p| p.len()).sum();
-        if total > MAX_PAYLOAD {
+        if total > self.caps.max_am_payload {
             return Err(Error::invalid(format!(
-                "verbs-ud: payload of {total} bytes (at most {MAX_PAYLOAD})"
+                "verbs-ud: payload of {total} bytes (at most {}: the packets of one message \
+                 must fit WEFT_VERBS_UD_WINDOW and WEFT_VERBS_UD_SEND_BUFS)",
+                self.caps.max_am_payload
             )));
         }
         if self.peers[i].failed {

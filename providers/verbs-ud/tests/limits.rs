@@ -1,0 +1,123 @@
+//! Parameters that bound a packet or a message, against what the provider then promises.
+//!
+//! - A `WEFT_VERBS_UD_MTU` above the port's active MTU used to open, then lose every datagram
+//!   (the HCA fails a send larger than the MTU) until the peers failed each other for
+//!   silence; it is now refused at open, and a port with the larger MTU carries it.
+//! - A small `WEFT_VERBS_UD_WINDOW` (or `WEFT_VERBS_UD_SEND_BUFS`) used to leave the largest
+//!   message the provider advertised with more packets than the window holds: `am_send`
+//!   said "busy" for ever. The advertised payload now fits them.
+//!
+//! (Its own test binary: the tests set environment variables, one at a time under a lock.)
+
+use std::sync::Mutex;
+use weft_provider::bootstrap::InProcessJob;
+use weft_provider::provider::{Provider, StaticProvider};
+use weft_verbs_ud::VerbsUd;
+
+#[path = "common.rs"]
+mod common;
+use common::*;
+
+static ENV: Mutex<()> = Mutex::new(());
+
+/// Set the soft HCA and exactly these `WEFT_VERBS_*` variables of the ones the tests use.
+fn env(vars: &[(&str, &str)]) {
+    std::env::set_var("WEFT_VERBS_DEVICE", "soft");
+    for k in [
+        "WEFT_VERBS_UD_MTU",
+        "WEFT_VERBS_SOFT_MTU",
+        "WEFT_VERBS_UD_WINDOW",
+        "WEFT_VERBS_UD_SEND_BUFS",
+    ] {
+        std::env::remove_var(k);
+    }
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+}
+
+fn pattern(i: usize) -> u8 {
+    (i * 7 + 3) as u8
+}
+
+/// Rank 0 sends `len` bytes (several packets); rank 1 checks every byte and replies.
+fn exchange(len: usize) {
+    let out = world(2, move |mut p, bar| {
+        let mut ev = Events::default();
+        bar.wait();
+        if p.rank() == 0 {
+            let data: Vec<u8> = (0..len).map(pattern).collect();
+            send(&mut p, &mut ev, 1, b"big", &data);
+            until(&mut p, &mut ev, "the reply", |e| !e.am.is_empty());
+            None
+        } else {
+            until(&mut p, &mut ev, "the message", |e| !e.am.is_empty());
+            send(&mut p, &mut ev, 0, b"ok", &[]);
+            Some(ev.am[0].2.clone())
+        }
+    });
+    let got = out[1].clone().expect("rank 1's message");
+    assert_eq!(got.len(), len);
+    assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i)));
+}
+
+fn caps_of_one() -> weft_provider::provider::Caps {
+    let job = InProcessJob::new(1, T);
+    let p = VerbsUd::open(&mut job.rank(0)).expect("open");
+    p.caps().clone()
+}
+
+#[test]
+fn an_mtu_above_the_port_is_refused_at_open_and_carried_where_the_port_has_it() {
+    let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
+    // The soft HCA's port at its default, 2048 bytes.
+    env(&[("WEFT_VERBS_UD_MTU", "4096")]);
+    let job = InProcessJob::new(1, T);
+    let err = match VerbsUd::open(&mut job.rank(0)) {
+        Ok(_) => panic!("a 4096-byte packet size opened on a 2048-byte port"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("WEFT_VERBS_UD_MTU=4096") && err.contains("active MTU (2048"),
+        "{err}"
+    );
+
+    // A 4096-byte port carries 4096-byte packets.
+    env(&[
+        ("WEFT_VERBS_UD_MTU", "4096"),
+        ("WEFT_VERBS_SOFT_MTU", "4096"),
+    ]);
+    exchange(6000);
+
+    // Left at its default, the packet size follows a smaller port.
+    env(&[("WEFT_VERBS_SOFT_MTU", "1024")]);
+    exchange(6000);
+}
+
+#[test]
+fn the_largest_message_advertised_fits_the_window_and_the_send_buffers() {
+    let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
+    for (vars, packets) in [
+        (&[("WEFT_VERBS_UD_WINDOW", "1")][..], 1),
+        (&[("WEFT_VERBS_UD_WINDOW", "4")][..], 4),
+        (&[("WEFT_VERBS_UD_SEND_BUFS", "16")][..], 16),
+        // 256-byte packets: 64 KiB would take 279, more than the default window of 128.
+        (&[("WEFT_VERBS_SOFT_MTU", "256")][..], 128),
+    ] {
+        env(vars);
+        let caps = caps_of_one();
+        let mtu = if packets == 128 { 256 } else { 2048 };
+        let room = packets * (mtu - 20);
+        assert!(
+            caps.max_am_payload + 128 <= room && caps.max_am_payload > 0,
+            "{vars:?}: {} bytes advertised, {packets} packets hold {room}",
+            caps.max_am_payload
+        );
+        assert!(caps.eager_limit <= caps.max_am_payload, "{vars:?}");
+        // The largest message goes, whole.
+        exchange(caps.max_am_payload);
+    }
+    // The defaults keep 64 KiB.
+    env(&[]);
+    assert_eq!(caps_of_one().max_am_payload, 64 << 10);
+}

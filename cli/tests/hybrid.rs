@@ -125,6 +125,16 @@ fn conformance_with_zero_copy_over_ud() {
 }
 
 #[test]
+fn conformance_with_ud_zero_copy_off() {
+    // verbs-ud without zero-copy QPs: large messages to peers on UD alone go by the core's
+    // pipeline over UD-SR, and a buffer registered for local use needs no verbs-ud key (it
+    // used to be refused: "verbs-ud: zero-copy is off", failing an ordinary send).
+    let stats = conformance(&["WEFT_VERBS_UD_ZCOPY_QPS=0", "WEFT_HYBRID_RC_THRESHOLD=2"]);
+    assert_eq!(sent_over(&stats, "UD-ZCOPY"), 0, "{stats:#?}");
+    assert!(sent_over(&stats, "RC-RDMA") > 0, "{stats:#?}");
+}
+
+#[test]
 fn conformance_with_everything_on_ud() {
     let stats = conformance(&[
         "WEFT_HYBRID_RULES={true: UD-SR}",

@@ -792,25 +792,22 @@ impl Provider for Hybrid {
         }
         // SAFETY: as above, for each channel's registration.
         let r = unsafe { self.rc.mr_register(base, len, access) }?;
-        // SAFETY: as above.
-        let u = match unsafe { self.ud.mr_register(base, len, access) } {
-            Ok(u) => u,
-            Err(e) => {
-                let _ = self.rc.mr_deregister(&r);
-                return Err(e);
+        // verbs-ud needs a local key only to send UD-ZCOPY pieces; without its zero-copy
+        // QPs (`WEFT_VERBS_UD_ZCOPY_QPS=0`) it has no registrations at all.
+        let u = if self.ud.caps().rma.is_some() {
+            // SAFETY: as above.
+            match unsafe { self.ud.mr_register(base, len, access) } {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    let _ = self.rc.mr_deregister(&r);
+                    return Err(e);
+                }
             }
+        } else {
+            None
         };
-        let desc = (u.desc << 32) | (r.desc & 0xffff_ffff);
-        Ok(self.new_mr(
-            HMr {
-                rc: Some(r),
-                ud: Some(u),
-            },
-            base as u64,
-            len,
-            0,
-            desc,
-        ))
+        let desc = u.as_ref().map_or(0, |u| u.desc << 32) | (r.desc & 0xffff_ffff);
+        Ok(self.new_mr(HMr { rc: Some(r), ud: u }, base as u64, len, 0, desc))
     }
 
     fn mr_deregister(&mut self, mr: &MemRegion) -> Result<()> {

@@ -69,6 +69,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     println!("fault: provider {}", world.provider_name());
+    println!("fault: rank {} pid {}", world.rank(), std::process::id());
     match case.as_str() {
         "send" => send_case(world),
         "lock" => lock_case(world),

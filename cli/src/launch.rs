@@ -475,6 +475,9 @@ impl<'a> Launcher<'a> {
     }
 
     fn on_exit(&mut self, r: u32, st: ExitStatus) {
+        if let Some(c) = &self.children[r as usize] {
+            remove_libfabric_leftovers(c.id());
+        }
         let (init, fin) = (
             self.pmi.initialized[r as usize],
             self.pmi.finalized[r as usize],
@@ -980,6 +983,35 @@ impl<'a> Launcher<'a> {
 }
 
 /// Has process `pid` (our child) exited? Its status, without reaping it (`WNOWAIT`).
+/// Remove what a rank's libfabric left in /dev/shm. libfabric's shm provider names its
+/// region `<pid>:<domain>:<endpoint>` and unlinks it when the endpoint closes, so a rank killed
+/// (or ending without closing it) leaves a 16 MiB object behind; weft's own objects are
+/// unlinked as soon as every rank has them open and need nothing here. Called before the rank
+/// is reaped: its pid is still its own, so no live process's object can match.
+fn remove_libfabric_leftovers(pid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let prefix = format!("{pid}:");
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let numbers = rest.split(':').collect::<Vec<_>>();
+        let theirs = numbers.len() == 2
+            && numbers
+                .iter()
+                .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if theirs && e.metadata().is_ok_and(|m| m.uid() == me) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 fn exited(pid: u32) -> Option<ExitStatus> {
     // SAFETY: siginfo_t is plain data that waitid fills for our own child.
     let mut si: libc::siginfo_t = unsafe { std::mem::zeroed() };

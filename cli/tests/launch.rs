@@ -331,6 +331,43 @@ fn peer_killed_mid_large_message() {
     );
 }
 
+/// A rank of `ofi` over libfabric's shm killed mid-transfer (and its peer ended by the
+/// launcher): libfabric unlinks its region only when the endpoint closes, so each dead rank
+/// left a 16 MiB `<pid>:0:0` in /dev/shm until the launcher learned to remove it.
+#[test]
+fn killed_ofi_ranks_leave_no_libfabric_region() {
+    let fault = example("weft-cli", "fault");
+    let o = run_bounded(
+        weft_run(&["-n", "2", "--provider", "ofi", "--"])
+            .arg(&fault)
+            .env("WEFT_OFI_PROVIDER", "shm")
+            .env("FAULT_SIZE", (64u64 << 20).to_string())
+            .env("WEFT_TIMEOUT", "60"),
+        120,
+    );
+    let out = stdout(&o);
+    assert!(
+        stderr(&o).contains("rank 0 was killed by signal 9"),
+        "{out}\n{}",
+        stderr(&o)
+    );
+    let pids: Vec<String> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("fault: rank "))
+        .filter_map(|l| l.split(" pid ").nth(1))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(pids.len(), 2, "{out}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| pids.iter().any(|p| n.starts_with(&format!("{p}:"))))
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm by the ranks: {left:?}");
+}
+
 /// A rank killed while it holds an exclusive window lock: the next rank that asks for the lock
 /// gets it — released by the target when the holder's death is noticed (active-message locks),
 /// or taken over from the dead holder (shm's native locks on allocated windows). Before, it

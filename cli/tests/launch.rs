@@ -368,6 +368,46 @@ fn killed_ofi_ranks_leave_no_libfabric_region() {
     assert!(left.is_empty(), "left in /dev/shm by the ranks: {left:?}");
 }
 
+/// `ofi` notices a dead rank on its host (libfabric's shm says nothing; tcp only fails
+/// operations towards it): a receive from it, a collective with it and a lock it held end at
+/// once. Before, each waited until `WEFT_TIMEOUT` (here 60 s; for ever without one).
+#[test]
+fn ofi_notices_a_dead_rank_on_its_host() {
+    let fault = example("weft-cli", "fault");
+    for prov in ["shm", "tcp"] {
+        for (case, n, want) in [
+            ("send", "2", &["fault: later receive: peer-failed"][..]),
+            (
+                "collective",
+                "3",
+                &[
+                    "fault: rank 0 barrier: peer-failed",
+                    "fault: rank 2 allreduce: peer-failed",
+                ][..],
+            ),
+            ("lock", "3", &["fault: lock after holder died: ok"][..]),
+        ] {
+            let o = run_bounded(
+                weft_run(&["--keep-going", "-n", n, "--provider", "ofi", "--"])
+                    .arg(&fault)
+                    .env("WEFT_OFI_PROVIDER", prov)
+                    .env("FAULT_CASE", case)
+                    .env("FAULT_SIZE", (64u64 << 20).to_string())
+                    .env("WEFT_TIMEOUT", "60"),
+                200,
+            );
+            let out = stdout(&o);
+            for w in want {
+                assert!(
+                    out.contains(w),
+                    "ofi over {prov}, {case}: no '{w}' in\n{out}\n{}",
+                    stderr(&o)
+                );
+            }
+        }
+    }
+}
+
 /// A rank killed while it holds an exclusive window lock: the next rank that asks for the lock
 /// gets it — released by the target when the holder's death is noticed (active-message locks),
 /// or taken over from the dead holder (shm's native locks on allocated windows). Before, it

@@ -233,9 +233,15 @@ pub struct Watch {
 impl Watch {
     /// Watch the processes of `slots` (every one open), except this process's own.
     pub fn new<'a>(slots: impl Iterator<Item = &'a RankSlot>) -> Watch {
-        let fds = slots
-            .map(|s| {
-                let pid = s.pid.load(Ordering::Relaxed) as i32;
+        Watch::of_pids(slots.map(|s| s.pid.load(Ordering::Relaxed) as i32))
+    }
+
+    /// Watch processes by pid, the `i`-th as `i`; 0 or less, or this process's own, is not
+    /// watched. A process that exits before this call is never reported (its pidfd cannot
+    /// be opened): callers watch peers known to run, e.g. right after an exchange with them.
+    pub fn of_pids(pids: impl Iterator<Item = i32>) -> Watch {
+        let fds = pids
+            .map(|pid| {
                 if pid <= 0 || pid as u32 == std::process::id() {
                     return None;
                 }
@@ -248,6 +254,35 @@ impl Watch {
             })
             .collect();
         Watch { fds }
+    }
+
+    /// The watched processes that have exited, by index, with one `poll` for all of them;
+    /// `skip(i)` leaves out those the caller already knows about.
+    pub fn exited(&self, skip: impl Fn(usize) -> bool) -> Vec<usize> {
+        let (mut fds, mut idx) = (Vec::new(), Vec::new());
+        for (i, fd) in self.fds.iter().enumerate() {
+            if let Some(fd) = fd.as_ref().filter(|_| !skip(i)) {
+                fds.push(libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                idx.push(i);
+            }
+        }
+        if fds.is_empty() {
+            return Vec::new();
+        }
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfds on descriptors we own; no wait.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        if n <= 0 {
+            return Vec::new();
+        }
+        fds.iter()
+            .zip(idx)
+            .filter(|(p, _)| p.revents & libc::POLLIN != 0)
+            .map(|(_, i)| i)
+            .collect()
     }
 
     /// Why local rank `i` (whose liveness record is `slot`) is gone, if it is.
@@ -274,6 +309,29 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watch_reports_a_process_that_exits() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let w = Watch::of_pids([0, std::process::id() as i32, child.id() as i32].into_iter());
+        assert!(w.exited(|_| false).is_empty());
+        child.kill().unwrap();
+        // Not reaped yet: a zombie counts as exited.
+        let t0 = std::time::Instant::now();
+        let got = loop {
+            let e = w.exited(|_| false);
+            if !e.is_empty() || t0.elapsed().as_secs() > 10 {
+                break e;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(got, vec![2]);
+        assert!(w.exited(|i| i == 2).is_empty(), "skipped");
+        child.wait().unwrap();
+    }
 
     #[test]
     fn create_open_unlink() {

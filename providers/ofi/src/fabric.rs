@@ -485,6 +485,9 @@ struct Deferred {
 }
 
 /// The `ofi` provider.
+/// Idle progress calls between two looks at the local peers' processes.
+const WATCH_EVERY: u32 = 1024;
+
 pub struct Ofi {
     rank: Rank,
     size: u32,
@@ -550,6 +553,12 @@ pub struct Ofi {
     /// Registrations are write-rendezvous receives (active-message mode with tagged messaging).
     wrndv: bool,
     n_wrndv: u64,
+    /// The processes of the other ranks on this host, and those found dead: libfabric says
+    /// nothing when a peer process dies (shm), or only on an operation towards it (tcp), so a
+    /// receive from a dead rank would wait for ever.
+    watch: weft_provider::shmem::Watch,
+    dead: Vec<bool>,
+    ticks: u32,
 }
 
 impl Ofi {
@@ -604,6 +613,9 @@ impl Ofi {
             tx_desc: null_mut(),
             seq_out: vec![0; boot.size() as usize],
             seq_in: vec![0; boot.size() as usize],
+            watch: weft_provider::shmem::Watch::of_pids(std::iter::empty()),
+            dead: vec![false; boot.size() as usize],
+            ticks: 0,
             stash: HashMap::new(),
             selfq: VecDeque::new(),
             acks: VecDeque::new(),
@@ -707,6 +719,20 @@ impl Ofi {
                 return Err(fi_err("fi_av_insert", n.min(-1)));
             }
         }
+        // The processes of the other ranks on this host, watched from here on (ranks that are
+        // threads of this process have none of their own).
+        let pid = std::process::id().to_string();
+        let pids = weft_provider::bootstrap::allgather(boot, "ofi.pid", &pid)?;
+        let local = |r: usize| {
+            r != me.rank as usize && !boot.in_process() && boot.nodes().is_local(r as Rank)
+        };
+        me.watch = weft_provider::shmem::Watch::of_pids(pids.iter().enumerate().map(|(r, p)| {
+            if local(r) {
+                p.parse().unwrap_or(0)
+            } else {
+                0
+            }
+        }));
         me.post_am_buffers()?;
         Ok(me)
     }
@@ -2039,6 +2065,18 @@ impl Provider for Ofi {
             }
             if !full {
                 break;
+            }
+        }
+        // Peers' processes, every WATCH_EVERY idle calls (one poll for all of them): a rank
+        // waiting on a dead peer is idle, a busy one pays nothing.
+        if n == 0 {
+            self.ticks = self.ticks.wrapping_add(1);
+            if self.ticks % WATCH_EVERY == 0 {
+                for r in self.watch.exited(|i| self.dead[i]) {
+                    self.dead[r] = true;
+                    sink.peer_failed(r as Rank, "process died");
+                    n += 1;
+                }
             }
         }
         Ok(n)

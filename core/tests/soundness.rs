@@ -419,3 +419,73 @@ fn a_large_am_get_is_not_copied_at_the_target() {
         .unwrap();
     });
 }
+
+/// A lock request whose wait runs out (`WEFT_TIMEOUT`) is withdrawn, not taken for an unlock
+/// of a lock the rank never held: rank 1 holds rank 0's lock while rank 2's request times out;
+/// rank 2 then locks again, and so does rank 1. Before, the target failed rank 2 as malformed
+/// ("UNLOCK of a lock it does not hold") and its later lock went unanswered.
+#[test]
+fn a_lock_request_that_timed_out_is_withdrawn() {
+    use std::sync::mpsc::sync_channel;
+    let (locked_tx, locked_rx) = sync_channel::<()>(1);
+    let (gave_up_tx, gave_up_rx) = sync_channel::<()>(1);
+    let (done_tx, done_rx) = sync_channel::<u32>(2);
+    let (locked_tx, locked_rx) = (Mutex::new(locked_tx), Mutex::new(locked_rx));
+    let (gave_up_tx, gave_up_rx) = (Mutex::new(gave_up_tx), Mutex::new(gave_up_rx));
+    let (done_tx, done_rx) = (Mutex::new(done_tx), Mutex::new(done_rx));
+    testing::world_with(3, &opts(), |c| {
+        let mut mem = vec![0u8; 64];
+        c.win_create(&mut mem, Default::default(), |win| {
+            match c.rank() {
+                0 => {
+                    // The target: serve the lock traffic until both origins are done.
+                    let deadline = std::time::Instant::now() + 3 * *STEP;
+                    let mut done = 0;
+                    while done < 2 {
+                        c.progress()?;
+                        if done_rx.lock().unwrap().try_recv().is_ok() {
+                            done += 1;
+                        }
+                        assert!(std::time::Instant::now() < deadline, "origins stuck");
+                    }
+                }
+                1 => {
+                    win.lock_epoch(0, weft::LockKind::Exclusive, |e| {
+                        e.put(&[1u8; 8], 0, 0)?;
+                        locked_tx.lock().unwrap().send(()).unwrap();
+                        gave_up_rx
+                            .lock()
+                            .unwrap()
+                            .recv_timeout(*STEP)
+                            .expect("rank 2 did not give up");
+                        Ok(())
+                    })?;
+                    // Rank 2's second epoch, then this one: the lock was handed on and back.
+                    win.lock_epoch(0, weft::LockKind::Exclusive, |e| e.put(&[3u8; 8], 0, 16))?;
+                    done_tx.lock().unwrap().send(1).unwrap();
+                }
+                _ => {
+                    locked_rx
+                        .lock()
+                        .unwrap()
+                        .recv_timeout(*STEP)
+                        .expect("rank 1 did not lock");
+                    let r =
+                        win.lock_epoch(0, weft::LockKind::Exclusive, |e| e.put(&[9u8; 8], 0, 8));
+                    assert_eq!(r.unwrap_err().kind(), ErrorKind::Timeout);
+                    gave_up_tx.lock().unwrap().send(()).unwrap();
+                    win.lock_epoch(0, weft::LockKind::Exclusive, |e| e.put(&[2u8; 8], 0, 8))
+                        .expect("a lock after a withdrawn request");
+                    done_tx.lock().unwrap().send(2).unwrap();
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        if c.rank() == 0 {
+            assert_eq!(&mem[..8], &[1u8; 8]);
+            assert_eq!(&mem[8..16], &[2u8; 8], "rank 2's second epoch");
+            assert_eq!(&mem[16..24], &[3u8; 8]);
+        }
+    });
+}

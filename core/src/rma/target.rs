@@ -459,7 +459,17 @@ pub(super) fn grant_waiters(st: &mut Ctx<'_>, win: u32) {
 fn unlock(st: &mut Ctx<'_>, src: Rank, win: u32, token: u64) -> Option<()> {
     let w = target_win!(st, src, win);
     if !w.unlock(src) {
-        return bad(st, src, "UNLOCK of a lock it does not hold");
+        // An origin whose wait for the lock ran out (WEFT_TIMEOUT) ends its epoch with an
+        // UNLOCK while its request still waits here: that withdraws the request. (Had the
+        // lock been granted meanwhile, `unlock` above released it.)
+        let waiting = w
+            .waiters
+            .iter()
+            .position(|x| matches!(x, Waiter::Lock { origin, .. } if *origin == src));
+        let Some(i) = waiting else {
+            return bad(st, src, "UNLOCK of a lock it does not hold");
+        };
+        w.waiters.remove(i);
     }
     reply(st, src, H_ACK, token);
     grant_waiters(st, win);

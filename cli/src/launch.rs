@@ -982,7 +982,6 @@ impl<'a> Launcher<'a> {
     }
 }
 
-/// Has process `pid` (our child) exited? Its status, without reaping it (`WNOWAIT`).
 /// Remove what a rank's libfabric left in /dev/shm. libfabric's shm provider names its
 /// region `<pid>:<domain>:<endpoint>` and unlinks it when the endpoint closes, so a rank killed
 /// (or ending without closing it) leaves a 16 MiB object behind; weft's own objects are
@@ -1012,6 +1011,7 @@ fn remove_libfabric_leftovers(pid: u32) {
     }
 }
 
+/// Has process `pid` (our child) exited? Its status, without reaping it (`WNOWAIT`).
 fn exited(pid: u32) -> Option<ExitStatus> {
     // SAFETY: siginfo_t is plain data that waitid fills for our own child.
     let mut si: libc::siginfo_t = unsafe { std::mem::zeroed() };

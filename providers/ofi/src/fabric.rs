@@ -484,10 +484,10 @@ struct Deferred {
     op: usize,
 }
 
-/// The `ofi` provider.
 /// Idle progress calls between two looks at the local peers' processes.
 const WATCH_EVERY: u32 = 1024;
 
+/// The `ofi` provider.
 pub struct Ofi {
     rank: Rank,
     size: u32,

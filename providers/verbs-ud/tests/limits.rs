@@ -97,16 +97,17 @@ fn an_mtu_above_the_port_is_refused_at_open_and_carried_where_the_port_has_it() 
 #[test]
 fn the_largest_message_advertised_fits_the_window_and_the_send_buffers() {
     let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
-    for (vars, packets) in [
-        (&[("WEFT_VERBS_UD_WINDOW", "1")][..], 1),
-        (&[("WEFT_VERBS_UD_WINDOW", "4")][..], 4),
-        (&[("WEFT_VERBS_UD_SEND_BUFS", "16")][..], 16),
+    // (settings, packets the window and send buffers hold at once, packet size)
+    for (vars, packets, mtu) in [
+        (&[("WEFT_VERBS_UD_WINDOW", "1")][..], 1, 2048),
+        (&[("WEFT_VERBS_UD_WINDOW", "4")][..], 4, 2048),
+        (&[("WEFT_VERBS_UD_SEND_BUFS", "16")][..], 16, 2048),
         // 256-byte packets: 64 KiB would take 279, more than the default window of 128.
-        (&[("WEFT_VERBS_SOFT_MTU", "256")][..], 128),
+        (&[("WEFT_VERBS_SOFT_MTU", "256")][..], 128, 256),
     ] {
         env(vars);
         let caps = caps_of_one();
-        let mtu = if packets == 128 { 256 } else { 2048 };
+        // Each packet carries a 20-byte header.
         let room = packets * (mtu - 20);
         assert!(
             caps.max_am_payload + 128 <= room && caps.max_am_payload > 0,

@@ -245,7 +245,24 @@ fn weft_info_prints_the_chain_in_force() {
     );
     assert!(
         stdout(&o).contains(
-            "hybrid send rules (WEFT_HYBRID_RULES): {size<=4096: RC-SR}, {true: UD-SR} (UD-SR up to any bytes)"
+            "hybrid send rules (WEFT_HYBRID_RULES): {size<=4096: RC-SR}, {true: UD-SR} (UD-SR at every size)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    // The default chain ends in UD-ZCOPY; with verbs-ud's zero-copy off, info says where
+    // those messages go instead.
+    let o = run_bounded(
+        Command::new(weft())
+            .arg("info")
+            .env_remove("WEFT_HYBRID_RULES")
+            .env("WEFT_VERBS_UD_ZCOPY_QPS", "0"),
+        60,
+    );
+    assert!(
+        stdout(&o).contains(
+            "{true: UD-ZCOPY} (UD-SR up to 8192 bytes); UD-ZCOPY is off (WEFT_VERBS_UD_ZCOPY_QPS=0): \
+             what it would carry goes by the core's pipeline over UD-SR"
         ),
         "{}",
         stdout(&o)

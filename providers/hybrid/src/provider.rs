@@ -1019,13 +1019,21 @@ pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
         });
     }
     let (job, upto) = cfg.job(size).map_err(|e| e.to_string())?;
+    let zcopy_off = job.rules().iter().any(|r| r.channel == Channel::UdZcopy)
+        && !weft_verbs_ud::zero_copy_on().map_err(|e| e.to_string())?;
     Ok(format!(
-        "{} (UD-SR up to {} bytes)",
+        "{} ({}){}",
         crate::rules::Chain(job.rules().to_vec()),
         if upto == u64::MAX {
-            "any".to_string()
+            "UD-SR at every size".to_string()
         } else {
-            upto.to_string()
+            format!("UD-SR up to {upto} bytes")
+        },
+        if zcopy_off {
+            "; UD-ZCOPY is off (WEFT_VERBS_UD_ZCOPY_QPS=0): what it would carry goes by the \
+             core's pipeline over UD-SR"
+        } else {
+            ""
         }
     ))
 }

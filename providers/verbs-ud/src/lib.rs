@@ -1663,6 +1663,12 @@ pub struct Footprint {
     pub per_peer: u64,
 }
 
+/// Whether UD-ZCOPY is on under the environment (`WEFT_VERBS_UD_ZCOPY_QPS` above 0): without
+/// it, large messages go by the core's pipeline over UD-SR.
+pub fn zero_copy_on() -> Result<bool> {
+    Ok(Config::from_env()?.zcopy_qps > 0)
+}
+
 /// Measure [`Footprint`] on the device `WEFT_VERBS_DEVICE` names.
 pub fn footprint() -> Result<Footprint> {
     let mut cfg = Config::from_env()?;

@@ -34,7 +34,7 @@ mod zcopy;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
 use weft_provider::provider::{
     Access, Caps, Completed, Completion, CompletionLevel, MemRegion, PeerCaps, ProbeContext,
@@ -42,7 +42,7 @@ use weft_provider::provider::{
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
-use weft_verbs::reliable::{self, Header, Link};
+use weft_verbs::reliable::{self, Header, Instant, Link};
 use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus};
 
 weft_provider::param!(MTU: Uint = "verbs", "UD_MTU", "2048",
@@ -648,13 +648,15 @@ impl VerbsUd {
         }
     }
 
-    /// A packet arrived in receive slot `i` (`n` bytes after the GRH).
-    fn on_recv(&mut self, i: u32, n: usize, now: Instant) {
+    /// A packet arrived in receive slot `i` (`n` bytes after the GRH). Returns the messages
+    /// delivered to `sink` at once (a whole message in one packet, next in order: straight
+    /// from the receive buffer); any other packet waits in its link for `drain`.
+    fn on_recv(&mut self, i: u32, n: usize, now: Instant, sink: &mut dyn Sink) -> usize {
         let mtu = self.cfg.mtu;
         let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
         if b.len() < PKT {
             self.stats.malformed += 1;
-            return;
+            return 0;
         }
         let (kind, flags, hlen) = (b[0], b[1], get_u16(&b[2..4]) as usize);
         let (src, psn, ack, total) = (
@@ -669,17 +671,33 @@ impl VerbsUd {
             || total as usize > MAX_PAYLOAD
         {
             self.stats.malformed += 1;
-            return;
+            return 0;
         }
         if self.peers[src as usize].failed {
-            return;
+            return 0;
         }
         self.stats.packets_recv += 1;
         let header = Header {
             psn: (kind == KIND_DATA).then_some(psn),
             ack,
         };
+        const WHOLE: u8 = F_FIRST | F_LAST;
+        if kind == KIND_DATA
+            && flags & (WHOLE | F_CTRL | F_PING) == WHOLE
+            && !self.peers[src as usize].rx.active
+            && self.link(src).on_next_in_order(now, header)
+        {
+            let body = &self.recv.buf(i)[GRH + PKT..GRH + n.min(mtu)];
+            if body.len() < hlen || body.len() - hlen != total as usize {
+                self.stats.malformed += 1;
+                return 0;
+            }
+            self.stats.am_recv += 1;
+            sink.am(src, &body[..hlen], &body[hlen..]);
+            return 1;
+        }
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
+        let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
         let spare = &mut self.spare;
         let payload = (kind == KIND_DATA).then(|| {
             let mut v = spare.pop().unwrap_or_default();
@@ -692,6 +710,7 @@ impl VerbsUd {
         });
         let link = self.link(src);
         link.on_packet(now, header, payload);
+        0
     }
 
     /// Deliver `r`'s packets that are next in order, and free the send slots it acknowledged.
@@ -1258,7 +1277,7 @@ impl Provider for VerbsUd {
                     K_RECV => {
                         if wc.status == WcStatus::Success {
                             let len = (wc.byte_len as usize).saturating_sub(GRH);
-                            self.on_recv(idx, len, now);
+                            events += self.on_recv(idx, len, now, sink);
                         }
                         self.repost.push(idx);
                     }

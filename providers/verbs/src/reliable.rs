@@ -36,7 +36,13 @@
 //! Sequence arithmetic is modulo 2^32; the window must be far smaller (it is at most 2^16).
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+/// The engine's clock: `quanta`'s, which reads the CPU's time-stamp counter where it is
+/// invariant (9.5 ns a read on the reference VM, against 22 ns for `std::time::Instant`'s
+/// `clock_gettime`) and the OS clock elsewhere. Every packet sent and every arrival reads
+/// it, so it is on the small-message path.
+pub use quanta::Instant;
 
 /// Tunables of a [`Link`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -362,6 +368,27 @@ impl<S, R> Link<S, R> {
         Arrival::Delivered(n)
     }
 
+    /// The fast path for a data packet that is next in order while nothing waits ahead of it
+    /// or for delivery: the link accounts for it (acknowledgement, sequence, liveness) exactly
+    /// as [`on_packet`](Self::on_packet) would, and the caller consumes its payload at once
+    /// instead of handing it over and taking it back from `poll_deliver` (no copy, no queue).
+    /// `false`, with nothing changed, for any other packet: the caller then uses `on_packet`.
+    #[inline]
+    pub fn on_next_in_order(&mut self, now: Instant, header: Header) -> bool {
+        if self.failed
+            || header.psn != Some(self.expected)
+            || !self.early.is_empty()
+            || !self.deliver.is_empty()
+        {
+            return false;
+        }
+        self.heard = now;
+        self.on_ack(now, header.ack, false);
+        self.expected = self.expected.wrapping_add(1);
+        self.note_pending(now);
+        true
+    }
+
     fn note_pending(&mut self, now: Instant) {
         self.ack_pending += 1;
         self.ack_since.get_or_insert(now);
@@ -556,6 +583,18 @@ mod tests {
     /// the virtual time it took and both links' counters; panics if anything arrives twice,
     /// out of order, altered, or not at all.
     fn run(seed: u64, n: u64, net: Net, cfg: Config, psn0: u32) -> (Duration, [Stats; 2]) {
+        run_with(seed, n, net, cfg, psn0, false)
+    }
+
+    /// `run`, the receivers taking every packet they can by `on_next_in_order` if `fast`.
+    fn run_with(
+        seed: u64,
+        n: u64,
+        net: Net,
+        cfg: Config,
+        psn0: u32,
+        fast: bool,
+    ) -> (Duration, [Stats; 2]) {
         let t0 = Instant::now();
         let mut now = t0;
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
@@ -566,6 +605,9 @@ mod tests {
         let mut next = [0u64; 2];
         let mut got = [0u64; 2];
         let mut freed = [0u64; 2];
+        // Payloads taken by the fast path: they precede whatever `poll_deliver` holds (the
+        // fast path takes a packet only while that is empty).
+        let mut direct: [std::collections::VecDeque<Vec<u8>>; 2] = Default::default();
         let mut wire: BinaryHeap<InFlight> = BinaryHeap::new();
         let mut order = 0u64;
         let limit = t0 + Duration::from_secs(3600);
@@ -596,7 +638,7 @@ mod tests {
                         });
                     }
                 }
-                while let Some(m) = links[s].poll_deliver() {
+                while let Some(m) = direct[s].pop_front().or_else(|| links[s].poll_deliver()) {
                     assert_eq!(
                         m,
                         message(got[s]),
@@ -629,7 +671,12 @@ mod tests {
             );
             while wire.peek().is_some_and(|p| p.at <= now) {
                 let p = wire.pop().unwrap();
-                links[p.to].on_packet(now, p.header, p.payload);
+                let link = &mut links[p.to];
+                if fast && p.payload.is_some() && link.on_next_in_order(now, p.header) {
+                    direct[p.to].extend(p.payload);
+                } else {
+                    link.on_packet(now, p.header, p.payload);
+                }
             }
             for l in &mut links {
                 l.on_timeout(now);
@@ -658,7 +705,15 @@ mod tests {
         {
             for seed in 0..4u64 {
                 let n = 40_000;
-                let (t, st) = run(seed + 10 * k as u64, n, lossy(loss), cfg, seed as u32);
+                // Odd seeds: the receivers take in-order packets by the fast path.
+                let (t, st) = run_with(
+                    seed + 10 * k as u64,
+                    n,
+                    lossy(loss),
+                    cfg,
+                    seed as u32,
+                    seed % 2 == 1,
+                );
                 total += 2 * n;
                 if loss == 0.0 {
                     // Reordering alone (jitter 4x the delay) makes a few spurious fast
@@ -840,7 +895,13 @@ mod tests {
                     }
                     Step::Land(s, i) if !wire[s].is_empty() => {
                         let (h, p) = wire[s].remove(i % wire[s].len());
-                        links[s].on_packet(now, h, p);
+                        // Half the cases take what they can by the fast path.
+                        if psn0 % 2 == 1 && p.is_some() && links[s].on_next_in_order(now, h) {
+                            prop_assert_eq!(p.unwrap(), message(got[s]));
+                            got[s] += 1;
+                        } else {
+                            links[s].on_packet(now, h, p);
+                        }
                     }
                     Step::Drop(s, i) if !wire[s].is_empty() => {
                         let k = i % wire[s].len();

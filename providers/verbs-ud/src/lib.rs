@@ -648,9 +648,10 @@ impl VerbsUd {
         }
     }
 
-    /// A packet arrived in receive slot `i` (`n` bytes after the GRH). Returns the messages
-    /// delivered to `sink` at once (a whole message in one packet, next in order: straight
-    /// from the receive buffer); any other packet waits in its link for `drain`.
+    /// A packet arrived in receive slot `i` (`n` bytes after the GRH). A data packet next in
+    /// order, with nothing kept ahead of it, is assembled straight from the receive buffer
+    /// (returns the messages that delivers to `sink`); any other packet is copied into its
+    /// link to wait for `drain`.
     fn on_recv(&mut self, i: u32, n: usize, now: Instant, sink: &mut dyn Sink) -> usize {
         let mtu = self.cfg.mtu;
         let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
@@ -681,20 +682,19 @@ impl VerbsUd {
             psn: (kind == KIND_DATA).then_some(psn),
             ack,
         };
-        const WHOLE: u8 = F_FIRST | F_LAST;
-        if kind == KIND_DATA
-            && flags & (WHOLE | F_CTRL | F_PING) == WHOLE
-            && !self.peers[src as usize].rx.active
-            && self.link(src).on_next_in_order(now, header)
-        {
+        if kind == KIND_DATA && self.link(src).on_next_in_order(now, header) {
+            // Next in order with nothing waiting: straight from the receive buffer (what
+            // `drain` does with a packet the link kept).
             let body = &self.recv.buf(i)[GRH + PKT..GRH + n.min(mtu)];
-            if body.len() < hlen || body.len() - hlen != total as usize {
-                self.stats.malformed += 1;
+            if flags & F_CTRL != 0 {
+                self.zin.push((src, body.to_vec()));
                 return 0;
             }
-            self.stats.am_recv += 1;
-            sink.am(src, &body[..hlen], &body[hlen..]);
-            return 1;
+            if flags & F_PING != 0 {
+                return 0;
+            }
+            let rx = &mut self.peers[src as usize].rx;
+            return Self::assemble(rx, &mut self.stats, src, flags, hlen, total, body, sink);
         }
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
         let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
@@ -728,7 +728,17 @@ impl VerbsUd {
             if flags & F_CTRL != 0 {
                 self.zin.push((r, p[7..].to_vec()));
             } else if flags & F_PING == 0 {
-                n += self.assemble(r, flags, hlen, total, &p[7..], sink);
+                let p_ = &mut self.peers[i];
+                n += Self::assemble(
+                    &mut p_.rx,
+                    &mut self.stats,
+                    r,
+                    flags,
+                    hlen,
+                    total,
+                    &p[7..],
+                    sink,
+                );
             }
             // The packet's buffer serves a later arrival (no allocation per packet).
             if self.spare.len() < SPARE {
@@ -744,8 +754,10 @@ impl VerbsUd {
 
     /// Put `r`'s next packet in order (`body`, with its flags and lengths) into the message
     /// being assembled; deliver a message it completes. Returns the messages delivered.
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
-        &mut self,
+        rx: &mut Rx,
+        stats: &mut Stats,
         r: Rank,
         flags: u8,
         hlen: usize,
@@ -753,20 +765,18 @@ impl VerbsUd {
         body: &[u8],
         sink: &mut dyn Sink,
     ) -> usize {
-        let i = r as usize;
-        let rx = &mut self.peers[i].rx;
         if flags & F_FIRST != 0 {
             if body.len() < hlen || rx.active {
-                self.stats.malformed += 1;
+                stats.malformed += 1;
                 rx.active = false;
                 return 0;
             }
             if flags & F_LAST != 0 {
                 if body.len() - hlen != total as usize {
-                    self.stats.malformed += 1;
+                    stats.malformed += 1;
                     return 0;
                 }
-                self.stats.am_recv += 1;
+                stats.am_recv += 1;
                 sink.am(r, &body[..hlen], &body[hlen..]);
                 return 1;
             }
@@ -778,25 +788,23 @@ impl VerbsUd {
             return 0;
         }
         if !rx.active {
-            self.stats.malformed += 1;
+            stats.malformed += 1;
             return 0;
         }
         rx.data.extend_from_slice(body);
         if rx.data.len() > rx.hlen + rx.total {
-            self.stats.malformed += 1;
+            stats.malformed += 1;
             rx.active = false;
             return 0;
         }
         if flags & F_LAST != 0 {
             rx.active = false;
             if rx.data.len() != rx.hlen + rx.total {
-                self.stats.malformed += 1;
+                stats.malformed += 1;
                 return 0;
             }
-            let data = std::mem::take(&mut rx.data);
-            self.stats.am_recv += 1;
-            sink.am(r, &data[..rx.hlen], &data[rx.hlen..]);
-            self.peers[i].rx.data = data;
+            stats.am_recv += 1;
+            sink.am(r, &rx.data[..rx.hlen], &rx.data[rx.hlen..]);
             return 1;
         }
         0
@@ -1349,9 +1357,8 @@ impl Provider for VerbsUd {
         for &r in &active {
             events += self.drain(r, sink);
             let link = self.peers[r as usize].link.as_mut().expect("active");
-            if link.next_timeout().is_some_and(|t| t <= now) {
-                link.on_timeout(now);
-            }
+            // Checks its own timers (cheaper than asking for the next one first).
+            link.on_timeout(now);
             if link.failed() && !self.peers[r as usize].failed {
                 let why = format!(
                     "no acknowledgement for {} s",

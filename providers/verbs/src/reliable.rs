@@ -64,13 +64,15 @@ pub struct Config {
 
 impl Default for Config {
     /// UD defaults for one host or a cluster: a 256-packet window; 10 ms timeout until the
-    /// round trip is measured (UCX's tick), then the measured one, at least 1 ms, backing off
-    /// to 1 s; acknowledgements within 100 µs; 30 s of silence (UCX ud).
+    /// round trip is measured (UCX's tick), then the measured one, at least 200 µs (a loss
+    /// on one host or one switch waits no longer than that: with 1 ms, 1 MiB bandwidth under
+    /// 1 % loss was 2330 MB/s against 2740), backing off to 1 s; acknowledgements within
+    /// 100 µs; 30 s of silence (UCX ud).
     fn default() -> Config {
         Config {
             window: 256,
             rto: Duration::from_millis(10),
-            rto_min: Duration::from_millis(1),
+            rto_min: Duration::from_micros(200),
             rto_max: Duration::from_secs(1),
             ack_delay: Duration::from_micros(100),
             peer_timeout: Duration::from_secs(30),
@@ -347,7 +349,10 @@ impl<S, R> Link<S, R> {
             }
             self.early[i] = Some(payload);
             self.stats.kept += 1;
-            // A gap: tell the sender now (its fast retransmit counts these).
+            // A gap: tell the sender now (its fast retransmit counts these). Every time: sending
+            // only the first three cut pure acknowledgements by 85 % under 1 % loss but left
+            // more losses to the retransmission timer (853 timeouts against 517), and 1 MiB
+            // bandwidth fell from 2690 to 2040 MB/s.
             self.ack_now = true;
             self.note_pending(now);
             return Arrival::Kept;
@@ -474,9 +479,10 @@ impl<S, R> Link<S, R> {
         [rto, ack, silence].into_iter().flatten().min()
     }
 
-    /// The time has come (or passed): retransmit the oldest packet if its timer ran out, and
-    /// fail the peer if it has been silent too long. Delayed acknowledgements become due
-    /// by themselves (`poll_transmit`).
+    /// Check the timers at `now` (at any time: nothing happens unless one ran out; the
+    /// simulated-link tests call it after every event): retransmit the oldest packet if its
+    /// timer ran out, and fail the peer if it has been silent too long. Delayed
+    /// acknowledgements become due by themselves (`poll_transmit`).
     pub fn on_timeout(&mut self, now: Instant) {
         if self.failed {
             return;

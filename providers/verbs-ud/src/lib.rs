@@ -728,9 +728,8 @@ impl VerbsUd {
             if flags & F_CTRL != 0 {
                 self.zin.push((r, p[7..].to_vec()));
             } else if flags & F_PING == 0 {
-                let p_ = &mut self.peers[i];
                 n += Self::assemble(
-                    &mut p_.rx,
+                    &mut self.peers[i].rx,
                     &mut self.stats,
                     r,
                     flags,

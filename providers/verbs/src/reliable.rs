@@ -350,9 +350,8 @@ impl<S, R> Link<S, R> {
             self.early[i] = Some(payload);
             self.stats.kept += 1;
             // A gap: tell the sender now (its fast retransmit counts these). Every time: sending
-            // only the first three cut pure acknowledgements by 85 % under 1 % loss but left
-            // more losses to the retransmission timer (853 timeouts against 517), and 1 MiB
-            // bandwidth fell from 2690 to 2040 MB/s.
+            // only the first three per gap cut pure acknowledgements by 85 % under 1 % loss,
+            // but 1 MiB bandwidth fell (3902 to 3763 MB/s, alternated runs).
             self.ack_now = true;
             self.note_pending(now);
             return Arrival::Kept;
@@ -370,6 +369,10 @@ impl<S, R> Link<S, R> {
             n += 1;
         }
         self.note_pending(now);
+        if n > 1 {
+            // A gap filled: the sender learns at once (its window was held behind the gap).
+            self.ack_now = true;
+        }
         Arrival::Delivered(n)
     }
 
@@ -843,6 +846,35 @@ mod tests {
         let due = b.next_timeout().unwrap();
         assert_eq!(due, t0 + cfg.ack_delay);
         assert_eq!(b.poll_transmit(due).unwrap().header.ack, 5);
+    }
+
+    /// The packet that fills a gap is acknowledged at once, with everything kept behind it:
+    /// the sender's window is held by the packets behind the gap until it learns. (Left to
+    /// the delayed rule, 1 MiB bandwidth under 1 % loss was 2773 MB/s against 3964.)
+    #[test]
+    fn a_filled_gap_is_acknowledged_at_once() {
+        let cfg = Config::default();
+        let t0 = Instant::now();
+        let mut a: L = Link::new(cfg, t0, 0, 0);
+        let mut b: L = Link::new(cfg, t0, 0, 0);
+        for i in 0..3 {
+            a.send(vec![i]).unwrap();
+        }
+        let mut sent = vec![];
+        while let Some(tx) = a.poll_transmit(t0) {
+            sent.push((tx.header, tx.payload.cloned()));
+        }
+        // Packet 0 is late: 1 and 2 are kept, each acknowledged at once (ack 0).
+        for (h, p) in sent.drain(1..) {
+            b.on_packet(t0, h, p);
+            assert_eq!(b.poll_transmit(t0).expect("a gap").header.ack, 0);
+        }
+        let (h, p) = sent.pop().unwrap();
+        b.on_packet(t0, h, p);
+        let ack = b
+            .poll_transmit(t0)
+            .expect("the gap filled: acknowledged at once");
+        assert_eq!(ack.header, Header { psn: None, ack: 3 });
     }
 
     #[derive(Debug, Clone)]

@@ -220,6 +220,14 @@ impl Config {
     }
 }
 
+/// The fields of a data packet's header that assembly needs.
+#[derive(Clone, Copy)]
+struct Head {
+    flags: u8,
+    hlen: usize,
+    total: u32,
+}
+
 /// A message being put together from its packets (they arrive in order).
 #[derive(Default)]
 struct Rx {
@@ -686,15 +694,9 @@ impl VerbsUd {
             // Next in order with nothing waiting: straight from the receive buffer (what
             // `drain` does with a packet the link kept).
             let body = &self.recv.buf(i)[GRH + PKT..GRH + n.min(mtu)];
-            if flags & F_CTRL != 0 {
-                self.zin.push((src, body.to_vec()));
-                return 0;
-            }
-            if flags & F_PING != 0 {
-                return 0;
-            }
+            let head = Head { flags, hlen, total };
             let rx = &mut self.peers[src as usize].rx;
-            return Self::assemble(rx, &mut self.stats, src, flags, hlen, total, body, sink);
+            return Self::take(rx, &mut self.zin, &mut self.stats, src, head, body, sink);
         }
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
         let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
@@ -724,21 +726,13 @@ impl VerbsUd {
             let Some(p) = link.poll_deliver() else {
                 break;
             };
-            let (flags, hlen, total) = (p[0], get_u16(&p[1..3]) as usize, get_u32(&p[3..7]));
-            if flags & F_CTRL != 0 {
-                self.zin.push((r, p[7..].to_vec()));
-            } else if flags & F_PING == 0 {
-                n += Self::assemble(
-                    &mut self.peers[i].rx,
-                    &mut self.stats,
-                    r,
-                    flags,
-                    hlen,
-                    total,
-                    &p[7..],
-                    sink,
-                );
-            }
+            let head = Head {
+                flags: p[0],
+                hlen: get_u16(&p[1..3]) as usize,
+                total: get_u32(&p[3..7]),
+            };
+            let rx = &mut self.peers[i].rx;
+            n += Self::take(rx, &mut self.zin, &mut self.stats, r, head, &p[7..], sink);
             // The packet's buffer serves a later arrival (no allocation per packet).
             if self.spare.len() < SPARE {
                 self.spare.push(p);
@@ -751,19 +745,41 @@ impl VerbsUd {
         n
     }
 
+    /// `r`'s next data packet in order, from the receive buffer or from its link: a
+    /// zero-copy control message waits in `zin`, a probe is dropped, anything else goes to
+    /// the message being assembled. Returns the messages delivered to `sink`. Inlined: out of
+    /// line it cost 8-byte latency 0.03 µs (0.52 against 0.49, alternated runs).
+    #[inline]
+    fn take(
+        rx: &mut Rx,
+        zin: &mut Vec<(Rank, Vec<u8>)>,
+        stats: &mut Stats,
+        r: Rank,
+        head: Head,
+        body: &[u8],
+        sink: &mut dyn Sink,
+    ) -> usize {
+        if head.flags & F_CTRL != 0 {
+            zin.push((r, body.to_vec()));
+            0
+        } else if head.flags & F_PING != 0 {
+            0
+        } else {
+            Self::assemble(rx, stats, r, head, body, sink)
+        }
+    }
+
     /// Put `r`'s next packet in order (`body`, with its flags and lengths) into the message
     /// being assembled; deliver a message it completes. Returns the messages delivered.
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
         rx: &mut Rx,
         stats: &mut Stats,
         r: Rank,
-        flags: u8,
-        hlen: usize,
-        total: u32,
+        head: Head,
         body: &[u8],
         sink: &mut dyn Sink,
     ) -> usize {
+        let Head { flags, hlen, total } = head;
         if flags & F_FIRST != 0 {
             if body.len() < hlen || rx.active {
                 stats.malformed += 1;

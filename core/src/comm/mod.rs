@@ -511,8 +511,14 @@ impl<P: Provider> Comm<P> {
         src: impl Into<Source>,
         tag: impl Into<TagSel>,
     ) -> Result<Status> {
-        let p = self.post_recv(bytes_of_mut(buf), src.into(), tag.into(), self.ctx, 0)?;
-        self.complete(p)
+        let s = self.source(src.into())?;
+        let t = Self::tag_sel(tag.into())?;
+        let r = self
+            .sh
+            .engine
+            .borrow_mut()
+            .recv_now(s, self.ctx, t, bytes_of_mut(buf));
+        self.finish(r)
     }
 
     /// Send `count` instances of `dt` from `buf` (offsets relative to `buf`'s start).
@@ -748,6 +754,13 @@ impl<P: Provider> Comm<P> {
     /// The provider's own named counters ([`Provider::counters`]): what it carried, by path.
     pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
         self.sh.engine.borrow().p.counters()
+    }
+
+    /// Blocking receives of this rank that took the lean path (posted without a request and
+    /// completed by an eager message), and those that became ordinary requests on the way (a
+    /// rendezvous matched them, another receive was posted, a peer failed): diagnostics.
+    pub fn lean_receives(&self) -> (u64, u64) {
+        self.sh.engine.borrow().st.p2p.slot_counts()
     }
 
     /// Peers the core asked the provider to connect to, and connections the provider reported

@@ -18,7 +18,7 @@ pub(crate) use config::oversubscribed;
 pub use config::EngineConfig;
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
-use crate::p2p::{self, P2pConfig, P2pState, Posted, RecvBuf, SendBuf};
+use crate::p2p::{self, Layout, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
 use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
@@ -380,6 +380,73 @@ impl<P: Provider> Engine<P> {
             }
         }
         self.wait_long(id)
+    }
+
+    /// A blocking receive into `buf` (`Comm::recv`, which holds the buffer's unique borrow for
+    /// the whole call): through the slot (p2p/slot.rs) when nothing unexpected is queued, the
+    /// provider does not match tags itself and the source has not failed; otherwise posted and
+    /// waited for as a request.
+    pub(crate) fn recv_now(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+        buf: RecvBuf,
+    ) -> Result<Status> {
+        let st = &mut self.st;
+        let lean = !st.am.caps.tagged
+            && st.p2p.slot_usable(ctx, src, tag)
+            && matches!(buf.layout, Layout::Contig)
+            && src.is_none_or(|s| st.am.alive(s));
+        if !lean {
+            return match self.irecv(src, ctx, tag, buf, 0)? {
+                Posted::Done(r) => r,
+                Posted::Pending(id) => self.wait(id),
+            };
+        }
+        // SAFETY: `buf` is the caller's buffer, borrowed for this whole call; every way out of
+        // this function takes the slot (`slot_result`, `slot_abort`), which withdraws a receive
+        // still armed or hands a demoted one to `wait`/`quarantine`, the request rules.
+        unsafe { st.p2p.arm(ctx, src, tag, buf.base, buf.cap) };
+        for _ in 0..FAST_ROUNDS {
+            if !self.st.p2p.slot_armed() {
+                return self.slot_result();
+            }
+            if let Err(e) = self.progress() {
+                return self.slot_abort(e);
+            }
+        }
+        match self.wait_until("a receive", |e| !e.st.p2p.slot_armed()) {
+            Ok(()) => self.slot_result(),
+            Err(e) => self.slot_abort(e),
+        }
+    }
+
+    /// The blocking receive's outcome once its slot is no longer armed.
+    #[inline]
+    fn slot_result(&mut self) -> Result<Status> {
+        match self.st.p2p.take_slot() {
+            Slot::Done(r) => r,
+            Slot::Demoted(id) => self.wait(id),
+            Slot::Idle | Slot::Armed(_) => Err(Error::invalid(
+                "internal: a blocking receive's slot was taken while armed",
+            )),
+        }
+    }
+
+    /// The wait for a blocking receive failed with `e`: withdraw it (armed) or quarantine the
+    /// request it became, so that nothing writes into the buffer once this returns.
+    #[inline(never)]
+    fn slot_abort(&mut self, e: Error) -> Result<Status> {
+        match self.st.p2p.take_slot() {
+            // It completed before the wait gave up: the receive happened.
+            Slot::Done(r) => r,
+            Slot::Demoted(id) => {
+                self.quarantine(id, Some(&e));
+                Err(e)
+            }
+            Slot::Idle | Slot::Armed(_) => Err(e),
+        }
     }
 
     #[inline(never)]

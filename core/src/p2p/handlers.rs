@@ -67,7 +67,12 @@ impl P2pState {
         sreq: Option<u64>,
         payload: &[u8],
     ) {
-        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+        let posted = if self.matcher.posted_len() == 0 {
+            None
+        } else {
+            self.matcher.take_posted(ctx, src, tag)
+        };
+        if let Some(id) = posted {
             let no_wkeys = self.wkeys.is_empty();
             if let Some(Req {
                 kind: Kind::Recv(r),
@@ -91,7 +96,7 @@ impl P2pState {
                 h.u64(s);
                 am.push_ctrl(src, h);
             }
-        } else {
+        } else if !self.eager_into_slot(am, src, ctx, tag, sreq, payload) {
             let mut data = am.spare_buf();
             data.extend_from_slice(payload);
             self.unexpected_bytes += data.len();
@@ -114,7 +119,11 @@ impl P2pState {
         } else {
             None
         };
-        if let Some(id) = self.matcher.take_posted(ctx, src, tag) {
+        let id = self
+            .matcher
+            .take_posted(ctx, src, tag)
+            .or_else(|| self.slot_for_match(ctx, src, tag));
+        if let Some(id) = id {
             self.start_rndv(am, id, src, tag, total, sreq, remote);
         } else {
             self.matcher.add_unexpected(

@@ -42,9 +42,11 @@ pub(crate) mod buf;
 mod handlers;
 mod recv;
 mod send;
+mod slot;
 mod spec;
 
 pub(crate) use buf::{Layout, RecvBuf, SendBuf};
+pub(crate) use slot::Slot;
 
 use crate::am::mr_cache::MrRef;
 use crate::am::outbox::Deferred;
@@ -339,6 +341,11 @@ pub(crate) struct P2pState {
     /// (`Caps::mr_local`), released when the request is removed. Kept beside the requests, not
     /// in them, so that requests stay small for every other provider.
     locals: hashbrown::HashMap<ReqId, (MrDesc, MrRef)>,
+    /// A blocking receive posted without a request (slot.rs), and how many completed there
+    /// and how many became requests.
+    slot: slot::Slot,
+    slot_done: u64,
+    slot_demoted: u64,
 }
 
 #[inline]
@@ -401,6 +408,9 @@ impl P2pState {
             deregs: Vec::new(),
             parked: Default::default(),
             locals: Default::default(),
+            slot: slot::Slot::Idle,
+            slot_done: 0,
+            slot_demoted: 0,
         }
     }
 
@@ -828,6 +838,8 @@ impl P2pState {
     /// `rank` failed (noted in `am`): every request that depends on it fails, and what is held
     /// for it is released.
     pub(crate) fn peer_failed(&mut self, am: &AmState, rank: Rank) {
+        // A blocking receive in the slot is failed (or not) by the rules below, as a request.
+        self.demote_slot();
         let reason = am.peer_failure(rank).unwrap_or("failed");
         self.spec_rx.retain(|e| e.0 != rank);
         // Speculative data staged from it that will never be complete: release it and its

@@ -26,6 +26,9 @@ impl P2pState {
         buf: RecvBuf,
         scope: u64,
     ) -> Result<Posted> {
+        // A blocking receive in the slot was posted first: it takes its place in the matcher
+        // before this one does.
+        self.demote_slot();
         // A failed source can still have sent messages that arrived before it failed: they
         // match as usual; only a receive nothing can satisfy fails.
         let dead = match src {

@@ -63,7 +63,11 @@ impl P2pState {
         total: usize,
         sreq: u64,
     ) -> bool {
-        let Some(id) = self.matcher.take_posted(ctx, src, tag) else {
+        let Some(id) = self
+            .matcher
+            .take_posted(ctx, src, tag)
+            .or_else(|| self.slot_for_match(ctx, src, tag))
+        else {
             return false;
         };
         if let Some(Req {

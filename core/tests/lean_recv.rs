@@ -1,0 +1,226 @@
+//! The lean receive path (core/src/p2p/slot.rs): a blocking `recv` posted without a request.
+//!
+//! Each case makes the message arrive while the receive is already posted: the receiver sends
+//! "go" and then calls `recv`; loopback delivers only inside the receiver's own progress, which
+//! runs in `recv` after the posting. `Comm::lean_receives` then proves which path was taken, so
+//! a case cannot pass on the general path by accident.
+
+use std::time::Duration;
+use weft::{Comm, ErrorKind, Provider, ANY_SOURCE, ANY_TAG};
+use weft_testing::{self as testing, Options};
+
+const GO: i32 = 99;
+
+fn go<P: Provider>(c: &Comm<P>, to: u32) {
+    c.send(&[1u8], to, GO).unwrap();
+}
+
+fn wait_go<P: Provider>(c: &Comm<P>, from: u32) {
+    let mut b = [0u8; 1];
+    c.recv(&mut b, from, GO).unwrap();
+}
+
+#[test]
+fn an_eager_message_completes_the_slot() {
+    testing::world(2, |c| {
+        if c.rank() == 0 {
+            let before = c.lean_receives();
+            let mut buf = [0u8; 64];
+            go(c, 1);
+            let st = c.recv(&mut buf, 1, 5).unwrap();
+            assert_eq!((st.source, st.tag, st.bytes), (1, 5, 40));
+            assert_eq!(&buf[..40], &[0x5Au8; 40]);
+            assert_eq!(&buf[40..], &[0u8; 24], "nothing past the message");
+            let after = c.lean_receives();
+            assert_eq!(after.0, before.0 + 1, "completed in the slot");
+            assert_eq!(after.1, before.1, "not demoted");
+        } else {
+            wait_go(c, 0);
+            c.send(&[0x5Au8; 40], 0, 5).unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_truncating_message_writes_the_prefix_only() {
+    testing::world(2, |c| {
+        if c.rank() == 0 {
+            let mut arena = [0u8; 32];
+            go(c, 1);
+            let e = c.recv(&mut arena[..16], 1, 5).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Truncated, "{e}");
+            assert_eq!(&arena[..16], &[7u8; 16]);
+            assert_eq!(
+                &arena[16..],
+                &[0u8; 16],
+                "a byte past the buffer was written"
+            );
+            assert_eq!(c.lean_receives(), (1, 0), "completed in the slot");
+        } else {
+            wait_go(c, 0);
+            c.send(&[7u8; 24], 0, 5).unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_synchronous_send_is_acknowledged_from_the_slot() {
+    testing::world(2, |c| {
+        if c.rank() == 0 {
+            let mut buf = [0u8; 8];
+            go(c, 1);
+            c.recv(&mut buf, 1, 5).unwrap();
+            assert_eq!(buf, [3u8; 8]);
+            assert_eq!(c.lean_receives(), (1, 0));
+        } else {
+            wait_go(c, 0);
+            // Completes only once rank 0 matched it: the slot must acknowledge.
+            c.ssend(&[3u8; 8], 0, 5).unwrap();
+        }
+    });
+}
+
+#[test]
+fn wildcards_match_in_the_slot() {
+    testing::world(3, |c| {
+        if c.rank() == 0 {
+            let mut buf = [0u8; 4];
+            go(c, 2);
+            let st = c.recv(&mut buf, ANY_SOURCE, ANY_TAG).unwrap();
+            assert_eq!((st.source, st.tag, buf), (2, 11, [2u8; 4]));
+            // A wildcard on one field only: the other must still match.
+            go(c, 1);
+            let st = c.recv(&mut buf, 1, ANY_TAG).unwrap();
+            assert_eq!((st.source, st.tag, buf), (1, 12, [1u8; 4]));
+            assert_eq!(c.lean_receives(), (2, 0));
+        } else if c.rank() == 2 {
+            wait_go(c, 0);
+            c.send(&[2u8; 4], 0, 11).unwrap();
+        } else {
+            wait_go(c, 0);
+            c.send(&[1u8; 4], 0, 12).unwrap();
+        }
+    });
+}
+
+/// A message that matches both an earlier nonblocking receive and the blocking one goes to the
+/// earlier one (MPI's order), the next one to the slot.
+#[test]
+fn an_earlier_posted_receive_matches_first() {
+    testing::world(2, |c| {
+        if c.rank() == 0 {
+            let mut first = [0u8; 4];
+            let mut second = [0u8; 4];
+            c.scope(|s| {
+                let r = c.irecv(s, &mut first, 1, 5).unwrap();
+                go(c, 1);
+                c.recv(&mut second, 1, 5).unwrap();
+                r.wait().unwrap();
+            });
+            assert_eq!((first, second), ([1u8; 4], [2u8; 4]));
+            assert_eq!(c.lean_receives(), (1, 0), "the second message only");
+        } else {
+            wait_go(c, 0);
+            c.send(&[1u8; 4], 0, 5).unwrap();
+            c.send(&[2u8; 4], 0, 5).unwrap();
+        }
+    });
+}
+
+/// A rendezvous message matches the slot: the receive becomes a request and completes as one.
+#[test]
+fn a_rendezvous_message_demotes_the_slot() {
+    let n = 1 << 20;
+    testing::world(2, |c| {
+        if c.rank() == 0 {
+            let mut buf = vec![0u8; n + 8];
+            go(c, 1);
+            let st = c.recv(&mut buf, 1, 5).unwrap();
+            assert_eq!(st.bytes, n);
+            assert!(buf[..n].iter().enumerate().all(|(i, &b)| b == i as u8));
+            assert_eq!(&buf[n..], &[0u8; 8]);
+            assert_eq!(c.lean_receives(), (0, 1), "demoted by the rendezvous");
+        } else {
+            let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            wait_go(c, 0);
+            c.send(&data, 0, 5).unwrap();
+        }
+    });
+}
+
+/// The peer a blocking receive waits for dies: the receive fails with the peer, as a request
+/// does.
+#[test]
+fn a_failed_source_fails_the_slot() {
+    use weft::bootstrap::InProcessJob;
+    use weft_loopback::{Loopback, LoopbackConfig};
+    let job = InProcessJob::new(2, Duration::from_secs(30));
+    let engine = weft::EngineConfig {
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                let (job, engine) = (job.clone(), engine.clone());
+                s.spawn(move || {
+                    let mut b = job.rank(r);
+                    let p = Loopback::open_with(&mut b, &LoopbackConfig::default()).unwrap();
+                    let w = weft::World::from_parts(p, Box::new(b), engine).unwrap();
+                    if r == 0 {
+                        let mut buf = [0u8; 8];
+                        go(&w, 1);
+                        let e = w.recv(&mut buf, 1, 5).unwrap_err();
+                        assert_eq!(e.kind(), ErrorKind::PeerFailed, "{e}");
+                        assert_eq!(w.lean_receives(), (0, 1), "demoted by the failure");
+                    } else {
+                        wait_go(&w, 0);
+                        // Rank 1 disappears without finalizing.
+                        drop(w);
+                    }
+                })
+            })
+            .collect();
+        for r in ranks {
+            r.join().unwrap();
+        }
+    });
+}
+
+/// A blocking receive whose wait times out is withdrawn: a message arriving later goes to the
+/// unexpected queue, not into the buffer the caller has back.
+#[test]
+fn a_timed_out_slot_is_withdrawn() {
+    let o = Options {
+        timeout: Duration::from_millis(300),
+        ..Options::default()
+    };
+    // Rank 1 waits outside weft (its own waits would time out too).
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (tx, rx) = (std::sync::Mutex::new(tx), std::sync::Mutex::new(rx));
+    testing::world_with(2, &o, |c| {
+        if c.rank() == 0 {
+            let mut arena = [0u8; 16];
+            let e = c.recv(&mut arena, 1, 5).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+            assert_eq!(
+                c.lean_receives(),
+                (0, 0),
+                "withdrawn, neither done nor demoted"
+            );
+            arena.fill(0xAB);
+            tx.lock().unwrap().send(()).unwrap();
+            // The late message is there to be received, and only when asked for.
+            let mut other = [0u8; 16];
+            c.recv(&mut other, 1, 5).unwrap();
+            assert_eq!(other, [9u8; 16]);
+            assert_eq!(arena, [0xABu8; 16], "a late write into a returned buffer");
+        } else {
+            rx.lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(60))
+                .expect("rank 0 did not time out");
+            c.send(&[9u8; 16], 0, 5).unwrap();
+        }
+    });
+}

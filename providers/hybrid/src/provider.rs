@@ -234,9 +234,42 @@ pub struct Hybrid {
     stats: bool,
     /// Some RC connection was made: RC's queues are polled from then on.
     rc_active: bool,
+    /// Progress calls since UD last delivered something or was handed work (a send, a
+    /// zero-copy transfer, a registration, a connection). Once RC is up, a UD quiet for
+    /// `UD_QUIET` calls is polled on every `UD_EVERY`-th call only (see `progress`).
+    ud_quiet: u32,
 }
 
+/// Calls a quiet UD keeps being polled on every progress call.
+const UD_QUIET: u32 = 256;
+/// Beyond them, UD is polled on every this many calls.
+const UD_EVERY: u32 = 16;
+
 impl Hybrid {
+    /// What a progress call brought besides messages for the core: control messages, closing
+    /// connections, the budget's actions, changed capabilities (out of line: most calls have
+    /// none).
+    #[inline(never)]
+    fn after_progress(&mut self, sink: &mut dyn Sink) -> Result<()> {
+        for (src, c, seq) in std::mem::take(&mut self.ctrl_in) {
+            if c == Ctrl::Closed {
+                self.closed_at.retain(|&(r, _)| r != src);
+                self.closed_at.push((src, seq));
+            }
+            self.budget.on_ctrl(src, c, &mut self.actions);
+        }
+        if !self.draining.is_empty() || !self.teardown.is_empty() {
+            self.closing()?;
+        }
+        if !self.actions.is_empty() || !self.ctrl_out.is_empty() {
+            self.run_actions()?;
+        }
+        for p in std::mem::take(&mut self.caps_changed) {
+            sink.connection(p, ConnEvent::CapsChanged);
+        }
+        Ok(())
+    }
+
     fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<Hybrid> {
         let (rank, size) = (boot.rank(), boot.size());
         let (_, ud_upto) = cfg.job(size)?;
@@ -300,6 +333,7 @@ impl Hybrid {
             totals: Totals::default(),
             stats: cfg.stats,
             rc_active: false,
+            ud_quiet: 0,
         })
     }
 
@@ -461,6 +495,7 @@ impl Hybrid {
             } else {
                 2
             };
+            self.ud_quiet = 0;
             match self.ud.am_send(p, &m[..len], &[]) {
                 Ok(SendOutcome::Sent) => {
                     self.totals.ctrl_sent += 1;
@@ -677,6 +712,7 @@ impl Provider for Hybrid {
                 self.totals.rc_fallback += 1;
             }
             used = Channel::UdSr;
+            self.ud_quiet = 0;
             out = self.ud.am_send(dest, &hdr, payload)?;
         }
         if out == SendOutcome::Sent {
@@ -704,7 +740,24 @@ impl Provider for Hybrid {
                 ctrl_in: &mut self.ctrl_in,
                 held: &mut held,
             };
-            let n = self.ud.progress(&mut up)?;
+            // Once RC carries the busy peers, UD mostly carries nothing: polling it on every
+            // call doubled the cost of an idle progress call (two completion queues) and
+            // showed in RC's small-message latency. A UD that delivered nothing and was given
+            // nothing for UD_QUIET calls is polled on every UD_EVERY-th call, which delays a
+            // first message over UD by at most that many calls; its timers (retransmission,
+            // acknowledgements, keepalives) run on its polls, with their margins in time.
+            let poll_ud =
+                !self.rc_active || self.ud_quiet < UD_QUIET || self.ud_quiet % UD_EVERY == 0;
+            let n = if poll_ud {
+                self.ud.progress(&mut up)?
+            } else {
+                0
+            };
+            self.ud_quiet = if n > 0 {
+                0
+            } else {
+                self.ud_quiet.saturating_add(1)
+            };
             // RC carries nothing until the budget has connected some peer (every agreement
             // goes over UD first): until then its queues are not polled.
             n + if self.rc_active {
@@ -714,21 +767,14 @@ impl Provider for Hybrid {
             }
         };
         self.totals.held += held;
-        for (src, c, seq) in std::mem::take(&mut self.ctrl_in) {
-            if c == Ctrl::Closed {
-                self.closed_at.retain(|&(r, _)| r != src);
-                self.closed_at.push((src, seq));
-            }
-            self.budget.on_ctrl(src, c, &mut self.actions);
-        }
-        if !self.draining.is_empty() || !self.teardown.is_empty() {
-            self.closing()?;
-        }
-        if !self.actions.is_empty() || !self.ctrl_out.is_empty() {
-            self.run_actions()?;
-        }
-        for p in std::mem::take(&mut self.caps_changed) {
-            sink.connection(p, ConnEvent::CapsChanged);
+        if !self.ctrl_in.is_empty()
+            || !self.draining.is_empty()
+            || !self.teardown.is_empty()
+            || !self.actions.is_empty()
+            || !self.ctrl_out.is_empty()
+            || !self.caps_changed.is_empty()
+        {
+            self.after_progress(sink)?;
         }
         Ok(n)
     }
@@ -778,6 +824,8 @@ impl Provider for Hybrid {
         if access.remote_write {
             // SAFETY: as above.
             let m = unsafe { self.ud.mr_register(base, len, access) }?;
+            // A zero-copy receive is posted: its pieces arrive over UD.
+            self.ud_quiet = 0;
             let (addr, key, desc) = (m.addr, m.key, m.desc << 32);
             return Ok(self.new_mr(
                 HMr {
@@ -874,6 +922,7 @@ impl Provider for Hybrid {
             // SAFETY: the caller's contract for `local` is passed on; only the descriptors
             // are narrowed to verbs-ud's.
             unsafe { self.ud.rma_write(dest, &pieces, remote, done) }?;
+            self.ud_quiet = 0;
             self.count(dest, Channel::UdZcopy, bytes as u64);
         } else {
             if !self.rc.rdma_open(dest) {
@@ -893,6 +942,7 @@ impl Provider for Hybrid {
     fn connect(&mut self, peer: Rank) -> Result<()> {
         let i = self.check_rank(peer)?;
         self.ud.connect(peer)?;
+        self.ud_quiet = 0;
         self.peers.get_mut(i);
         self.budget.touch(peer);
         Ok(())

@@ -4,8 +4,7 @@
 
 use super::buf::{Layout, RecvBuf};
 use super::{
-    recv_result, status, Kind, P2pState, Posted, RecvPhase, RecvReq, Req, Unexp, H_CTS, H_SACK,
-    H_WCTS,
+    recv_result, status, Kind, P2pState, Posted, RecvPhase, RecvReq, Req, Unexp, H_CTS, H_WCTS,
 };
 use crate::am::{AmState, Hdr, ReqId};
 use crate::matching::PostedHandle;
@@ -57,13 +56,8 @@ impl P2pState {
                     buf.write(0, &data[..n]);
                     let st = status(msrc, mtag, data.len());
                     self.unexpected_bytes -= data.len();
-                    self.eager_consumed(am, msrc, data.len());
+                    self.eager_matched(am, msrc, data.len(), sreq);
                     am.recycle(data);
-                    if let Some(s) = sreq {
-                        let mut h = Hdr::new(H_SACK);
-                        h.u64(s);
-                        am.push_ctrl(msrc, h);
-                    }
                     if !am.out.is_empty() {
                         self.flush(p, am)?;
                     }

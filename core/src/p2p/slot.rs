@@ -18,9 +18,9 @@
 //! while `Comm::recv` holds the buffer's unique borrow for the whole call.
 
 use super::{recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req};
-use crate::am::{AmState, Hdr, ReqId};
+use crate::am::{AmState, ReqId};
 use crate::matching::PostedHandle;
-use crate::p2p::{Layout, H_SACK};
+use crate::p2p::Layout;
 use crate::types::Rank;
 use crate::{Result, Status};
 
@@ -132,12 +132,7 @@ impl P2pState {
         unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), a.base, n) };
         self.slot = Slot::Done(recv_result(status(src, tag, payload.len()), a.cap));
         self.slot_done += 1;
-        self.eager_consumed(am, src, payload.len());
-        if let Some(s) = sreq {
-            let mut h = Hdr::new(H_SACK);
-            h.u64(s);
-            am.push_ctrl(src, h);
-        }
+        self.eager_matched(am, src, payload.len(), sreq);
         true
     }
 

@@ -383,9 +383,9 @@ impl<P: Provider> Engine<P> {
     }
 
     /// A blocking receive into `buf` (`Comm::recv`, which holds the buffer's unique borrow for
-    /// the whole call): through the slot (p2p/slot.rs) when nothing unexpected is queued, the
-    /// provider does not match tags itself and the source has not failed; otherwise posted and
-    /// waited for as a request.
+    /// the whole call): through the slot (p2p/slot.rs) when no unexpected message matches it,
+    /// the buffer is contiguous, the provider does not match tags itself and the source has not
+    /// failed; otherwise posted and waited for as a request.
     pub(crate) fn recv_now(
         &mut self,
         src: Option<Rank>,

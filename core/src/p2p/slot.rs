@@ -1,6 +1,6 @@
 //! The lean receive path: a blocking receive posted without a request.
 //!
-//! `Comm::recv` of a contiguous buffer, with nothing unexpected queued, arms the *slot*
+//! `Comm::recv` of a contiguous buffer that no unexpected message matches arms the *slot*
 //! instead of building a request in the slab and a node in the matching structures. A plain
 //! eager message that arrives for it is copied into the buffer by the arrival handler and the
 //! slot holds the result; the wait takes it from there. The slot is the newest posted receive

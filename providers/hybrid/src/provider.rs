@@ -741,7 +741,7 @@ impl Provider for Hybrid {
                 held: &mut held,
             };
             // Once RC carries the busy peers, UD mostly carries nothing: polling it on every
-            // call doubled the cost of an idle progress call (two completion queues) and
+            // call added a second completion-queue poll to every idle progress call, which
             // showed in RC's small-message latency. A UD that delivered nothing and was given
             // nothing for UD_QUIET calls is polled on every UD_EVERY-th call, which delays a
             // first message over UD by at most that many calls; its timers (retransmission,

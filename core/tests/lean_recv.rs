@@ -224,3 +224,86 @@ fn a_timed_out_slot_is_withdrawn() {
         }
     });
 }
+
+/// A one-rank provider that hands every active message back to its sender, and panics in
+/// `progress` when told to (a provider's bug).
+struct Echo {
+    caps: weft::provider::Caps,
+    held: Option<(Vec<u8>, Vec<u8>)>,
+    panic_next: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+impl Provider for Echo {
+    fn name(&self) -> &str {
+        "echo"
+    }
+    fn caps(&self) -> &weft::provider::Caps {
+        &self.caps
+    }
+    fn rank(&self) -> weft::Rank {
+        0
+    }
+    fn size(&self) -> u32 {
+        1
+    }
+    fn am_send(
+        &mut self,
+        _dest: weft::Rank,
+        header: &[u8],
+        payload: &[std::io::IoSlice<'_>],
+    ) -> weft::Result<weft::provider::SendOutcome> {
+        if self.held.is_some() {
+            return Ok(weft::provider::SendOutcome::Busy);
+        }
+        let p = payload.iter().flat_map(|s| s.iter().copied()).collect();
+        self.held = Some((header.to_vec(), p));
+        Ok(weft::provider::SendOutcome::Sent)
+    }
+    fn progress(&mut self, sink: &mut dyn weft::provider::Sink) -> weft::Result<usize> {
+        if self.panic_next.replace(false) {
+            panic!("the provider's bug");
+        }
+        match self.held.take() {
+            Some((h, p)) => {
+                sink.am(0, &h, &p);
+                Ok(1)
+            }
+            None => Ok(0),
+        }
+    }
+}
+
+/// A panic that unwinds out of a blocking receive (here the provider's) withdraws the slot:
+/// a message arriving afterwards must not be written into the buffer the caller has back.
+#[test]
+fn a_panic_during_the_wait_withdraws_the_slot() {
+    let job = weft::bootstrap::InProcessJob::new(1, Duration::from_secs(10));
+    let panic_next = std::rc::Rc::new(std::cell::Cell::new(false));
+    let p = Echo {
+        caps: weft::provider::Caps::am_only(64, 128, 4),
+        held: None,
+        panic_next: panic_next.clone(),
+    };
+    let w =
+        weft::World::from_parts(p, Box::new(job.rank(0)), weft::EngineConfig::default()).unwrap();
+    let mut arena = [0u8; 16];
+    panic_next.set(true);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        w.recv(&mut arena[..8], 0, 5)
+    }));
+    assert!(r.is_err(), "the provider's panic unwinds out of recv");
+    arena.fill(0xAB);
+    w.send(&[9u8; 8], 0, 5).unwrap();
+    for _ in 0..4 {
+        w.progress().unwrap();
+    }
+    assert_eq!(arena, [0xABu8; 16], "a late write into a returned buffer");
+    let mut other = [0u8; 8];
+    w.recv(&mut other, 0, 5).unwrap();
+    assert_eq!(other, [9u8; 8]);
+    assert_eq!(
+        w.lean_receives(),
+        (0, 0),
+        "the message went to the unexpected queue"
+    );
+}

@@ -405,9 +405,24 @@ impl<P: Provider> Engine<P> {
             };
         }
         // SAFETY: `buf` is the caller's buffer, borrowed for this whole call; every way out of
-        // this function takes the slot (`slot_result`, `slot_abort`), which withdraws a receive
-        // still armed or hands a demoted one to `wait`/`quarantine`, the request rules.
+        // this function takes the slot: a return through `slot_result` or `slot_abort` (which
+        // withdraw a receive still armed, or hand a demoted one to `wait`/`quarantine`, the
+        // request rules), and a panic unwinding out of the wait (a provider's bug) through
+        // `slot_unwound` before it goes on.
         unsafe { st.p2p.arm(ctx, src, tag, buf.base, buf.cap) };
+        // No cost on the way that does not panic (the unwinding tables are consulted only then).
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.slot_wait())) {
+            Ok(r) => r,
+            Err(panic) => {
+                self.slot_unwound();
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// Wait for the armed slot, then take its outcome.
+    #[inline]
+    fn slot_wait(&mut self) -> Result<Status> {
         for _ in 0..FAST_ROUNDS {
             if !self.st.p2p.slot_armed() {
                 return self.slot_result();
@@ -419,6 +434,14 @@ impl<P: Provider> Engine<P> {
         match self.wait_until("a receive", |e| !e.st.p2p.slot_armed()) {
             Ok(()) => self.slot_result(),
             Err(e) => self.slot_abort(e),
+        }
+    }
+
+    /// A panic unwinds out of a blocking receive: nothing may refer to its buffer afterwards.
+    #[cold]
+    fn slot_unwound(&mut self) {
+        if let Slot::Demoted(id) = self.st.p2p.take_slot() {
+            self.quarantine(id, None);
         }
     }
 

@@ -14,8 +14,10 @@
 //!
 //! Soundness: the slot holds a raw pointer into the caller's buffer only while it is armed,
 //! and it is armed only inside `Engine::recv_now`, which every path leaves with the slot
-//! disarmed (done, demoted into a request the engine waits for or quarantines, or cleared),
-//! while `Comm::recv` holds the buffer's unique borrow for the whole call.
+//! disarmed (done, demoted into a request the engine waits for or quarantines, or cleared) —
+//! a panic unwinding out of the wait included (`catch_unwind`, then on) — while `Comm::recv`
+//! holds the buffer's unique borrow for the whole call. (Nothing can leak that borrow midway:
+//! there is no guard object to forget.)
 
 use super::{recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req};
 use crate::am::{AmState, ReqId};

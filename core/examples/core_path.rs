@@ -11,6 +11,8 @@
 //!   provider takes the message at once), then a blocking `recv` (`one_recv`): the receive is
 //!   posted before the message arrives (the provider holds it until `progress`), so it is
 //!   matched from the arrival — the receive side — then completed.
+//! * `isend`: as `blocking`, with the send an `isend` and its `wait` (`one_isend`), all in
+//!   one scope.
 //! * `pair`: an `irecv` + `isend` + both waits inside a scope (the nonblocking API).
 //!
 //! Per-message figures come from the difference of two runs (N and 2N), which removes set-up.
@@ -94,6 +96,11 @@ fn one_send<P: Provider>(c: &Comm<P>, out: &[u64; 1]) {
 }
 
 #[inline(never)]
+fn one_isend<'s, P: Provider>(c: &Comm<P>, s: &'s weft::Scope<'s, '_, P>, out: &'s [u64; 1]) {
+    c.isend(s, out, 0, 1).unwrap().wait().unwrap();
+}
+
+#[inline(never)]
 fn one_recv<P: Provider>(c: &Comm<P>, inb: &mut [u64; 1]) {
     c.recv(inb, 0u32, 1).unwrap();
 }
@@ -107,6 +114,15 @@ fn run<P: Provider>(c: &Comm<P>, mode: &str, n: usize) {
                 one_send(c, &out);
                 one_recv(c, &mut inb);
             }
+            assert_eq!(inb, out);
+        }
+        "isend" => {
+            c.scope(|s| {
+                for _ in 0..n {
+                    one_isend(c, s, &out);
+                    one_recv(c, &mut inb);
+                }
+            });
             assert_eq!(inb, out);
         }
         _ => {

@@ -428,10 +428,35 @@ impl<P: Provider> Comm<P> {
     ) -> Result<Posted> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
+        self.post_send_world(buf, w, tag, sync, ctx, scope)
+    }
+
+    /// [`Self::post_send`] to world rank `w` with a checked tag; out of line, for the callers
+    /// that tried [`Self::send_lean`] first.
+    #[inline(never)]
+    fn post_send_world(
+        &self,
+        buf: SendBuf,
+        w: Rank,
+        tag: i32,
+        sync: bool,
+        ctx: u32,
+        scope: u64,
+    ) -> Result<Posted> {
         self.sh
             .engine
             .borrow_mut()
             .isend(w, ctx, tag, buf, sync, scope)
+    }
+
+    /// A plain send's first try on this communicator's context: `Ok(true)` when the provider
+    /// took `data` for world rank `w` at once (the engine's lean path; nothing to complete).
+    #[inline(always)]
+    fn send_lean(&self, data: &[u8], w: Rank, tag: i32) -> Result<bool> {
+        self.sh
+            .engine
+            .borrow_mut()
+            .send_lean(w, self.ctx, tag, data)
     }
 
     #[inline]
@@ -493,7 +518,13 @@ impl<P: Provider> Comm<P> {
 
     /// Blocking send (MPI_Send): returns once `buf` may be reused.
     pub fn send<T: Pod>(&self, buf: &[T], dest: u32, tag: i32) -> Result<()> {
-        let p = self.post_send(bytes_of(buf), dest, tag, false, self.ctx, 0)?;
+        let w = self.world_rank(dest)?;
+        let tag = check_tag(tag)?;
+        // The lean path: a small message the provider takes at once needs nothing after it.
+        if self.send_lean(bytemuck::cast_slice(buf), w, tag)? {
+            return Ok(());
+        }
+        let p = self.post_send_world(bytes_of(buf), w, tag, false, self.ctx, 0)?;
         self.complete(p).map(|_| ())
     }
 

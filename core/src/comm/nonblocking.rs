@@ -56,7 +56,19 @@ impl<P: Provider> Comm<P> {
         tag: i32,
     ) -> Result<Request<'s, P>> {
         self.check_scope(s)?;
-        let p = self.post_send(bytes_of(buf), dest, tag, false, self.ctx, s.id)?;
+        let w = self.world_rank(dest)?;
+        let tag = check_tag(tag)?;
+        let data: &[u8] = bytemuck::cast_slice(buf);
+        let p = if self.send_lean(data, w, tag)? {
+            Posted::Done(Ok(Status {
+                source: w,
+                tag,
+                bytes: data.len(),
+                cancelled: false,
+            }))
+        } else {
+            self.post_send_world(bytes_of(buf), w, tag, false, self.ctx, s.id)?
+        };
         Ok(self.request(s, p, false))
     }
 

@@ -223,6 +223,22 @@ impl<P: Provider> Engine<P> {
         r
     }
 
+    /// A blocking send's first try, the lean path ([`P2pState::send_lean`]): `Ok(true)` when
+    /// the provider took the message. It changes nothing a failure sweep would need to hear
+    /// of, so it does not settle.
+    #[inline(always)]
+    pub(crate) fn send_lean(
+        &mut self,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        data: &[u8],
+    ) -> Result<bool> {
+        self.st
+            .p2p
+            .send_lean(&mut self.p, &self.st.am, dest, ctx, tag, data)
+    }
+
     #[inline]
     pub(crate) fn irecv(
         &mut self,

@@ -90,6 +90,14 @@ fn eager_hdr(flags: u8, ctx: u32, tag: i32) -> Hdr {
     h
 }
 
+/// The plain `EAGER` header (flags 0) as bytes, for the lean send: the layout of
+/// [`eager_hdr`] without building a [`Hdr`].
+#[inline(always)]
+fn plain_eager_bytes(ctx: u32, tag: i32) -> [u8; PLAIN_EAGER_LEN] {
+    let (c, t) = (ctx.to_le_bytes(), (tag as u32).to_le_bytes());
+    [H_EAGER, 0, c[0], c[1], c[2], c[3], t[0], t[1], t[2], t[3]]
+}
+
 /// Bytes an eager message counts against its peer's window besides its payload: the share of
 /// an unexpected-queue entry and its header.
 const EAGER_OVERHEAD: usize = 64;
@@ -984,5 +992,26 @@ impl<P: Provider> Deferred<P> for P2pState {
 
     fn deferred_failed(&mut self, id: ReqId, e: Error) {
         self.finish(id, Err(e));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lean send writes the plain header without the builder; the receiver's lean and
+    /// general paths both read the builder's layout, so the two must agree byte for byte.
+    #[test]
+    fn the_lean_send_header_is_the_plain_eager_header() {
+        for (ctx, tag) in [
+            (0, 0),
+            (1, 7),
+            (u32::MAX, i32::MAX),
+            (0x0102_0304, 0x0a0b_0c0d),
+        ] {
+            let h = eager_hdr(0, ctx, tag);
+            assert_eq!(h.bytes(), &plain_eager_bytes(ctx, tag)[..]);
+            assert_eq!(header_len(H_EAGER, Some(0)), Some(PLAIN_EAGER_LEN));
+        }
     }
 }

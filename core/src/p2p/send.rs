@@ -3,8 +3,9 @@
 
 use super::buf::{gather, Layout, SendBuf};
 use super::{
-    eager_hdr, status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq, EAGER_OVERHEAD,
-    F_REMOTE, F_SYNC, H_CREDIT, H_DATA, H_RTS, H_SDATA, H_SPEC, H_WFIN, WFIN_FAILED,
+    eager_hdr, plain_eager_bytes, status, Kind, P2pState, Posted, Req, SendMr, SendPhase, SendReq,
+    EAGER_OVERHEAD, F_REMOTE, F_SYNC, H_CREDIT, H_DATA, H_RTS, H_SDATA, H_SPEC, H_WFIN,
+    WFIN_FAILED,
 };
 use crate::am::outbox::failure_reason;
 use crate::am::{AmState, Hdr, Out, Rd, ReqId};
@@ -15,10 +16,8 @@ use smallvec::SmallVec;
 use std::io::IoSlice;
 
 impl P2pState {
-    /// Post a send. The lean path first: a small contiguous non-synchronous message to a
-    /// connected, healthy peer with nothing queued ahead, within its eager credit, handed to the
-    /// provider in the call (no request, no iovec vectors). Anything else, or a provider that
-    /// is busy, takes [`Self::isend_general`], which decides every case afresh.
+    /// Post a send. The lean path first ([`Self::send_lean`]); anything else, or a provider
+    /// that is busy, takes [`Self::isend_general`], which decides every case afresh.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub(crate) fn isend<P: Provider>(
@@ -32,24 +31,48 @@ impl P2pState {
         sync: bool,
         scope: u64,
     ) -> Result<Posted> {
-        let len = buf.len;
-        if !sync
-            && len <= self.eager_limit
+        if !sync {
+            if let Some(data) = buf.contig_bytes() {
+                if self.send_lean(p, am, dest, ctx, tag, data)? {
+                    return Ok(Posted::Done(Ok(status(dest, tag, data.len()))));
+                }
+            }
+        }
+        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope)
+    }
+
+    /// The lean send: a small contiguous non-synchronous message to a connected, healthy peer
+    /// with nothing queued ahead, within its eager credit, handed to the provider in the call
+    /// (no request, no iovec vectors, no header builder). `Ok(true)`: the provider took it and
+    /// the caller's buffer is free; `Ok(false)`: nothing was done (not such a message, or the
+    /// provider is busy) and the general path decides. Touches no state but the peer's eager
+    /// credit, so no peer can have failed meanwhile and nothing needs settling after it.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(crate) fn send_lean<P: Provider>(
+        &mut self,
+        p: &mut P,
+        am: &AmState,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        data: &[u8],
+    ) -> Result<bool> {
+        let len = data.len();
+        if len <= self.eager_limit
             && !am.caps.tagged
             && am.plain_ready(dest)
             && am.out.is_empty_to(dest)
             && !zcopy(am, dest, len)
             && self.eager_out[dest as usize] + len + EAGER_OVERHEAD <= self.eager_window
         {
-            if let Some(data) = buf.contig_bytes() {
-                let h = eager_hdr(0, ctx, tag);
-                if p.am_send(dest, h.bytes(), &[IoSlice::new(data)])? == SendOutcome::Sent {
-                    self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
-                    return Ok(Posted::Done(Ok(status(dest, tag, len))));
-                }
+            let h = plain_eager_bytes(ctx, tag);
+            if p.am_send(dest, &h, &[IoSlice::new(data)])? == SendOutcome::Sent {
+                self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
+                return Ok(true);
             }
         }
-        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope)
+        Ok(false)
     }
 
     #[allow(clippy::too_many_arguments)]

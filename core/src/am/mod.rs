@@ -75,6 +75,10 @@ struct PeerState {
     connected: bool,
     /// Its narrower capabilities (`Provider::peer_caps`), if any.
     narrow: Option<PeerCaps>,
+    /// The lean send path may hand the provider a payload shorter than this for it in one
+    /// copied active message ([`AmState::lean_below`]); 0 (nothing, not even an empty
+    /// message) until connected and once failed.
+    lean_below: usize,
 }
 
 /// The active-message layer's state: the outbox and the health of every peer.
@@ -136,14 +140,36 @@ impl AmState {
         }
     }
 
-    /// `peer` is connected, alive and has no narrower capabilities: what the lean send path
-    /// needs to know (anything else goes the general way).
+    /// The lean send path may send `peer` a payload shorter than this as one copied active
+    /// message. 0 (nothing) for a rank outside the world, not connected yet or failed, and on a
+    /// provider that matches tags itself; else one more than the provider's and
+    /// the peer's payload and eager limits, and the inject size where a larger payload would
+    /// go zero-copy (`am_isend`). The core's own eager limit and credit are checked apart.
     #[inline]
-    pub(crate) fn plain_ready(&self, peer: Rank) -> bool {
-        match self.peers.get(peer as usize) {
-            Some(s) => s.connected && s.narrow.is_none() && self.failed[peer as usize].is_none(),
-            None => false,
+    pub(crate) fn lean_below(&self, peer: Rank) -> usize {
+        self.peers.get(peer as usize).map_or(0, |s| s.lean_below)
+    }
+
+    /// Set `peer`'s narrower capabilities and what follows from them for the lean send.
+    fn set_narrow(&mut self, peer: Rank, narrow: Option<PeerCaps>) {
+        let c = &self.caps;
+        let mut max = c.max_am_payload;
+        let mut zcopy = c.am_isend;
+        if let Some(n) = &narrow {
+            max = max.min(n.max_am_payload).min(n.eager_limit);
+            zcopy &= n.am_isend;
         }
+        if zcopy {
+            max = max.min(c.inject_size);
+        }
+        let alive = self.failed[peer as usize].is_none();
+        let s = &mut self.peers[peer as usize];
+        s.narrow = narrow;
+        s.lean_below = if s.connected && alive && !c.tagged {
+            max.saturating_add(1)
+        } else {
+            0
+        };
     }
 
     /// `r` is a rank of the world that has not failed (the test of [`Self::check_peer`],
@@ -189,7 +215,7 @@ impl AmState {
             self.fail_peer(peer, &why);
             return Err(Error::peer_failed(peer, why));
         }
-        self.peers[peer as usize].narrow = p.peer_caps(peer);
+        self.set_narrow(peer, p.peer_caps(peer));
         Ok(())
     }
 
@@ -208,7 +234,7 @@ impl AmState {
     /// Read again the capabilities of peers whose connection changed.
     pub(crate) fn refresh_peers<P: Provider>(&mut self, p: &P) {
         for peer in std::mem::take(&mut self.refresh) {
-            self.peers[peer as usize].narrow = p.peer_caps(peer);
+            self.set_narrow(peer, p.peer_caps(peer));
         }
     }
 
@@ -251,6 +277,7 @@ impl AmState {
             return;
         }
         self.failed[rank as usize] = Some(reason.to_string());
+        self.peers[rank as usize].lean_below = 0;
         self.nfailed += 1;
         // Owned payloads of messages that will never be sent go back to the pool.
         for o in self.out.drop_queue(rank) {

@@ -42,7 +42,9 @@ impl P2pState {
     }
 
     /// The lean send: a small contiguous non-synchronous message to a connected, healthy peer
-    /// with nothing queued ahead, within its eager credit, handed to the provider in the call
+    /// with nothing queued ahead, within its eager credit and the peer's limits
+    /// ([`AmState::lean_below`]: payload, eager and, where larger messages go zero-copy, inject
+    /// size, also when the provider narrows them per peer), handed to the provider in the call
     /// (no request, no iovec vectors, no header builder). `Ok(true)`: the provider took it and
     /// the caller's buffer is free; `Ok(false)`: nothing was done (not such a message, or the
     /// provider is busy) and the general path decides. Touches no state but the peer's eager
@@ -60,10 +62,8 @@ impl P2pState {
     ) -> Result<bool> {
         let len = data.len();
         if len <= self.eager_limit
-            && !am.caps.tagged
-            && am.plain_ready(dest)
+            && len < am.lean_below(dest)
             && am.out.is_empty_to(dest)
-            && !zcopy(am, dest, len)
             && self.eager_out[dest as usize] + len + EAGER_OVERHEAD <= self.eager_window
         {
             let h = plain_eager_bytes(ctx, tag);

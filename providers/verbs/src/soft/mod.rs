@@ -230,6 +230,9 @@ struct Inner {
     /// Reused by `drive` (no allocation per call).
     batch: UdBatch,
     served: u64,
+    /// Rings of destroyed CQs, `(off, cap)`: only ever reused as a CQ's ring of the same
+    /// capacity (see `SoftHca::cq_at`).
+    spare_cqs: Vec<(u64, u32)>,
 }
 
 /// One process's soft HCA.
@@ -238,6 +241,16 @@ pub const ENGINE_TICK: Duration = Duration::from_millis(1);
 
 pub struct SoftHca {
     inner: Mutex<Inner>,
+    /// Some QP may have work in its send queue (a request queued, a datagram held back): set
+    /// with the lock held whenever that happens, cleared by `progress_all` when none is left.
+    /// While it is clear, `poll_cq` of a CQ with nothing ready needs no lock.
+    sq_work: std::sync::atomic::AtomicBool,
+    /// Per CQ index, where its ring is, for `poll_cq`'s look without the lock: `off << 8 |
+    /// (log2(cap) + 1)`, 0 for none. Written with the lock held. A look through a stale value
+    /// (the CQ destroyed meanwhile, by another thread) still reads ring sequence words only:
+    /// a destroyed CQ's ring is kept for CQs of the same capacity (`Inner::spare_cqs`), never
+    /// given back to the heap for other uses.
+    cq_at: Box<[std::sync::atomic::AtomicU64]>,
     /// Dropped before the segment: the service thread maps it.
     wire: wire::Wire,
     seg: Seg,
@@ -320,6 +333,10 @@ impl SoftHca {
         };
         Ok(SoftHca {
             inner: Mutex::new(inner),
+            sq_work: std::sync::atomic::AtomicBool::new(false),
+            cq_at: (0..cfg.max_cq)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
             wire,
             seg,
             attr,
@@ -771,6 +788,7 @@ impl SoftHca {
         if drop || !peer.responsive(false) {
             inner.ctr.ud_dropped += 1;
         } else if hold && q.held.is_none() {
+            self.sq_busy();
             q.held = Some(Held {
                 peer,
                 dest_qpn: ud.remote_qpn,
@@ -923,14 +941,51 @@ impl SoftHca {
     }
 
     fn progress_all(&self, inner: &mut Inner) {
-        for qi in 0..inner.qps.len() {
-            let busy = inner.qps[qi]
+        if !self.sq_work.load(Ordering::Acquire) {
+            return;
+        }
+        let busy = |inner: &Inner, qi: usize| {
+            inner.qps[qi]
                 .as_ref()
-                .is_some_and(|q| !q.sq.is_empty() || q.held.is_some());
-            if busy {
+                .is_some_and(|q| !q.sq.is_empty() || q.held.is_some())
+        };
+        let mut left = false;
+        for qi in 0..inner.qps.len() {
+            if busy(inner, qi) {
                 self.drive(inner, qi);
+                left |= busy(inner, qi);
             }
         }
+        if !left {
+            self.sq_work.store(false, Ordering::Release);
+        }
+    }
+
+    /// Note that a send queue holds work (the lock is held).
+    fn sq_busy(&self) {
+        self.sq_work.store(true, Ordering::Release);
+    }
+
+    /// `poll_cq`'s look without the lock: `true` when nothing needs it — no send queue
+    /// holds work and CQ `cq`'s ring has no record ready (nor an overrun to report). `false`
+    /// says only that the locked path must decide (an unknown CQ included).
+    fn cq_idle(&self, cq: usize) -> bool {
+        if self.sq_work.load(Ordering::Acquire) {
+            return false;
+        }
+        let Some(at) = self.cq_at.get(cq).map(|a| a.load(Ordering::Acquire)) else {
+            return false;
+        };
+        if at == 0 {
+            return false;
+        }
+        let (off, cap) = (at >> 8, 1u32 << ((at & 0xff) - 1));
+        let overrun = self.seg.cq(cq).is_none_or(|e| e.overrun.load(SC) != 0);
+        !overrun
+            && self
+                .seg
+                .ring(off, cap, CQE_WORDS)
+                .is_some_and(|r| !r.ready())
     }
 }
 

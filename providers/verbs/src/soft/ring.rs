@@ -86,6 +86,13 @@ impl<'a> Ring<'a> {
         e.saturating_sub(d) as usize
     }
 
+    /// Whether the oldest record is published and could be popped now (a look: loads only).
+    pub fn ready(&self) -> bool {
+        let pos = self.head.deq.load(Ordering::Relaxed);
+        let slot = (pos & self.mask) as usize;
+        self.seq[slot].load(Ordering::Acquire) == pos + 1
+    }
+
     #[cfg(all(test, not(loom)))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -155,6 +155,50 @@ fn one_dummy() -> Wc {
     }
 }
 
+/// `poll_cq` looks at an empty CQ without the context's lock; a CQ destroyed must still poll
+/// as unknown, and its ring, kept for the next CQ of its size, must serve that one whole.
+#[test]
+fn a_destroyed_cq_polls_as_unknown_and_its_ring_serves_the_next_cq() {
+    let h = hca(Config::default());
+    let x = h.create_cq(256).unwrap();
+    let mut wcs = [Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: 0,
+        src_qp: 0,
+        grh: false,
+    }; 4];
+    assert_eq!(h.poll_cq(x, &mut wcs).unwrap(), 0);
+    h.destroy_cq(x).unwrap();
+    assert!(
+        h.poll_cq(x, &mut wcs).is_err(),
+        "a destroyed CQ polls as unknown"
+    );
+    // The pair's CQ on this context (256 entries again) takes the kept ring.
+    let a = side(h, QpType::Rc, None, None);
+    let b = side(hca_b(Config::default()), QpType::Rc, None, None);
+    let (ea, eb) = (
+        Endpoint::of(&*a.h, a.qp, 100),
+        Endpoint::of(&*b.h, b.qp, 200),
+    );
+    connect_rc(&*a.h, a.qp, 100, &eb, &fast()).unwrap();
+    connect_rc(&*b.h, b.qp, 200, &ea, &fast()).unwrap();
+    let (_src, smr) = buf(&a, 64, 7, Access::ALL);
+    let (dst, dmr) = buf(&b, 64, 0, Access::ALL);
+    for i in 0..600u64 {
+        // More completions than the ring holds: it wraps, as a fresh ring would.
+        let wr = SendWr::write(i, &[smr.sge(0, 64)], dmr.addr, dmr.rkey);
+        a.h.post_send(a.qp, &[wr]).unwrap();
+        let wc = one(&a);
+        assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success));
+    }
+    assert!(dst.iter().all(|&x| x == 7));
+    assert_eq!(a.h.poll_cq(a.cq, &mut wcs).unwrap(), 0);
+}
+
 #[test]
 fn write_read_send_and_immediate_data() {
     let (a, b) = rc_pair();

@@ -61,14 +61,12 @@ impl State {
     pub(crate) fn peer_failure(&self, rank: Rank) -> Option<String> {
         self.am.peer_failure(rank).map(str::to_string)
     }
-}
 
-impl Sink for State {
-    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        if self.p2p.on_plain_eager(&mut self.am, src, header, payload) {
-            self.settle();
-            return;
-        }
+    /// An active message the lean arrival did not take: checked against the protocol's
+    /// header lengths, then dispatched by kind (out of line: its frame would otherwise be
+    /// paid by every plain eager arrival).
+    #[inline(never)]
+    fn am_general(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if self.am.admit(src, header, payload, header_len) {
             let mut rd = Rd::new(header);
             let kind = rd.u8().unwrap_or(0);
@@ -89,6 +87,16 @@ impl Sink for State {
             }
         }
         self.settle();
+    }
+}
+
+impl Sink for State {
+    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        if self.p2p.on_plain_eager(&mut self.am, src, header, payload) {
+            self.settle();
+            return;
+        }
+        self.am_general(src, header, payload);
     }
 
     fn am_target(

@@ -51,6 +51,11 @@ impl P2pState {
         }
         let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
         let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
+        // With nothing posted in the matcher, the slot is all a message can match first.
+        if self.matcher.posted_len() == 0 && self.eager_into_slot(am, src, ctx, tag, None, payload)
+        {
+            return true;
+        }
         self.eager_arrived(am, src, ctx, tag, None, payload);
         true
     }

@@ -417,16 +417,24 @@ impl P2pState {
 
     /// An eager message of `len` bytes from `src` was matched: return the credit once half a
     /// window has gathered (one small message per half window).
-    #[inline]
+    #[inline(always)]
     pub(super) fn eager_consumed(&mut self, am: &mut AmState, src: Rank, len: usize) {
         let got = &mut self.eager_in[src as usize];
         *got += len + EAGER_OVERHEAD;
         if *got >= self.eager_window / 2 {
-            let mut h = Hdr::new(H_CREDIT);
-            h.u64(*got as u64);
-            *got = 0;
-            am.push_ctrl(src, h);
+            self.return_credit(am, src);
         }
+    }
+
+    /// Half a window gathered from `src`: give it back.
+    #[cold]
+    #[inline(never)]
+    fn return_credit(&mut self, am: &mut AmState, src: Rank) {
+        let got = &mut self.eager_in[src as usize];
+        let mut h = Hdr::new(H_CREDIT);
+        h.u64(*got as u64);
+        *got = 0;
+        am.push_ctrl(src, h);
     }
 
     pub(super) fn on_credit(&mut self, am: &mut AmState, src: Rank, rd: &mut Rd<'_>) -> Option<()> {

@@ -245,6 +245,24 @@ const UD_QUIET: u32 = 256;
 /// Beyond them, UD is polled on every this many calls.
 const UD_EVERY: u32 = 16;
 
+/// Whether this progress call polls UD, `quiet` calls after UD last had something to do.
+#[inline]
+fn poll_ud_now(rc_active: bool, quiet: u32) -> bool {
+    !rc_active || quiet < UD_QUIET || quiet % UD_EVERY == 0
+}
+
+/// The quiet count after a call in which UD delivered `n` events. It wraps (to polling on
+/// every call for a while) rather than stops: a count stuck at its maximum, which is not a
+/// multiple of `UD_EVERY`, would never poll UD again.
+#[inline]
+fn next_quiet(quiet: u32, n: usize) -> u32 {
+    if n > 0 {
+        0
+    } else {
+        quiet.wrapping_add(1)
+    }
+}
+
 impl Hybrid {
     /// What a progress call brought besides messages for the core: control messages, closing
     /// connections, the budget's actions, changed capabilities (out of line: most calls have
@@ -746,18 +764,13 @@ impl Provider for Hybrid {
             // nothing for UD_QUIET calls is polled on every UD_EVERY-th call, which delays a
             // first message over UD by at most that many calls; its timers (retransmission,
             // acknowledgements, keepalives) run on its polls, with their margins in time.
-            let poll_ud =
-                !self.rc_active || self.ud_quiet < UD_QUIET || self.ud_quiet % UD_EVERY == 0;
+            let poll_ud = poll_ud_now(self.rc_active, self.ud_quiet);
             let n = if poll_ud {
                 self.ud.progress(&mut up)?
             } else {
                 0
             };
-            self.ud_quiet = if n > 0 {
-                0
-            } else {
-                self.ud_quiet.saturating_add(1)
-            };
+            self.ud_quiet = next_quiet(self.ud_quiet, n);
             // RC carries nothing until the budget has connected some peer (every agreement
             // goes over UD first): until then its queues are not polled.
             n + if self.rc_active {
@@ -1091,6 +1104,32 @@ pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// However long RC alone has carried the traffic, a quiet UD is still polled on one call
+    /// in `UD_EVERY`: its peers' first messages, acknowledgements and control messages must
+    /// get through. (A saturating count stopped at `u32::MAX`, not a multiple of `UD_EVERY`,
+    /// and never polled UD again after 2^32 quiet calls, a few minutes of polling.)
+    #[test]
+    fn a_quiet_ud_is_polled_however_long_it_was_quiet() {
+        for start in [0, UD_QUIET, 1 << 31, u32::MAX - 40, u32::MAX - 1, u32::MAX] {
+            let mut quiet = start;
+            let mut gap = 0;
+            for _ in 0..200 {
+                if poll_ud_now(true, quiet) {
+                    gap = 0;
+                } else {
+                    gap += 1;
+                    assert!(gap < UD_EVERY, "UD not polled for {gap} calls from {start}");
+                }
+                quiet = next_quiet(quiet, 0);
+            }
+        }
+        assert_eq!(next_quiet(12345, 1), 0);
+        assert!(
+            poll_ud_now(false, 7),
+            "before RC is up UD is polled on every call"
+        );
+    }
 
     #[derive(Default)]
     struct Core {

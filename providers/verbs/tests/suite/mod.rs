@@ -161,16 +161,7 @@ fn one_dummy() -> Wc {
 fn a_destroyed_cq_polls_as_unknown_and_its_ring_serves_the_next_cq() {
     let h = hca(Config::default());
     let x = h.create_cq(256).unwrap();
-    let mut wcs = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: 0,
-        src_qp: 0,
-        grh: false,
-    }; 4];
+    let mut wcs = [one_dummy(); 4];
     assert_eq!(h.poll_cq(x, &mut wcs).unwrap(), 0);
     h.destroy_cq(x).unwrap();
     assert!(

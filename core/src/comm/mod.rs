@@ -13,7 +13,7 @@ use crate::am::ReqId;
 use crate::bootstrap::Bootstrap;
 use crate::datatype::Datatype;
 use crate::engine::{Engine, EngineConfig};
-use crate::p2p::{Layout, Posted, RecvBuf, SendBuf};
+use crate::p2p::{Layout, Lean, Posted, RecvBuf, SendBuf};
 use crate::provider::{DynProvider, Provider};
 use crate::types::{Rank, Status};
 use crate::{Error, ErrorDetail, Result};
@@ -428,35 +428,51 @@ impl<P: Provider> Comm<P> {
     ) -> Result<Posted> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        self.post_send_world(buf, w, tag, sync, ctx, scope)
-    }
-
-    /// [`Self::post_send`] to world rank `w` with a checked tag; out of line, for the callers
-    /// that tried [`Self::send_lean`] first.
-    #[inline(never)]
-    fn post_send_world(
-        &self,
-        buf: SendBuf,
-        w: Rank,
-        tag: i32,
-        sync: bool,
-        ctx: u32,
-        scope: u64,
-    ) -> Result<Posted> {
         self.sh
             .engine
             .borrow_mut()
             .isend(w, ctx, tag, buf, sync, scope)
     }
 
-    /// A plain send's first try on this communicator's context: `Ok(true)` when the provider
-    /// took `data` for world rank `w` at once (the engine's lean path; nothing to complete).
+    /// A plain contiguous send to world rank `w` with a checked tag: the lean path first; a
+    /// message the provider took at once is `Posted::Done` with nothing left to do.
     #[inline(always)]
-    fn send_lean(&self, data: &[u8], w: Rank, tag: i32) -> Result<bool> {
-        self.sh
+    fn post_plain(&self, data: &[u8], w: Rank, tag: i32, scope: u64) -> Result<Posted> {
+        let lean = self
+            .sh
             .engine
             .borrow_mut()
-            .send_lean(w, self.ctx, tag, data)
+            .send_lean(w, self.ctx, tag, data)?;
+        if lean == Lean::Sent {
+            return Ok(Posted::Done(Ok(Status {
+                source: w,
+                tag,
+                bytes: data.len(),
+                cancelled: false,
+            })));
+        }
+        self.post_general(data, w, tag, scope, lean == Lean::Busy)
+    }
+
+    /// The rest of [`Self::post_plain`], out of line: the engine's general path.
+    #[inline(never)]
+    fn post_general(
+        &self,
+        data: &[u8],
+        w: Rank,
+        tag: i32,
+        scope: u64,
+        busy: bool,
+    ) -> Result<Posted> {
+        self.sh.engine.borrow_mut().isend_general(
+            w,
+            self.ctx,
+            tag,
+            bytes_of(data),
+            false,
+            scope,
+            busy,
+        )
     }
 
     #[inline]
@@ -520,12 +536,11 @@ impl<P: Provider> Comm<P> {
     pub fn send<T: Pod>(&self, buf: &[T], dest: u32, tag: i32) -> Result<()> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        // The lean path: a small message the provider takes at once needs nothing after it.
-        if self.send_lean(bytemuck::cast_slice(buf), w, tag)? {
-            return Ok(());
+        match self.post_plain(bytemuck::cast_slice(buf), w, tag, 0)? {
+            // The lean path: a message the provider took at once needs nothing after it.
+            Posted::Done(Ok(_)) => Ok(()),
+            p => self.complete(p).map(|_| ()),
         }
-        let p = self.post_send_world(bytes_of(buf), w, tag, false, self.ctx, 0)?;
-        self.complete(p).map(|_| ())
     }
 
     /// Synchronous send (MPI_Ssend): returns once the receiver has matched the message.

@@ -58,17 +58,7 @@ impl<P: Provider> Comm<P> {
         self.check_scope(s)?;
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        let data: &[u8] = bytemuck::cast_slice(buf);
-        let p = if self.send_lean(data, w, tag)? {
-            Posted::Done(Ok(Status {
-                source: w,
-                tag,
-                bytes: data.len(),
-                cancelled: false,
-            }))
-        } else {
-            self.post_send_world(bytes_of(buf), w, tag, false, self.ctx, s.id)?
-        };
+        let p = self.post_plain(bytemuck::cast_slice(buf), w, tag, s.id)?;
         Ok(self.request(s, p, false))
     }
 

@@ -18,7 +18,7 @@ pub(crate) use config::oversubscribed;
 pub use config::EngineConfig;
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
-use crate::p2p::{self, Layout, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
+use crate::p2p::{self, Layout, Lean, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
 use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
@@ -231,9 +231,8 @@ impl<P: Provider> Engine<P> {
         r
     }
 
-    /// A blocking send's first try, the lean path ([`P2pState::send_lean`]): `Ok(true)` when
-    /// the provider took the message. It changes nothing a failure sweep would need to hear
-    /// of, so it does not settle.
+    /// A send's first try, the lean path ([`P2pState::send_lean`]). It changes nothing a
+    /// failure sweep would need to hear of, so it does not settle.
     #[inline(always)]
     pub(crate) fn send_lean(
         &mut self,
@@ -241,10 +240,38 @@ impl<P: Provider> Engine<P> {
         ctx: u32,
         tag: i32,
         data: &[u8],
-    ) -> Result<bool> {
+    ) -> Result<Lean> {
         self.st
             .p2p
             .send_lean(&mut self.p, &self.st.am, dest, ctx, tag, data)
+    }
+
+    /// A send the lean path did not take (`busy`: the provider refused it just now).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn isend_general(
+        &mut self,
+        dest: Rank,
+        ctx: u32,
+        tag: i32,
+        buf: SendBuf,
+        sync: bool,
+        scope: u64,
+        busy: bool,
+    ) -> Result<Posted> {
+        let st = &mut self.st;
+        let r = st.p2p.isend_general(
+            &mut self.p,
+            &mut st.am,
+            dest,
+            ctx,
+            tag,
+            buf,
+            sync,
+            scope,
+            busy,
+        );
+        st.settle();
+        r
     }
 
     #[inline]

@@ -46,6 +46,7 @@ mod slot;
 mod spec;
 
 pub(crate) use buf::{Layout, RecvBuf, SendBuf};
+pub(crate) use send::Lean;
 pub(crate) use slot::Slot;
 
 use crate::am::mr_cache::MrRef;

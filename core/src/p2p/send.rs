@@ -15,6 +15,17 @@ use crate::{Error, ErrorKind, Result};
 use smallvec::SmallVec;
 use std::io::IoSlice;
 
+/// What the lean send did ([`P2pState::send_lean`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lean {
+    /// The provider took the message.
+    Sent,
+    /// It was a lean message, and the provider said `Busy`.
+    Busy,
+    /// Not a lean message: nothing was tried.
+    Skipped,
+}
+
 impl P2pState {
     /// Post a send. The lean path first ([`Self::send_lean`]); anything else, or a provider
     /// that is busy, takes [`Self::isend_general`], which decides every case afresh.
@@ -31,24 +42,28 @@ impl P2pState {
         sync: bool,
         scope: u64,
     ) -> Result<Posted> {
+        let mut busy = false;
         if !sync {
             if let Some(data) = buf.contig_bytes() {
-                if self.send_lean(p, am, dest, ctx, tag, data)? {
-                    return Ok(Posted::Done(Ok(status(dest, tag, data.len()))));
+                match self.send_lean(p, am, dest, ctx, tag, data)? {
+                    Lean::Sent => return Ok(Posted::Done(Ok(status(dest, tag, data.len())))),
+                    Lean::Busy => busy = true,
+                    Lean::Skipped => {}
                 }
             }
         }
-        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope)
+        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope, busy)
     }
 
     /// The lean send: a small contiguous non-synchronous message to a connected, healthy peer
     /// with nothing queued ahead, within its eager credit and the peer's limits
     /// ([`AmState::lean_below`]: payload, eager and, where larger messages go zero-copy, inject
     /// size, also when the provider narrows them per peer), handed to the provider in the call
-    /// (no request, no iovec vectors, no header builder). `Ok(true)`: the provider took it and
-    /// the caller's buffer is free; `Ok(false)`: nothing was done (not such a message, or the
-    /// provider is busy) and the general path decides. Touches no state but the peer's eager
-    /// credit, so no peer can have failed meanwhile and nothing needs settling after it.
+    /// (no request, no iovec vectors, no header builder). [`Lean::Sent`]: the provider took it
+    /// and the caller's buffer is free; otherwise nothing was done and the general path
+    /// decides ([`Lean::Busy`]: told so, the provider need not be asked again at once). Touches
+    /// no state but the peer's eager credit, so no peer can have failed meanwhile and nothing
+    /// needs settling after it.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub(crate) fn send_lean<P: Provider>(
@@ -59,7 +74,7 @@ impl P2pState {
         ctx: u32,
         tag: i32,
         data: &[u8],
-    ) -> Result<bool> {
+    ) -> Result<Lean> {
         let len = data.len();
         if len <= self.eager_limit
             && len < am.lean_below(dest)
@@ -69,15 +84,18 @@ impl P2pState {
             let h = plain_eager_bytes(ctx, tag);
             if p.am_send(dest, &h, &[IoSlice::new(data)])? == SendOutcome::Sent {
                 self.eager_out[dest as usize] += len + EAGER_OVERHEAD;
-                return Ok(true);
+                return Ok(Lean::Sent);
             }
+            return Ok(Lean::Busy);
         }
-        Ok(false)
+        Ok(Lean::Skipped)
     }
 
+    /// Post a send the lean path did not take. `busy`: the provider just refused this very
+    /// message, so an eager one is queued without asking again.
     #[allow(clippy::too_many_arguments)]
     #[inline(never)]
-    fn isend_general<P: Provider>(
+    pub(crate) fn isend_general<P: Provider>(
         &mut self,
         p: &mut P,
         am: &mut AmState,
@@ -87,6 +105,7 @@ impl P2pState {
         buf: SendBuf,
         sync: bool,
         scope: u64,
+        busy: bool,
     ) -> Result<Posted> {
         am.touch(p, dest)?;
         if am.caps.tagged {
@@ -99,7 +118,7 @@ impl P2pState {
         if buf.len <= eager && self.eager_credit(dest, buf.len) {
             // Fast path: straight to the provider when nothing is queued ahead for `dest`; a
             // plain send then needs no request at all.
-            if !sync && am.out.is_empty_to(dest) && !zcopy(am, dest, buf.len) {
+            if !busy && !sync && am.out.is_empty_to(dest) && !zcopy(am, dest, buf.len) {
                 let h = eager_hdr(0, ctx, tag);
                 if send_now(p, am, dest, &h, &buf)? == SendOutcome::Sent {
                     return Ok(Posted::Done(Ok(status(dest, tag, buf.len))));

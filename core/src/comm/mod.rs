@@ -211,9 +211,13 @@ impl<P: Provider> World<P> {
         let size = p.size();
         let mut cfg = cfg;
         let local = boot.nodes().local_ranks().len();
-        if cfg.spin_auto && crate::engine::oversubscribed(local) {
+        let over = (cfg.spin_auto || cfg.sleep_auto) && crate::engine::oversubscribed(local);
+        if cfg.spin_auto && over {
             tracing::debug!("{local} ranks on this host share fewer CPUs: waits yield at once");
             cfg.spin = 0;
+        }
+        if cfg.sleep_auto && over {
+            cfg.sleep_after = Some(crate::engine::SLEEP_AFTER_AUTO);
         }
         let engine = Engine::new(p, cfg)?;
         let sh = Rc::new(Shared {

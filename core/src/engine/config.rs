@@ -22,6 +22,12 @@ pub struct EngineConfig {
     /// only keep the rank it waits for off the CPU), as Open MPI's `mpi_yield_when_idle`
     /// does when it sees oversubscription.
     pub spin_auto: bool,
+    /// A waiter that has yielded this long with nothing arriving sleeps between progress
+    /// rounds (`None`: it keeps yielding).
+    pub sleep_after: Option<Duration>,
+    /// `sleep_after` was not set: 1 ms while this host has fewer CPUs than ranks of the job
+    /// on it, else `None` (decided when the world starts, as `spin_auto`).
+    pub sleep_auto: bool,
     /// Rendezvous messages up to this size send their data speculatively (`None`: 4 MiB on
     /// providers that span hosts and cannot read remote memory, else off).
     pub spec_limit: Option<usize>,
@@ -48,6 +54,8 @@ impl Default for EngineConfig {
             timeout: None,
             spin: 1000,
             spin_auto: true,
+            sleep_after: None,
+            sleep_auto: true,
             spec_limit: None,
             spec_buffer: 4 << 20,
             spec_behind: false,
@@ -63,6 +71,8 @@ crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
     "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
 crate::param!(POLL_SPIN: Str = "", "POLL_SPIN", "auto",
     "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint); auto: 1000, or 0 (yield at every idle round) when the host has fewer CPUs online than ranks of the job on it");
+crate::param!(POLL_SLEEP: Str = "", "POLL_SLEEP", "auto",
+    "microseconds a waiting rank yields with nothing arriving before it sleeps between progress rounds (100 µs naps: off the run queue, so the ranks it waits for get the CPU); auto: 1000 when the host has fewer CPUs online than ranks of the job on it, else never; off: never");
 crate::param!(SPEC_LIMIT: Str = "", "SPEC_LIMIT", "auto",
     "rendezvous messages up to this size send their data without waiting for the receiver's CTS: a size, 0 (never) or auto (4M on providers that span hosts and cannot read remote memory, else 0)");
 crate::param!(SPEC_BEHIND: Bool = "", "SPEC_BEHIND", "0",
@@ -101,17 +111,20 @@ pub(crate) fn spec_limit_auto(caps: &Caps) -> usize {
 }
 
 impl EngineConfig {
-    /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT`, `WEFT_POLL_SPIN`,
+    /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT`, `WEFT_POLL_SPIN`, `WEFT_POLL_SLEEP`,
     /// `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
         let spin = parse_spin(&POLL_SPIN.raw())?;
+        let sleep = parse_sleep(&POLL_SLEEP.raw())?;
         Ok(EngineConfig {
             eager_limit: (e > 0).then_some(e),
             nt_copy_min: nt_copy_min_from_env()?,
             timeout: TIMEOUT.get_seconds(true)?,
             spin: spin.unwrap_or(1000),
             spin_auto: spin.is_none(),
+            sleep_after: sleep.flatten(),
+            sleep_auto: sleep.is_none(),
             spec_limit: spec_limit_from_env()?,
             spec_buffer: SPEC_BUFFER.get_size()?,
             spec_behind: SPEC_BEHIND.get_bool()?,
@@ -141,6 +154,27 @@ fn parse_spin(v: &str) -> Result<Option<u32>> {
 /// Whether this host, running `local_ranks` ranks, has fewer CPUs online than ranks. Not the
 /// CPUs this process may run on: a launcher that pins each rank to one CPU leaves every rank
 /// a single one, oversubscribed or not.
+/// The idle time after which an oversubscribed rank's waits sleep ([`EngineConfig::sleep_auto`]).
+pub(crate) const SLEEP_AFTER_AUTO: Duration = Duration::from_millis(1);
+
+/// `WEFT_POLL_SLEEP`: `None` for auto, `Some(None)` for off, else the idle time.
+fn parse_sleep(v: &str) -> Result<Option<Option<Duration>>> {
+    match v.trim() {
+        "auto" => Ok(None),
+        "off" | "never" => Ok(Some(None)),
+        n => n
+            .parse::<u64>()
+            .map(|us| Some(Some(Duration::from_micros(us))))
+            .map_err(|_| {
+                Error::from(ErrorDetail::Param {
+                    var: POLL_SLEEP.env_name(),
+                    value: v.to_string(),
+                    expected: "auto, off or a number of microseconds".into(),
+                })
+            }),
+    }
+}
+
 pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
     // SAFETY: sysconf reads a system setting; it takes a constant and touches no memory of ours.
     let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
@@ -150,6 +184,19 @@ pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_sleep_is_auto_off_or_microseconds() {
+        assert_eq!(parse_sleep("auto").unwrap(), None);
+        assert_eq!(parse_sleep("off").unwrap(), Some(None));
+        assert_eq!(
+            parse_sleep(" 250 ").unwrap(),
+            Some(Some(Duration::from_micros(250)))
+        );
+        let e = parse_sleep("1ms").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Param);
+        assert!(e.to_string().contains("WEFT_POLL_SLEEP"), "{e}");
+    }
 
     #[test]
     fn poll_spin_is_auto_or_a_number() {

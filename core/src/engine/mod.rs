@@ -14,8 +14,8 @@
 
 mod config;
 
-pub(crate) use config::oversubscribed;
 pub use config::EngineConfig;
+pub(crate) use config::{oversubscribed, SLEEP_AFTER_AUTO};
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
 use crate::p2p::{self, Layout, Lean, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
@@ -23,7 +23,7 @@ use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result, Status};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Core state: everything but the provider. It is the provider's [`Sink`].
 pub(crate) struct State {
@@ -157,6 +157,39 @@ const FAST_ROUNDS: usize = 2;
 /// shows: short waits, a ping-pong's, poll without it, as UCX's and Open MPI's progress loops
 /// do; longer ones keep the hint (it frees the core's resources for a hyperthread sibling).
 const EAGER_POLLS: u32 = 256;
+
+/// How long a napping waiter sleeps between progress rounds.
+const NAP: Duration = Duration::from_micros(100);
+
+/// A waiter's way of giving up the CPU once it has spun its `spin` rounds: `sched_yield`, and
+/// after `sleep_after` of yielding with nothing arriving, a short sleep ([`NAP`]) per round.
+/// Yielding alone leaves the waiter runnable: with more ranks than CPUs a scheduler may keep
+/// picking the yielders and starve the rank they wait for, and the kernel's own threads, for
+/// tens of seconds (seen on this project's 2-CPU VM: `workqueue lockup` and `rcu_preempt
+/// kthread starved` in the kernel log at the times of the stalls); a sleeping waiter is off
+/// the run queue.
+#[derive(Default)]
+struct Nap {
+    since: Option<Instant>,
+    napping: bool,
+}
+
+impl Nap {
+    /// Yielding round `k` (from 1) of an idle wait.
+    #[inline]
+    fn idle_round(&mut self, sleep_after: Option<Duration>, k: u32) {
+        if self.napping {
+            std::thread::sleep(NAP);
+            return;
+        }
+        std::thread::yield_now();
+        // The clock only every 64th yield.
+        if let (Some(after), 0) = (sleep_after, k % 64) {
+            let t0 = *self.since.get_or_insert_with(Instant::now);
+            self.napping = t0.elapsed() >= after;
+        }
+    }
+}
 
 /// The engine: a provider plus the core state.
 pub(crate) struct Engine<P: Provider> {
@@ -379,6 +412,7 @@ impl<P: Provider> Engine<P> {
     ) -> Result<()> {
         let mut idle = 0u32;
         let mut rounds = 0u32;
+        let mut nap = Nap::default();
         // The clock is read after the second round, so a wait that ends within two rounds (the
         // common case: one progress call brings what it waits for) costs no clock read; the
         // timeout counts from there.
@@ -391,12 +425,13 @@ impl<P: Provider> Engine<P> {
             if n == 0 {
                 idle = idle.saturating_add(1);
                 if idle > self.cfg.spin {
-                    std::thread::yield_now();
+                    nap.idle_round(self.cfg.sleep_after, idle - self.cfg.spin);
                 } else if idle > EAGER_POLLS {
                     std::hint::spin_loop();
                 }
             } else {
                 idle = 0;
+                nap = Nap::default();
             }
             rounds = rounds.wrapping_add(1);
             if rounds == 2 && start.is_none() && self.cfg.timeout.is_some() {
@@ -679,4 +714,33 @@ pub(crate) fn fatal(rank: Rank, what: &str) -> ! {
     tracing::error!("{msg}");
     eprintln!("{msg}");
     std::process::exit(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_waiter_naps_once_it_has_yielded_for_sleep_after_and_not_before() {
+        // Without a limit it never naps.
+        let mut n = Nap::default();
+        for k in 1..=1000 {
+            n.idle_round(None, k);
+        }
+        assert!(!n.napping);
+        // With one, the clock starts at the 64th yield and napping begins at the first look
+        // (every 64th) after `sleep_after` has passed.
+        let mut n = Nap::default();
+        for k in 1..64 {
+            n.idle_round(Some(Duration::ZERO), k);
+            assert!(!n.napping, "round {k}");
+        }
+        n.idle_round(Some(Duration::ZERO), 64);
+        assert!(n.napping);
+        let mut n = Nap::default();
+        for k in 1..=640 {
+            n.idle_round(Some(Duration::from_secs(3600)), k);
+        }
+        assert!(!n.napping && n.since.is_some());
+    }
 }

@@ -320,6 +320,8 @@ pub struct VerbsUd {
     kv: Option<std::sync::Arc<dyn KvSpace>>,
     addrs: Vec<Option<Endpoint>>,
     failures: VecDeque<(Rank, String)>,
+    /// Why each failed peer failed (only failed peers: nothing per healthy peer).
+    gone: std::collections::HashMap<Rank, String>,
     wcs: Vec<verbs::Wc>,
     next_keepalive: Instant,
     stats: Stats,
@@ -401,6 +403,7 @@ impl VerbsUd {
             kv: None,
             addrs: vec![None; size as usize],
             failures: VecDeque::new(),
+            gone: std::collections::HashMap::new(),
             wcs: vec![
                 verbs::Wc {
                     wr_id: 0,
@@ -530,20 +533,17 @@ impl VerbsUd {
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
 
+    /// The error of an operation towards failed peer `r`: the reason it failed for.
     fn peer_gone(&self, r: Rank) -> Error {
-        Error::from(ErrorDetail::PeerFailed {
-            rank: r,
-            reason: format!(
-                "no acknowledgement for {} s",
-                self.cfg.timeout.as_secs_f64()
-            ),
-        })
+        let why = self.gone.get(&r).map_or("failed earlier", String::as_str);
+        Error::peer_failed(r, why.to_string())
     }
 
     /// Peer `r` failed: its zero-copy sends fail, and the core hears of it at the next
     /// progress call.
     fn fail_peer(&mut self, r: Rank, why: String) {
         self.peers[r as usize].failed = true;
+        self.gone.insert(r, why.clone());
         for z in self.zsends.iter_mut().flatten() {
             if z.dest == r && z.result.is_none() {
                 z.result = Some(Err(Error::peer_failed(r, why.clone())));
@@ -1752,5 +1752,38 @@ fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {
             max_inline_data: 0,
         },
         sq_sig_all: true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_provider::bootstrap::InProcessJob;
+
+    /// A peer failed for a reason other than silence is reported with that reason by every
+    /// later operation towards it (it used to be "no acknowledgement for 30 s" whatever the
+    /// reason).
+    #[test]
+    fn a_failed_peer_is_reported_with_the_reason_it_failed_for() {
+        let job = InProcessJob::new(2, Duration::from_secs(20));
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let job = job.clone();
+                std::thread::spawn(move || {
+                    let mut p = VerbsUd::open(&mut job.rank(r)).unwrap();
+                    if r == 0 {
+                        p.connect(1).unwrap();
+                        p.fail_peer(1, "soft HCA of process 7 is gone (it exited)".into());
+                        let e = p.am_send(1, &[1], &[]).unwrap_err();
+                        assert!(e.to_string().contains("it exited"), "{e}");
+                        let e = p.connect(1).unwrap_err();
+                        assert!(e.to_string().contains("it exited"), "{e}");
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
     }
 }

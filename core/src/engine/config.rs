@@ -111,8 +111,8 @@ pub(crate) fn spec_limit_auto(caps: &Caps) -> usize {
 }
 
 impl EngineConfig {
-    /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT`, `WEFT_POLL_SPIN`, `WEFT_POLL_SLEEP`,
-    /// `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
+    /// Read `WEFT_EAGER_LIMIT`, `WEFT_NT_COPY_MIN`, `WEFT_TIMEOUT`, `WEFT_POLL_SPIN`,
+    /// `WEFT_POLL_SLEEP`, `WEFT_SPEC_LIMIT`, `WEFT_SPEC_BUFFER` and `WEFT_SPEC_BEHIND`.
     pub fn from_env() -> Result<Self> {
         let e = EAGER_LIMIT.get_size()?;
         let spin = parse_spin(&POLL_SPIN.raw())?;
@@ -151,9 +151,6 @@ fn parse_spin(v: &str) -> Result<Option<u32>> {
     }
 }
 
-/// Whether this host, running `local_ranks` ranks, has fewer CPUs online than ranks. Not the
-/// CPUs this process may run on: a launcher that pins each rank to one CPU leaves every rank
-/// a single one, oversubscribed or not.
 /// The idle time after which an oversubscribed rank's waits sleep ([`EngineConfig::sleep_auto`]).
 pub(crate) const SLEEP_AFTER_AUTO: Duration = Duration::from_millis(1);
 
@@ -175,6 +172,9 @@ fn parse_sleep(v: &str) -> Result<Option<Option<Duration>>> {
     }
 }
 
+/// Whether this host, running `local_ranks` ranks, has fewer CPUs online than ranks. Not the
+/// CPUs this process may run on: a launcher that pins each rank to one CPU leaves every rank
+/// a single one, oversubscribed or not.
 pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
     // SAFETY: sysconf reads a system setting; it takes a constant and touches no memory of ours.
     let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };

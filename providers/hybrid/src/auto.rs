@@ -29,7 +29,7 @@ use std::io::IoSlice;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::{Bootstrap, Singleton};
-use weft_provider::provider::{Completed, Provider, SendOutcome, Sink, StaticProvider, Token};
+use weft_provider::provider::{Completed, Provider, SendOutcome, Sink, Token};
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
 use weft_verbs_rc::{Sizing, VerbsRc};
@@ -214,8 +214,9 @@ fn time(ud: &mut VerbsUd, rc: &mut VerbsRc, ch: Channel, size: usize, n: usize) 
 /// its RC), `rounds` interleaved rounds of `n` messages per channel and size, medians.
 pub fn measure(sizing: Sizing, rounds: usize, n: usize) -> Result<Costs> {
     let mut boot = Singleton::new();
-    let mut ud = VerbsUd::open(&mut boot)?;
-    let mut rc = VerbsRc::open_sized(&mut boot, sizing)?;
+    let hca = weft_verbs::open_default()?;
+    let mut ud = VerbsUd::open_on(&mut boot, hca.clone())?;
+    let mut rc = VerbsRc::open_sized(&mut boot, sizing, hca)?;
     // RC to ourselves, and its RC-FP slots (offered over the connection itself).
     rc.connect(0)?;
     let t0 = Instant::now();

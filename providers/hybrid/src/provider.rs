@@ -29,6 +29,7 @@ use crate::rules::{Chain, Channel, JobChain, Open};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
+use std::sync::Arc;
 use weft_provider::bootstrap::Bootstrap;
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
@@ -38,6 +39,7 @@ use weft_provider::provider::{
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
+use weft_verbs::Hca;
 use weft_verbs_rc::{Sizing, VerbsRc};
 use weft_verbs_ud::VerbsUd;
 
@@ -203,6 +205,8 @@ pub struct Hybrid {
     size: u32,
     ud: VerbsUd,
     rc: VerbsRc,
+    /// The one device both channels use (its accounting is read once, not once per channel).
+    hca: Arc<dyn Hca>,
     chain: JobChain,
     budget: Budget,
     /// Per-peer order state (a pointer per rank, a record per peer talked to).
@@ -304,8 +308,11 @@ impl Hybrid {
             pool: RC_POOL,
             conns: cfg.limits.max_rc,
         };
-        let mut ud = VerbsUd::open(boot)?;
-        let mut rc = VerbsRc::open_sized(boot, sizing)?;
+        // One device for both channels, as a process has one HCA: they share its QP-context
+        // cache (the timing model's included) and its service threads.
+        let hca = weft_verbs::open_default()?;
+        let mut ud = VerbsUd::open_on(boot, hca.clone())?;
+        let mut rc = VerbsRc::open_sized(boot, sizing, hca.clone())?;
         if cfg.auto {
             // Calibrated (or cached) per host with the channels just opened; it reaches UD-SR
             // as far as the default chain does, so the sizes above stand.
@@ -334,6 +341,7 @@ impl Hybrid {
             size,
             ud,
             rc,
+            hca,
             chain,
             budget: Budget::new(rank, size, cfg.limits),
             peers: PeerTable::new(size as usize),
@@ -988,23 +996,24 @@ impl Provider for Hybrid {
             ("ctrl_sent", self.totals.ctrl_sent),
             ("held_for_order", self.totals.held),
         ];
-        // Memory: both channels' accounting added up, and our own per-peer tables
-        // (`weft bench mem`).
+        // Memory (`weft bench mem`): the device's accounting once (both channels report the
+        // whole shared device, queues and device memory), the channels' host buffers and
+        // per-peer records added up, and our own per-peer tables.
         let (u, r) = (self.ud.counters(), self.rc.counters());
+        let get = |c: &[(&'static str, u64)], key: &str| {
+            c.iter().find(|(k, _)| *k == key).map_or(0, |(_, x)| *x)
+        };
+        let a = self.hca.accounting();
         let own = self.peers.bytes()
             + self.sent_by_peer.as_ref().map_or(0, |t| t.bytes())
             + self.budget.bytes();
-        for key in ["mem_hca_bytes", "mem_buffer_bytes", "mem_peer_bytes"] {
-            let get = |c: &[(&'static str, u64)]| {
-                c.iter().find(|(k, _)| *k == key).map_or(0, |(_, x)| *x)
-            };
-            let mine = if key == "mem_peer_bytes" {
-                own as u64
-            } else {
-                0
-            };
-            v.push((key, get(&u) + get(&r) + mine));
-        }
+        let buffers = get(&u, "mem_buffer_bytes") + get(&r, "mem_buffer_bytes");
+        v.push(("mem_hca_bytes", a.queues()));
+        v.push(("mem_buffer_bytes", buffers.saturating_sub(a.dm_bytes)));
+        v.push((
+            "mem_peer_bytes",
+            get(&u, "mem_peer_bytes") + get(&r, "mem_peer_bytes") + own as u64,
+        ));
         v
     }
 }

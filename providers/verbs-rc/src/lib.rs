@@ -611,7 +611,13 @@ impl VerbsRc {
     /// eager buffer size and the shared pools' sizes given in `sizing` where the environment
     /// does not set them (the hybrid connects a few peers, not all, and only those that earned
     /// it).
-    pub fn open_sized(boot: &mut dyn Bootstrap, sizing: Sizing) -> Result<VerbsRc> {
+    /// `hca` is the device the composition's other channels use too (one per process, as on
+    /// hardware: one QP-context cache, one set of service threads).
+    pub fn open_sized(
+        boot: &mut dyn Bootstrap,
+        sizing: Sizing,
+        hca: Arc<dyn Hca>,
+    ) -> Result<VerbsRc> {
         let mut cfg = Config::from_env()?;
         cfg.fp_peers = sizing.fp_peers;
         // One more than the budget: the connection to ourselves.
@@ -634,7 +640,7 @@ impl VerbsRc {
         if !SEND_BUFS.is_set() {
             cfg.send_bufs = sizing.pool.clamp(16, 16384);
         }
-        Self::open_with(boot, &cfg)
+        Self::open_with(boot, &cfg, hca)
     }
 
     /// This process writes into an eager ring (RC-FP slots) in `peer`'s memory: RC-FP is open
@@ -755,8 +761,7 @@ impl VerbsRc {
             .is_some_and(|p| p.conn == Conn::Up)
     }
 
-    fn open_with(boot: &mut dyn Bootstrap, cfg: &Config) -> Result<VerbsRc> {
-        let hca = verbs::open_default()?;
+    fn open_with(boot: &mut dyn Bootstrap, cfg: &Config, hca: Arc<dyn Hca>) -> Result<VerbsRc> {
         let attr = hca.attr().clone();
         let pd = hca.alloc_pd()?;
         let max_sge = (attr.max_sge as usize).clamp(1, 16);
@@ -2319,7 +2324,7 @@ impl StaticProvider for VerbsRc {
     }
 
     fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
-        Self::open_with(boot, &Config::from_env()?)
+        Self::open_with(boot, &Config::from_env()?, verbs::open_default()?)
     }
 
     fn static_caps() -> Result<Caps> {

@@ -365,8 +365,18 @@ fn job_qkey(job: &str) -> u32 {
 }
 
 impl VerbsUd {
-    fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<VerbsUd> {
-        let hca = verbs::open_default()?;
+    /// Open on `hca`, which a composition (the hybrid provider) shares with its other channels:
+    /// one device per process, as on hardware, so that they share its QP-context cache and
+    /// its service threads.
+    pub fn open_on(boot: &mut dyn Bootstrap, hca: std::sync::Arc<dyn Hca>) -> Result<VerbsUd> {
+        Self::open_with(boot, Config::from_env()?, hca)
+    }
+
+    fn open_with(
+        boot: &mut dyn Bootstrap,
+        mut cfg: Config,
+        hca: std::sync::Arc<dyn Hca>,
+    ) -> Result<VerbsUd> {
         cfg.fit_mtu(hca.attr().active_mtu.bytes())?;
         let pd = hca.alloc_pd()?;
         let qkey = job_qkey(boot.job_id());
@@ -1639,7 +1649,7 @@ impl StaticProvider for VerbsUd {
     }
 
     fn open(boot: &mut dyn Bootstrap) -> Result<Self> {
-        Self::open_with(boot, Config::from_env()?)
+        Self::open_with(boot, Config::from_env()?, verbs::open_default()?)
     }
 
     fn static_caps() -> Result<Caps> {

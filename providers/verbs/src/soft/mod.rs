@@ -515,8 +515,10 @@ impl SoftHca {
             // the latencies of a window of requests overlap (the link serialises only their
             // bytes).
             for p in q.sq.iter_mut().filter(|p| p.due.is_none()) {
-                let ctx = (q.qpn as u64) << 32 | p.wr.ud.map_or(0, |u| u.remote_qpn as u64);
-                let (mut due, miss) = t.due(&self.cfg, ctx, p.wr.len());
+                // The cache holds this QP's context: a UD QP reaches every destination with
+                // the one context (the address travels in the work request), which is why
+                // UD-SR stays in the cache where many RC QPs thrash it (paper 001).
+                let (mut due, miss) = t.due(&self.cfg, u64::from(q.qpn), p.wr.len());
                 // A read or an atomic is a round trip: its answer crosses the link back.
                 if matches!(
                     p.wr.opcode,

@@ -290,7 +290,7 @@ impl Timing {
         }
     }
 
-    /// When a message of `len` bytes posted now on the QP pair `ctx` arrives, and whether its
+    /// When a message of `len` bytes posted now on the QP `ctx` arrives, and whether its
     /// QP context missed the cache. The link serialises messages; latency overlaps.
     pub fn due(&mut self, cfg: &Config, ctx: u64, len: usize) -> (Instant, bool) {
         let now = Instant::now();

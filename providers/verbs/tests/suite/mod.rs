@@ -1287,3 +1287,100 @@ fn timing_model_latencies_overlap_in_a_window() {
         "16 writes took {took:?}: latencies did not overlap"
     );
 }
+
+/// The QP-context cache of the timing model holds the sender's QP contexts: one UD QP that
+/// sends to many destinations stays cached (the address travels in each work request, as
+/// paper 001 says of UD-SR), while RC needs one QP per peer and misses once they outnumber
+/// the cache.
+#[test]
+fn timing_model_caches_one_ud_qp_whatever_its_destinations() {
+    let cfg = Config {
+        qp_cache: 2,
+        ..Config::default()
+    };
+    let a = side(hca(cfg.clone()), QpType::Ud, None, None);
+    let hb = hca_b(Config::default());
+    activate_ud(&*a.h, a.qp, 9).unwrap();
+    let ah =
+        a.h.create_ah(
+            a.pd,
+            &AhAttr {
+                dgid: hb.gid(),
+                ..AhAttr::default()
+            },
+        )
+        .unwrap();
+    let dests: Vec<Side> = (0..4)
+        .map(|_| {
+            let d = side(hb.clone(), QpType::Ud, None, None);
+            activate_ud(&*d.h, d.qp, 9).unwrap();
+            d
+        })
+        .collect();
+    let (_s, smr) = buf(&a, 64, 1, Access::ALL);
+    let before = a.h.counters().qp_cache_misses;
+    // Round robin over four destinations with a cache of two: each would evict the next.
+    for round in 0..3u64 {
+        for (i, d) in dests.iter().enumerate() {
+            let id = round * 4 + i as u64;
+            let mut wr = SendWr::send(id, &[smr.sge(0, 8)]).to(ah, d.qp.qpn, 9);
+            wr.signaled = true;
+            a.h.post_send(a.qp, &[wr]).unwrap();
+            assert_eq!(one(&a).status, WcStatus::Success);
+        }
+    }
+    assert_eq!(
+        a.h.counters().qp_cache_misses - before,
+        1,
+        "one UD QP misses once, at its first send"
+    );
+
+    // Four RC QPs of one context used in turn with a cache of two miss at every request.
+    let ra = hca(cfg);
+    let rb = hca_b(Config::default());
+    let (pa, pb) = (ra.alloc_pd().unwrap(), rb.alloc_pd().unwrap());
+    let (src, smr) = {
+        let mut b = vec![1u8; 64].into_boxed_slice();
+        // SAFETY: the box outlives the MR's use in this test (leaked with the HCA at the end).
+        let mr = unsafe { ra.reg_mr(pa, b.as_mut_ptr(), 64, Access::ALL) }.unwrap();
+        (b, mr)
+    };
+    let mut dst = vec![0u8; 64].into_boxed_slice();
+    // SAFETY: as above.
+    let dmr = unsafe { rb.reg_mr(pb, dst.as_mut_ptr(), 64, Access::ALL) }.unwrap();
+    let cq = ra.create_cq(64).unwrap();
+    let qps: Vec<Qp> = (0..4)
+        .map(|i| {
+            let init = |cq| QpInitAttr {
+                qp_type: QpType::Rc,
+                send_cq: cq,
+                recv_cq: cq,
+                srq: None,
+                cap: QpCap::default(),
+                sq_sig_all: false,
+            };
+            let qa = ra.create_qp(pa, &init(cq)).unwrap();
+            let cqb = rb.create_cq(4).unwrap();
+            let qb = rb.create_qp(pb, &init(cqb)).unwrap();
+            let ea = Endpoint::of(&*ra, qa, 300 + i);
+            let eb = Endpoint::of(&*rb, qb, 400 + i);
+            connect_rc(&*ra, qa, 300 + i, &eb, &fast()).unwrap();
+            connect_rc(&*rb, qb, 400 + i, &ea, &fast()).unwrap();
+            qa
+        })
+        .collect();
+    let before = ra.counters().qp_cache_misses;
+    for round in 0..3u64 {
+        for (i, q) in qps.iter().enumerate() {
+            let mut wr = SendWr::write(round * 4 + i as u64, &[smr.sge(0, 8)], dmr.addr, dmr.rkey);
+            wr.signaled = true;
+            ra.post_send(*q, &[wr]).unwrap();
+            assert_eq!(
+                wait_cq(&*ra, cq, 1, T).unwrap()[0].status,
+                WcStatus::Success
+            );
+        }
+    }
+    assert_eq!(ra.counters().qp_cache_misses - before, 12);
+    drop(src);
+}

@@ -432,21 +432,23 @@ impl<P: Provider> Comm<P> {
     ) -> Result<Posted> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
+        if !sync {
+            if let Some(data) = buf.contig_bytes() {
+                return self.post_plain(data, w, tag, ctx, scope);
+            }
+        }
         self.sh
             .engine
             .borrow_mut()
-            .isend(w, ctx, tag, buf, sync, scope)
+            .isend_general(w, ctx, tag, buf, sync, scope, false)
     }
 
-    /// A plain contiguous send to world rank `w` with a checked tag: the lean path first; a
-    /// message the provider took at once is `Posted::Done` with nothing left to do.
+    /// A plain contiguous send to world rank `w` with a checked tag: the lean path first (the
+    /// one place that tries it); a message the provider took at once is `Posted::Done` with
+    /// nothing left to do.
     #[inline(always)]
-    fn post_plain(&self, data: &[u8], w: Rank, tag: i32, scope: u64) -> Result<Posted> {
-        let lean = self
-            .sh
-            .engine
-            .borrow_mut()
-            .send_lean(w, self.ctx, tag, data)?;
+    fn post_plain(&self, data: &[u8], w: Rank, tag: i32, ctx: u32, scope: u64) -> Result<Posted> {
+        let lean = self.sh.engine.borrow_mut().send_lean(w, ctx, tag, data)?;
         if lean == Lean::Sent {
             return Ok(Posted::Done(Ok(Status {
                 source: w,
@@ -455,7 +457,7 @@ impl<P: Provider> Comm<P> {
                 cancelled: false,
             })));
         }
-        self.post_general(data, w, tag, scope, lean == Lean::Busy)
+        self.post_general(data, w, tag, ctx, scope, lean == Lean::Busy)
     }
 
     /// The rest of [`Self::post_plain`], out of line: the engine's general path.
@@ -465,18 +467,14 @@ impl<P: Provider> Comm<P> {
         data: &[u8],
         w: Rank,
         tag: i32,
+        ctx: u32,
         scope: u64,
         busy: bool,
     ) -> Result<Posted> {
-        self.sh.engine.borrow_mut().isend_general(
-            w,
-            self.ctx,
-            tag,
-            bytes_of(data),
-            false,
-            scope,
-            busy,
-        )
+        self.sh
+            .engine
+            .borrow_mut()
+            .isend_general(w, ctx, tag, bytes_of(data), false, scope, busy)
     }
 
     #[inline]
@@ -540,7 +538,7 @@ impl<P: Provider> Comm<P> {
     pub fn send<T: Pod>(&self, buf: &[T], dest: u32, tag: i32) -> Result<()> {
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        match self.post_plain(bytemuck::cast_slice(buf), w, tag, 0)? {
+        match self.post_plain(bytemuck::cast_slice(buf), w, tag, self.ctx, 0)? {
             // The lean path: a message the provider took at once needs nothing after it.
             Posted::Done(Ok(_)) => Ok(()),
             p => self.complete(p).map(|_| ()),

@@ -58,7 +58,7 @@ impl<P: Provider> Comm<P> {
         self.check_scope(s)?;
         let w = self.world_rank(dest)?;
         let tag = check_tag(tag)?;
-        let p = self.post_plain(bytemuck::cast_slice(buf), w, tag, s.id)?;
+        let p = self.post_plain(bytemuck::cast_slice(buf), w, tag, self.ctx, s.id)?;
         Ok(self.request(s, p, false))
     }
 

@@ -246,24 +246,6 @@ impl<P: Provider> Engine<P> {
 
     // ------------------------------------------------------------------------------ posting
 
-    #[inline]
-    pub(crate) fn isend(
-        &mut self,
-        dest: Rank,
-        ctx: u32,
-        tag: i32,
-        buf: SendBuf,
-        sync: bool,
-        scope: u64,
-    ) -> Result<Posted> {
-        let st = &mut self.st;
-        let r = st
-            .p2p
-            .isend(&mut self.p, &mut st.am, dest, ctx, tag, buf, sync, scope);
-        st.settle();
-        r
-    }
-
     /// A send's first try, the lean path ([`P2pState::send_lean`]). It changes nothing a
     /// failure sweep would need to hear of, so it does not settle.
     #[inline(always)]
@@ -279,7 +261,8 @@ impl<P: Provider> Engine<P> {
             .send_lean(&mut self.p, &self.st.am, dest, ctx, tag, data)
     }
 
-    /// A send the lean path did not take (`busy`: the provider refused it just now).
+    /// A send the lean path did not take or was not tried for (`busy`: the provider refused
+    /// it just now).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn isend_general(
         &mut self,

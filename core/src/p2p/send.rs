@@ -27,34 +27,6 @@ pub(crate) enum Lean {
 }
 
 impl P2pState {
-    /// Post a send. The lean path first ([`Self::send_lean`]); anything else, or a provider
-    /// that is busy, takes [`Self::isend_general`], which decides every case afresh.
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    pub(crate) fn isend<P: Provider>(
-        &mut self,
-        p: &mut P,
-        am: &mut AmState,
-        dest: Rank,
-        ctx: u32,
-        tag: i32,
-        buf: SendBuf,
-        sync: bool,
-        scope: u64,
-    ) -> Result<Posted> {
-        let mut busy = false;
-        if !sync {
-            if let Some(data) = buf.contig_bytes() {
-                match self.send_lean(p, am, dest, ctx, tag, data)? {
-                    Lean::Sent => return Ok(Posted::Done(Ok(status(dest, tag, data.len())))),
-                    Lean::Busy => busy = true,
-                    Lean::Skipped => {}
-                }
-            }
-        }
-        self.isend_general(p, am, dest, ctx, tag, buf, sync, scope, busy)
-    }
-
     /// The lean send: a small contiguous non-synchronous message to a connected, healthy peer
     /// with nothing queued ahead, within its eager credit and the peer's limits
     /// ([`AmState::lean_below`]: payload, eager and, where larger messages go zero-copy, inject
@@ -91,8 +63,9 @@ impl P2pState {
         Ok(Lean::Skipped)
     }
 
-    /// Post a send the lean path did not take. `busy`: the provider just refused this very
-    /// message, so an eager one is queued without asking again.
+    /// Post a send the lean path did not take or was not tried for (`Comm::post_plain` is the
+    /// one place that tries it first). `busy`: the provider just refused this very message,
+    /// so an eager one is queued without asking again.
     #[allow(clippy::too_many_arguments)]
     #[inline(never)]
     pub(crate) fn isend_general<P: Provider>(

@@ -19,6 +19,7 @@
 //! The contract itself is documented in [`provider`] and, for authors, in
 //! `docs/writing-a-provider.md`.
 
+pub mod backoff;
 pub mod bootstrap;
 pub mod cma;
 mod error;

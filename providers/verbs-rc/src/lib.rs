@@ -51,6 +51,7 @@ use std::io::IoSlice;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weft_provider::backoff::Backoff;
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
@@ -2051,6 +2052,8 @@ impl Provider for VerbsRc {
             fn peer_failed(&mut self, _: Rank, _: &str) {}
         }
         let deadline = Instant::now() + CLOSE_DRAIN;
+        // Empty rounds yield, then sleep, leaving the CPU to the peers being waited for.
+        let mut pause = Backoff::new();
         while self
             .peers
             .iter()
@@ -2060,7 +2063,8 @@ impl Provider for VerbsRc {
                 tracing::debug!("verbs-rc: closing with requests still in flight");
                 break;
             }
-            self.progress(&mut Discard)?;
+            let n = self.progress(&mut Discard)?;
+            pause.round(n > 0);
         }
         Ok(())
     }

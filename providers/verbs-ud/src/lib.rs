@@ -35,6 +35,7 @@ mod zcopy;
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::time::Duration;
+use weft_provider::backoff::Backoff;
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
 use weft_provider::provider::{
     Access, Caps, Completed, Completion, CompletionLevel, MemRegion, PeerCaps, ProbeContext,
@@ -1603,13 +1604,17 @@ impl Provider for VerbsUd {
             fn peer_failed(&mut self, _: Rank, _: &str) {}
         }
         let deadline = Instant::now() + Duration::from_millis(250);
+        // Empty rounds yield, then sleep: the acknowledgements come from peers' processes,
+        // which on an oversubscribed host need the CPU this loop would otherwise keep.
+        let mut pause = Backoff::new();
         while self
             .peers
             .iter()
             .any(|p| !p.failed && p.link.as_ref().is_some_and(|l| l.in_flight() > 0))
             && Instant::now() < deadline
         {
-            self.progress(&mut Discard)?;
+            let n = self.progress(&mut Discard)?;
+            pause.round(n > 0);
         }
         Ok(())
     }
@@ -1769,6 +1774,56 @@ fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {
 mod tests {
     use super::*;
     use weft_provider::bootstrap::InProcessJob;
+
+    /// CPU time this thread has run, in clock ticks (1/100 s), from `/proc/thread-self/stat`.
+    fn thread_cpu_ticks() -> u64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+        // The command name may hold spaces: the fields after it start at the last ')'.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime, fields 14 and 15 of the whole line.
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    }
+
+    /// A close that lingers for an acknowledgement that does not come (the peer alive but not
+    /// progressing) must not spin on its CPU for the whole linger: on an oversubscribed host
+    /// that CPU is what the peer needs to answer. It used to spin for all 250 ms.
+    #[test]
+    fn a_lingering_close_leaves_the_cpu_to_others() {
+        let job = InProcessJob::new(2, Duration::from_secs(20));
+        let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
+        // Rank 1 stays open and never progresses until rank 0 has closed: rank 0's message
+        // is never acknowledged.
+        let j1 = job.clone();
+        let one = std::thread::spawn(move || {
+            let mut b = VerbsUd::open(&mut j1.rank(1)).unwrap();
+            closed_rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("rank 0 closed");
+            b.close().unwrap();
+        });
+        let zero = std::thread::spawn(move || {
+            let mut a = VerbsUd::open(&mut job.rank(0)).unwrap();
+            a.connect(1).unwrap();
+            assert_eq!(a.am_send(1, &[1], &[]).unwrap(), SendOutcome::Sent);
+            let (t0, c0) = (std::time::Instant::now(), thread_cpu_ticks());
+            a.close().unwrap();
+            let r = (t0.elapsed(), thread_cpu_ticks() - c0);
+            closed_tx.send(()).unwrap();
+            r
+        });
+        let (wall, cpu) = zero.join().unwrap();
+        one.join().unwrap();
+        assert!(
+            wall >= Duration::from_millis(200),
+            "the close did not linger ({wall:?}): the test proves nothing"
+        );
+        assert!(
+            cpu * 10 < wall.as_millis() as u64 / 2,
+            "the close ran {} ms on its CPU out of {wall:?}",
+            cpu * 10
+        );
+    }
 
     /// A peer failed for a reason other than silence is reported with that reason by every
     /// later operation towards it (it used to be "no acknowledgement for 30 s" whatever the

@@ -59,9 +59,10 @@ mod tests {
     #[test]
     fn empty_rounds_yield_then_nap_and_progress_starts_over() {
         let mut b = Backoff::new();
-        assert!(!b.napping());
+        assert!(!b.napping(), "no empty round yet");
+        // (Whether the next rounds still only yield depends on how long the scheduler keeps
+        // this thread off its CPU at each yield, so it is not asserted.)
         b.round(false);
-        assert!(!b.napping(), "the first empty round only yields");
         let t0 = Instant::now();
         while !b.napping() {
             b.round(false);

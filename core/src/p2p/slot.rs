@@ -103,6 +103,12 @@ impl P2pState {
         matches!(self.slot, Slot::Armed(_))
     }
 
+    /// Nothing is in the slot: no receive armed, no outcome or demoted request left in it.
+    #[inline]
+    pub(crate) fn slot_idle(&self) -> bool {
+        matches!(self.slot, Slot::Idle)
+    }
+
     /// The slot's state, leaving it idle. A receive still armed is thereby withdrawn: nothing
     /// refers to its buffer afterwards.
     #[inline]

@@ -21,6 +21,7 @@
 
 pub mod backoff;
 pub mod bootstrap;
+pub mod bytes;
 pub mod cma;
 mod error;
 pub mod param;

@@ -19,6 +19,7 @@
 
 use crate::sync::{fence, AtomicU64, Ordering, UnsafeCell};
 use std::borrow::Cow;
+use weft_provider::bytes::copy_small;
 
 /// Bytes per cell.
 pub const CELL_SIZE: usize = 256;
@@ -191,10 +192,11 @@ fn fill(cell: &Cell, pos: u64, meta: Meta, hdr: &[u8], inline_parts: &[&[u8]]) {
     cell.meta.with_mut(|m| unsafe { *m = meta });
     cell.inline.with_mut(|b| {
         let b = unsafe { &mut *b };
-        b[..hdr.len()].copy_from_slice(hdr);
+        // A small message's header and payload: inline copies, no calls into memcpy.
+        copy_small(b, hdr);
         let mut at = hdr.len();
         for p in inline_parts {
-            b[at..at + p.len()].copy_from_slice(p);
+            copy_small(&mut b[at..], p);
             at += p.len();
         }
     });

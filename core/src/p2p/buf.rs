@@ -151,38 +151,6 @@ fn cpu_list_len(list: &str) -> usize {
         .sum()
 }
 
-/// Copy `n` bytes from `src` to `dst`: up to 16 inline, by two loads and two stores that may
-/// overlap in the middle, without a call into `memcpy` (most of the cost of copying the 8-byte
-/// payload of a lean receive); longer copies by `memcpy`.
-///
-/// # Safety
-/// As [`std::ptr::copy_nonoverlapping`]: `src` valid for reads and `dst` for writes of `n`
-/// bytes, the two not overlapping (no alignment needed).
-#[inline(always)]
-pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
-    // SAFETY (every branch): the offsets read and written stay below `n`, within the ranges
-    // the caller vouches for; unaligned accesses are used throughout.
-    unsafe {
-        if (8..=16).contains(&n) {
-            let a = src.cast::<u64>().read_unaligned();
-            let b = src.add(n - 8).cast::<u64>().read_unaligned();
-            dst.cast::<u64>().write_unaligned(a);
-            dst.add(n - 8).cast::<u64>().write_unaligned(b);
-        } else if (4..8).contains(&n) {
-            let a = src.cast::<u32>().read_unaligned();
-            let b = src.add(n - 4).cast::<u32>().read_unaligned();
-            dst.cast::<u32>().write_unaligned(a);
-            dst.add(n - 4).cast::<u32>().write_unaligned(b);
-        } else if n < 4 {
-            for i in 0..n {
-                *dst.add(i) = *src.add(i);
-            }
-        } else {
-            std::ptr::copy_nonoverlapping(src, dst, n);
-        }
-    }
-}
-
 /// Copy `src` to `dst` with non-temporal stores where the platform has them.
 ///
 /// # Safety
@@ -331,27 +299,7 @@ pub(crate) fn gather(buf: &SendBuf, out: &mut [u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_bytes, copy_nt, cpu_list_len, nt_copy_auto};
-
-    #[test]
-    fn small_copies_match_memcpy_at_every_length_and_offset() {
-        let src: Vec<u8> = (0..64u32).map(|i| (i * 13 + 5) as u8).collect();
-        for len in 0..=40 {
-            for (so, d) in [(0usize, 0usize), (1, 3), (7, 0), (3, 9)] {
-                let mut dst = vec![0xAAu8; 64];
-                // SAFETY: both ranges lie inside their vectors (so + len <= 47, d + len <= 49)
-                // and the vectors are distinct.
-                unsafe { copy_bytes(src.as_ptr().add(so), dst.as_mut_ptr().add(d), len) };
-                assert_eq!(&dst[d..d + len], &src[so..so + len], "len {len}");
-                assert!(dst[..d].iter().all(|&b| b == 0xAA), "len {len}: before");
-                assert!(
-                    dst[d + len..].iter().all(|&b| b == 0xAA),
-                    "len {len}: after"
-                );
-            }
-        }
-    }
-
+    use super::{copy_nt, cpu_list_len, nt_copy_auto};
     #[test]
     fn cpu_lists_count_their_cpus() {
         assert_eq!(cpu_list_len("0"), 1);

@@ -137,7 +137,8 @@ impl P2pState {
         let n = payload.len().min(a.cap);
         // SAFETY: `arm`'s contract: the buffer is valid for `cap` bytes while armed, and
         // `payload` (provider or unexpected memory) cannot overlap the caller's buffer.
-        unsafe { super::buf::copy_bytes(payload.as_ptr(), a.base, n) };
+        let dst = unsafe { std::slice::from_raw_parts_mut(a.base, n) };
+        weft_provider::bytes::copy_small(dst, &payload[..n]);
         self.slot = Slot::Done(recv_result(status(src, tag, payload.len()), a.cap));
         self.slot_done += 1;
         self.eager_matched(am, src, payload.len(), sreq);

@@ -36,7 +36,7 @@ mod tests {
         let src: Vec<u8> = (0..64u32).map(|i| (i * 29 + 7) as u8).collect();
         for len in 0..=40 {
             for at in [0usize, 1, 5, 13] {
-                let mut dst = vec![0x55u8; 64];
+                let mut dst = [0x55u8; 64];
                 copy_small(&mut dst[at..], &src[3..3 + len]);
                 assert_eq!(&dst[at..at + len], &src[3..3 + len], "len {len}");
                 assert!(dst[..at].iter().all(|&b| b == 0x55), "len {len}: before");

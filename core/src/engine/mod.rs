@@ -23,7 +23,8 @@ use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
 use crate::{Error, ErrorDetail, Result, Status};
-use std::time::{Duration, Instant};
+use std::time::Instant;
+use weft_provider::backoff::Backoff;
 
 /// Core state: everything but the provider. It is the provider's [`Sink`].
 pub(crate) struct State {
@@ -174,39 +175,6 @@ const FAST_ROUNDS: usize = 2;
 /// shows: short waits, a ping-pong's, poll without it, as UCX's and Open MPI's progress loops
 /// do; longer ones keep the hint (it frees the core's resources for a hyperthread sibling).
 const EAGER_POLLS: u32 = 256;
-
-/// How long a napping waiter sleeps between progress rounds.
-const NAP: Duration = Duration::from_micros(100);
-
-/// A waiter's way of giving up the CPU once it has spun its `spin` rounds: `sched_yield`, and
-/// after `sleep_after` of yielding with nothing arriving, a short sleep ([`NAP`]) per round.
-/// Yielding alone leaves the waiter runnable: with more ranks than CPUs a scheduler may keep
-/// picking the yielders and starve the rank they wait for, and the kernel's own threads, for
-/// tens of seconds (seen on this project's 2-CPU VM: `workqueue lockup` and `rcu_preempt
-/// kthread starved` in the kernel log at the times of the stalls); a sleeping waiter is off
-/// the run queue.
-#[derive(Default)]
-struct Nap {
-    since: Option<Instant>,
-    napping: bool,
-}
-
-impl Nap {
-    /// Yielding round `k` (from 1) of an idle wait.
-    #[inline]
-    fn idle_round(&mut self, sleep_after: Option<Duration>, k: u32) {
-        if self.napping {
-            std::thread::sleep(NAP);
-            return;
-        }
-        std::thread::yield_now();
-        // The clock only every 64th yield.
-        if let (Some(after), 0) = (sleep_after, k % 64) {
-            let t0 = *self.since.get_or_insert_with(Instant::now);
-            self.napping = t0.elapsed() >= after;
-        }
-    }
-}
 
 /// The engine: a provider plus the core state.
 pub(crate) struct Engine<P: Provider> {
@@ -429,7 +397,7 @@ impl<P: Provider> Engine<P> {
     ) -> Result<()> {
         let mut idle = 0u32;
         let mut rounds = 0u32;
-        let mut nap = Nap::default();
+        let mut nap = Backoff::default();
         // The clock is read after the second round, so a wait that ends within two rounds (the
         // common case: one progress call brings what it waits for) costs no clock read; the
         // timeout counts from there.
@@ -448,7 +416,7 @@ impl<P: Provider> Engine<P> {
                 }
             } else {
                 idle = 0;
-                nap = Nap::default();
+                nap.reset();
             }
             rounds = rounds.wrapping_add(1);
             if rounds == 2 && start.is_none() && self.cfg.timeout.is_some() {
@@ -726,33 +694,4 @@ pub(crate) fn fatal(rank: Rank, what: &str) -> ! {
     tracing::error!("{msg}");
     eprintln!("{msg}");
     std::process::exit(1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_waiter_naps_once_it_has_yielded_for_sleep_after_and_not_before() {
-        // Without a limit it never naps.
-        let mut n = Nap::default();
-        for k in 1..=1000 {
-            n.idle_round(None, k);
-        }
-        assert!(!n.napping);
-        // With one, the clock starts at the 64th yield and napping begins at the first look
-        // (every 64th) after `sleep_after` has passed.
-        let mut n = Nap::default();
-        for k in 1..64 {
-            n.idle_round(Some(Duration::ZERO), k);
-            assert!(!n.napping, "round {k}");
-        }
-        n.idle_round(Some(Duration::ZERO), 64);
-        assert!(n.napping);
-        let mut n = Nap::default();
-        for k in 1..=640 {
-            n.idle_round(Some(Duration::from_secs(3600)), k);
-        }
-        assert!(!n.napping && n.since.is_some());
-    }
 }

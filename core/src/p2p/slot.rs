@@ -135,8 +135,11 @@ impl P2pState {
             return false;
         }
         let n = payload.len().min(a.cap);
-        // SAFETY: `arm`'s contract: the buffer is valid for `cap` bytes while armed, and
-        // `payload` (provider or unexpected memory) cannot overlap the caller's buffer.
+        // SAFETY: `arm`'s contract: the buffer is valid for `cap` bytes while armed (`n` is at
+        // most `cap`), which `recv_now` guarantees by withdrawing the slot on every way out —
+        // a timeout, a failed peer, a panic (its guard is its own, not the caller's to leak);
+        // `payload` (provider or unexpected memory) cannot overlap the caller's buffer, so the
+        // slice is the only reference to those bytes while it lives.
         let dst = unsafe { std::slice::from_raw_parts_mut(a.base, n) };
         weft_provider::bytes::copy_small(dst, &payload[..n]);
         self.slot = Slot::Done(recv_result(status(src, tag, payload.len()), a.cap));

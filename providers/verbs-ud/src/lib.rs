@@ -1607,12 +1607,27 @@ impl Provider for VerbsUd {
         // Empty rounds yield, then sleep: the acknowledgements come from peers' processes,
         // which on an oversubscribed host need the CPU this loop would otherwise keep.
         let mut pause = Backoff::new();
-        while self
-            .peers
-            .iter()
-            .any(|p| !p.failed && p.link.as_ref().is_some_and(|l| l.in_flight() > 0))
-            && Instant::now() < deadline
-        {
+        loop {
+            // Acknowledgements we owe go now, not after their delay: once we are gone nothing
+            // would send them, and the peer's own close would wait for them in vain.
+            let now = Instant::now();
+            let mut waiting = false;
+            for r in 0..self.peers.len() {
+                let p = &mut self.peers[r];
+                let Some(l) = p.link.as_mut().filter(|_| !p.failed) else {
+                    continue;
+                };
+                if l.owes_ack() {
+                    l.ack_at_once();
+                    self.transmit(r as Rank, now)?;
+                }
+                let l = self.peers[r].link.as_ref().expect("checked above");
+                waiting |= l.in_flight() > 0 || l.owes_ack();
+            }
+            // ... and must have left the send queue before `Drop` destroys the QP.
+            if !(waiting || self.sq_used > 0) || now >= deadline {
+                break;
+            }
             let n = self.progress(&mut Discard)?;
             pause.round(n > 0);
         }
@@ -1823,6 +1838,72 @@ mod tests {
             "the close ran {} ms on its CPU out of {wall:?}",
             cpu * 10
         );
+    }
+
+    /// A rank that closes while it owes an acknowledgement (they are delayed by up to 100 µs)
+    /// sends it before it goes: nothing else ever would, and the peer's close then lingered its
+    /// whole 250 ms for it — at the end of every hybrid job, whose UD links fall quiet once
+    /// RC takes the traffic.
+    #[test]
+    fn a_close_sends_the_acknowledgements_it_owes() {
+        struct Count(usize);
+        impl Sink for Count {
+            fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {
+                self.0 += 1;
+            }
+            fn complete(
+                &mut self,
+                _: weft_provider::provider::Token,
+                _: Result<weft_provider::provider::Completed>,
+            ) {
+            }
+            fn peer_failed(&mut self, _: Rank, _: &str) {}
+        }
+        let job = InProcessJob::new(2, Duration::from_secs(20));
+        let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
+        // No keepalive probes: rank 1 must have nothing of its own in flight.
+        let open = |r: Rank, job: &std::sync::Arc<InProcessJob>| {
+            let mut cfg = Config::from_env().unwrap();
+            cfg.keepalive = None;
+            VerbsUd::open_with(&mut job.rank(r), cfg, verbs::open_default().unwrap()).unwrap()
+        };
+        let j1 = job.clone();
+        let one = std::thread::spawn(move || {
+            let mut b = open(1, &j1);
+            b.connect(0).unwrap();
+            let (mut got, t0) = (Count(0), Instant::now());
+            while got.0 == 0 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "rank 0's message never came"
+                );
+                b.progress(&mut got).unwrap();
+            }
+            // Nothing of its own in flight: the close has no acknowledgement to wait for.
+            let l = b.peers[0].link.as_ref().unwrap();
+            assert!(
+                l.owes_ack() && l.in_flight() == 0,
+                "not the case under test"
+            );
+            b.close().unwrap();
+            drop(b);
+            closed_tx.send(()).unwrap();
+        });
+        let mut a = open(0, &job);
+        a.connect(1).unwrap();
+        assert_eq!(a.am_send(1, &[1], &[]).unwrap(), SendOutcome::Sent);
+        closed_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("rank 1 closed");
+        one.join().unwrap();
+        let t0 = Instant::now();
+        while a.peers[1].link.as_ref().unwrap().in_flight() > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(2),
+                "rank 1 left without acknowledging rank 0's message"
+            );
+            a.progress(&mut Count(0)).unwrap();
+        }
     }
 
     /// A peer failed for a reason other than silence is reported with that reason by every

@@ -255,6 +255,20 @@ impl<S, R> Link<S, R> {
         Ok(psn)
     }
 
+    /// Whether packets of the peer's have been delivered or kept that no acknowledgement has
+    /// covered yet (a delayed acknowledgement is pending).
+    pub fn owes_ack(&self) -> bool {
+        self.ack_now || self.ack_pending > 0
+    }
+
+    /// Make a pending acknowledgement due at once instead of after the delay (a closing
+    /// endpoint: nothing later would send it).
+    pub fn ack_at_once(&mut self) {
+        if self.ack_pending > 0 {
+            self.ack_now = true;
+        }
+    }
+
     /// The next packet to send: retransmissions first, then new data, then a pure
     /// acknowledgement if one is due. Every packet carries the current acknowledgement.
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit<'_, S>> {

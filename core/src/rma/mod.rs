@@ -27,6 +27,7 @@
 //! acknowledgements are needed.
 
 mod target;
+mod waits;
 
 pub(crate) use target::{on_am, on_data, Ctx};
 
@@ -262,10 +263,9 @@ pub(crate) struct RmaState {
     pub wins: HashMap<u32, WinState>,
     /// Windows released without the collective free (their closure panicked).
     pub released: Vec<u32>,
-    pub waits: HashMap<u64, Wait>,
-    /// The remote rank each wait depends on (to fail it when that rank dies).
-    waits_on: HashMap<u64, Rank>,
-    next_token: u64,
+    /// What origins wait for, by token, each with the remote rank it depends on (failed
+    /// when that rank dies).
+    pub waits: waits::Waits<Wait>,
     /// Scratch for applying active-message accumulates to a copy of window bytes.
     scratch_acc: Vec<u8>,
 }
@@ -273,11 +273,7 @@ pub(crate) struct RmaState {
 impl RmaState {
     /// A fresh token for something the origin will wait for.
     pub fn token(&mut self, w: Wait, peer: Rank) -> u64 {
-        self.next_token += 1;
-        let t = am::TOKEN_RMA | self.next_token;
-        self.waits.insert(t, w);
-        self.waits_on.insert(t, peer);
-        t
+        self.waits.add(w, peer)
     }
 
     pub fn is_done(&self, t: u64) -> bool {
@@ -286,7 +282,6 @@ impl RmaState {
 
     /// Forget a finished wait, returning its error if it failed.
     pub fn take(&mut self, t: u64) -> Result<()> {
-        self.waits_on.remove(&t);
         match self.waits.remove(&t) {
             Some(Wait::Failed(e)) | Some(Wait::Native { err: Some(e), .. }) => Err(e),
             _ => Ok(()),
@@ -306,9 +301,9 @@ impl RmaState {
                     ws.native_done += 1;
                 }
             }
-            Some(_) => {
+            Some(w) => {
                 if let Err(e) = r {
-                    self.waits.insert(t, Wait::Failed(e));
+                    *w = Wait::Failed(e);
                 }
             }
             None => tracing::warn!(t, "completion for an unknown RMA operation"),
@@ -317,15 +312,11 @@ impl RmaState {
 
     /// A peer died: whatever waits for it fails.
     pub fn peer_failed(&mut self, rank: Rank, why: &str) {
-        for (t, r) in &self.waits_on {
-            if *r == rank {
-                if let Some(w) = self.waits.get_mut(t) {
-                    // Native operations end when the provider reports them (with an error,
-                    // now that the peer is gone): it may still be using their buffers.
-                    if !w.done() && !matches!(w, Wait::Native { .. }) {
-                        *w = Wait::Failed(Error::peer_failed(rank, why));
-                    }
-                }
+        for w in self.waits.on_peer_mut(rank) {
+            // Native operations end when the provider reports them (with an error, now that
+            // the peer is gone): it may still be using their buffers.
+            if !w.done() && !matches!(w, Wait::Native { .. }) {
+                *w = Wait::Failed(Error::peer_failed(rank, why));
             }
         }
     }

@@ -624,8 +624,6 @@ impl<'w, P: Provider> Window<'w, P> {
         if let Some(t) = token {
             self.tokens.borrow_mut().push(t);
         }
-        r.push(kind);
-        r.extend_from_slice(&(op.toff as u64).to_le_bytes());
         let cmp = !op.compare.is_null();
         let data_len = if cmp { op.len * 2 } else { op.len };
         let len_field = if matches!(op.kind, OpKind::Rmw(..)) {
@@ -633,21 +631,39 @@ impl<'w, P: Provider> Window<'w, P> {
         } else {
             op.len
         };
-        r.extend_from_slice(&(len_field as u32).to_le_bytes());
-        match op.kind {
-            OpKind::Put => {}
-            OpKind::Get => r.extend_from_slice(&token.unwrap_or(0).to_le_bytes()),
+        // The record's fixed fields, written into one array and appended at once (a push or
+        // an extend per field cost a capacity check each, per operation of every batch).
+        let mut h = [0u8; 24];
+        h[0] = kind;
+        h[1..9].copy_from_slice(&(op.toff as u64).to_le_bytes());
+        h[9..13].copy_from_slice(&(len_field as u32).to_le_bytes());
+        let t = token.unwrap_or(0).to_le_bytes();
+        let n = match op.kind {
+            OpKind::Put => 13,
+            OpKind::Get => {
+                h[13..21].copy_from_slice(&t);
+                21
+            }
             OpKind::Acc(o, ty) => {
-                r.push(o as u8);
-                r.push(ty as u8);
+                h[13] = o as u8;
+                h[14] = ty as u8;
+                15
             }
             OpKind::Rmw(o, ty) => {
-                r.push(o as u8);
-                r.push(ty as u8);
-                r.extend_from_slice(&token.unwrap_or(0).to_le_bytes());
-                r.push(cmp as u8);
+                h[13] = o as u8;
+                h[14] = ty as u8;
+                h[15..23].copy_from_slice(&t);
+                h[23] = cmp as u8;
+                24
             }
-        }
+        };
+        let data = if matches!(op.kind, OpKind::Get) {
+            0
+        } else {
+            data_len
+        };
+        r.reserve(n + data);
+        r.extend_from_slice(&h[..n]);
         if matches!(op.kind, OpKind::Put | OpKind::Acc(..) | OpKind::Rmw(..)) {
             // SAFETY: origin (and compare) buffers hold `len` bytes, borrowed by the epoch.
             unsafe {
@@ -749,9 +765,15 @@ impl<'w, P: Provider> Window<'w, P> {
         let id = self.id;
         let mut eng = self.engine();
         let mut cntr_err = None;
+        // Tokens before `ready` are done (a done token stays done until taken below): each
+        // round looks up only those not seen done yet, not every token of the epoch again.
+        let mut ready = 0;
         let waited = eng.wait_until("RMA operations to complete", |e| {
-            e.st.out_idle()
-                && toks.iter().all(|t| e.st.rma.is_done(*t))
+            while toks.get(ready).is_some_and(|t| e.st.rma.is_done(*t)) {
+                ready += 1;
+            }
+            ready == toks.len()
+                && e.st.out_idle()
                 && e.st
                     .rma
                     .wins

@@ -457,6 +457,7 @@ impl<P: Provider> Engine<P> {
     /// the whole call): through the slot (p2p/slot.rs) when no unexpected message matches it,
     /// the buffer is contiguous, the provider does not match tags itself and the source has not
     /// failed; otherwise posted and waited for as a request.
+    #[inline]
     pub(crate) fn recv_now(
         &mut self,
         src: Option<Rank>,
@@ -470,10 +471,7 @@ impl<P: Provider> Engine<P> {
             && matches!(buf.layout, Layout::Contig)
             && src.is_none_or(|s| st.am.alive(s));
         if !lean {
-            return match self.irecv(src, ctx, tag, buf, 0)? {
-                Posted::Done(r) => r,
-                Posted::Pending(id) => self.wait(id),
-            };
+            return self.recv_posted(src, ctx, tag, buf);
         }
         // SAFETY: `buf` is the caller's buffer, borrowed for this whole call; every way out of
         // this function takes the slot: a return through `slot_result` or `slot_abort` (which
@@ -482,6 +480,22 @@ impl<P: Provider> Engine<P> {
         // `SlotGuard`'s drop, which calls `slot_unwound` before the unwinding goes on.
         unsafe { st.p2p.arm(ctx, src, tag, buf.base, buf.cap) };
         SlotGuard(self).0.slot_wait()
+    }
+
+    /// A blocking receive that cannot take the slot: posted and waited for as a request. Out
+    /// of line, so that the lean path inlined into `Comm::recv` does not carry it.
+    #[inline(never)]
+    fn recv_posted(
+        &mut self,
+        src: Option<Rank>,
+        ctx: u32,
+        tag: Option<i32>,
+        buf: RecvBuf,
+    ) -> Result<Status> {
+        match self.irecv(src, ctx, tag, buf, 0)? {
+            Posted::Done(r) => r,
+            Posted::Pending(id) => self.wait(id),
+        }
     }
 
     /// Wait for the armed slot, then take its outcome (called through a [`SlotGuard`]).

@@ -1912,9 +1912,13 @@ mod tests {
     #[test]
     fn a_failed_peer_is_reported_with_the_reason_it_failed_for() {
         let job = InProcessJob::new(2, Duration::from_secs(20));
+        // Rank 1 keeps its device until rank 0 is done: an open (or a connect) that reaches
+        // for a device already dropped fails, as it should, and the test with it (it did when
+        // rank 1 left first).
+        let done = std::sync::Arc::new(std::sync::Barrier::new(2));
         let hs: Vec<_> = (0..2)
             .map(|r| {
-                let job = job.clone();
+                let (job, done) = (job.clone(), done.clone());
                 std::thread::spawn(move || {
                     let mut p = VerbsUd::open(&mut job.rank(r)).unwrap();
                     if r == 0 {
@@ -1925,6 +1929,7 @@ mod tests {
                         let e = p.connect(1).unwrap_err();
                         assert!(e.to_string().contains("it exited"), "{e}");
                     }
+                    done.wait();
                 })
             })
             .collect();

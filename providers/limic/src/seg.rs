@@ -530,15 +530,18 @@ pub fn sref_parts(r: u32) -> (usize, usize) {
     ((r >> 16) as usize, (r & 0xffff) as usize)
 }
 
-/// Hold `lock` (spinning, then yielding). A holder that died is detected through `alive` and
-/// its lock taken over, so a crash inside a critical section cannot hang the others; the
-/// guard then says so (`took_over`), and what the lock guards must be checked.
+/// Hold `lock` (spinning, then yielding, then — held for over a millisecond, its holder most
+/// likely descheduled — sleeping between tries, so that the CPU goes to the ranks that need
+/// it; see `weft_provider::backoff`). A holder that died is detected through `alive` and its
+/// lock taken over, so a crash inside a critical section cannot hang the others; the guard
+/// then says so (`took_over`), and what the lock guards must be checked.
 pub fn lock<'a>(lock: &'a Lock, me: usize, alive: impl Fn(usize) -> bool) -> Guard<'a> {
+    let mut pause = weft_provider::backoff::Backoff::new();
     let took_over = acquire(&lock.word, me, alive, 1024, |spins| {
         if spins < 64 {
             std::hint::spin_loop();
         } else {
-            std::thread::yield_now();
+            pause.round(false);
         }
     });
     if took_over {
@@ -641,6 +644,34 @@ mod tests {
         let g = lock(&a.area(0).lock, 0, |r| r != 1);
         assert_eq!(a.area(0).lock.word.load(Ordering::Relaxed), 1);
         drop(g);
+    }
+
+    /// A rank waiting for a lock held long (its holder descheduled on an oversubscribed host)
+    /// must not keep its CPU for the whole wait: that CPU may be what the holder needs to
+    /// finish. It used to spin, then yield, for as long as the lock was held.
+    #[test]
+    fn a_long_lock_wait_leaves_the_cpu_to_others() {
+        let l = std::sync::Arc::new(Lock {
+            word: AtomicU32::new(2),
+        });
+        let held = std::time::Duration::from_millis(300);
+        let holder = {
+            let l = l.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(held);
+                l.word.store(0, Ordering::Release);
+            })
+        };
+        let (t0, c0) = (std::time::Instant::now(), weft_testing::thread_cpu_ticks());
+        drop(lock(&l, 0, |_| true));
+        let (wall, cpu) = (t0.elapsed(), weft_testing::thread_cpu_ticks() - c0);
+        holder.join().unwrap();
+        assert!(wall >= held / 2, "the lock was not waited for ({wall:?})");
+        assert!(
+            cpu * 10 < wall.as_millis() as u64 / 2,
+            "the wait ran {} ms on its CPU out of {wall:?}",
+            cpu * 10
+        );
     }
 
     /// Build queues with `append`, then let anything happen to the link words (a holder that

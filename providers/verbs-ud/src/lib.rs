@@ -1789,16 +1789,7 @@ fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {
 mod tests {
     use super::*;
     use weft_provider::bootstrap::InProcessJob;
-
-    /// CPU time this thread has run, in clock ticks (1/100 s), from `/proc/thread-self/stat`.
-    fn thread_cpu_ticks() -> u64 {
-        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
-        // The command name may hold spaces: the fields after it start at the last ')'.
-        let rest = &stat[stat.rfind(')').unwrap() + 2..];
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        // utime and stime, fields 14 and 15 of the whole line.
-        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
-    }
+    use weft_testing::thread_cpu_ticks;
 
     /// A close that lingers for an acknowledgement that does not come (the peer alive but not
     /// progressing) must not spin on its CPU for the whole linger: on an oversubscribed host

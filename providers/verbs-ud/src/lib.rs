@@ -1621,8 +1621,11 @@ impl Provider for VerbsUd {
                     l.ack_at_once();
                     self.transmit(r as Rank, now)?;
                 }
-                let l = self.peers[r].link.as_ref().expect("checked above");
-                waiting |= l.in_flight() > 0 || l.owes_ack();
+                // (A peer that `transmit` found gone is waited for no more.)
+                let p = &self.peers[r];
+                if let Some(l) = p.link.as_ref().filter(|_| !p.failed) {
+                    waiting |= l.in_flight() > 0 || l.owes_ack();
+                }
             }
             // ... and must have left the send queue before `Drop` destroys the QP.
             if !(waiting || self.sq_used > 0) || now >= deadline {

@@ -1,10 +1,10 @@
-//! Pausing between the empty rounds of a provider's own wait loops (a close that lingers for
-//! acknowledgements, say), outside the core's waits.
+//! Pausing between the empty rounds of a wait loop: the core's waits and a provider's own
+//! (a close that lingers for acknowledgements, a lock held by another process).
 //!
 //! A loop that only spins keeps its CPU for as long as it waits; on a host with more ranks
 //! than CPUs that CPU is what the peer it waits for needs to answer, and a kernel without
 //! preemption may not take it away for a long time (docs/providers.md, the verbs-ud stall).
-//! [`Backoff::pause`] yields after an empty round, and once it has yielded for
+//! [`Backoff::round`] yields after an empty round, and once it has yielded for
 //! [`Backoff::YIELD_FOR`] without anything happening sleeps [`Backoff::NAP`] per round
 //! instead, as the core's waits do on an oversubscribed host.
 

@@ -100,6 +100,23 @@ pub trait Sink {
     fn connection(&mut self, _peer: Rank, _event: ConnEvent) {}
 }
 
+/// A sink that drops everything it is given and counts the active messages: for a provider's
+/// own progress calls outside the core's (a close draining what is still on its way, a
+/// calibration run that only counts arrivals).
+#[derive(Debug, Default)]
+pub struct Discard {
+    /// Active messages handed to it so far.
+    pub ams: usize,
+}
+
+impl Sink for Discard {
+    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {
+        self.ams += 1;
+    }
+    fn complete(&mut self, _: Token, _: Result<Completed>) {}
+    fn peer_failed(&mut self, _: Rank, _: &str) {}
+}
+
 fn unsupported<T>(what: &str) -> Result<T> {
     Err(Error::from(ErrorDetail::Unsupported(format!(
         "{what} is not a native capability of this provider"

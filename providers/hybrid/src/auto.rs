@@ -29,7 +29,7 @@ use std::io::IoSlice;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::{Bootstrap, Singleton};
-use weft_provider::provider::{Completed, Provider, SendOutcome, Sink, Token};
+use weft_provider::provider::{Discard, Provider, SendOutcome};
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
 use weft_verbs_rc::{Sizing, VerbsRc};
@@ -154,16 +154,6 @@ pub fn chain_from(c: &Costs) -> Chain {
     Chain(rules)
 }
 
-struct Count(usize);
-
-impl Sink for Count {
-    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {
-        self.0 += 1;
-    }
-    fn complete(&mut self, _: Token, _: Result<Completed>) {}
-    fn peer_failed(&mut self, _: Rank, _: &str) {}
-}
-
 /// Everything this long at most (a channel that does not move is an error, not a hang).
 const LIMIT: Duration = Duration::from_secs(10);
 
@@ -172,7 +162,7 @@ const LIMIT: Duration = Duration::from_secs(10);
 fn time(ud: &mut VerbsUd, rc: &mut VerbsRc, ch: Channel, size: usize, n: usize) -> Result<f64> {
     let hdr = [0u8; 16];
     let body = vec![0x5au8; size];
-    let mut sink = Count(0);
+    let mut sink = Discard::default();
     let t0 = Instant::now();
     for i in 0..n {
         let payload = [IoSlice::new(&body)];
@@ -194,7 +184,7 @@ fn time(ud: &mut VerbsUd, rc: &mut VerbsRc, ch: Channel, size: usize, n: usize) 
                 )));
             }
         }
-        while sink.0 <= i {
+        while sink.ams <= i {
             match ch {
                 Channel::UdSr => ud.progress(&mut sink)?,
                 _ => rc.progress(&mut sink)?,
@@ -220,7 +210,7 @@ pub fn measure(sizing: Sizing, rounds: usize, n: usize) -> Result<Costs> {
     // RC to ourselves, and its RC-FP slots (offered over the connection itself).
     rc.connect(0)?;
     let t0 = Instant::now();
-    let mut sink = Count(0);
+    let mut sink = Discard::default();
     while !rc.fast_path_to(0) && sizing.fp_peers > 0 {
         rc.progress(&mut sink)?;
         if t0.elapsed() > LIMIT {
@@ -334,7 +324,7 @@ fn store(sizing: &Sizing, costs: &Costs, chain: &Chain, how: &str) {
 fn pingpong(
     ud: &mut VerbsUd,
     rc: &mut VerbsRc,
-    sink: &mut Count,
+    sink: &mut Discard,
     peer: Rank,
     lead: bool,
     ch: Channel,
@@ -344,7 +334,7 @@ fn pingpong(
     let hdr = [0u8; 16];
     let body = vec![0x5au8; size];
     let t0 = Instant::now();
-    let send = |ud: &mut VerbsUd, rc: &mut VerbsRc, sink: &mut Count| -> Result<()> {
+    let send = |ud: &mut VerbsUd, rc: &mut VerbsRc, sink: &mut Discard| -> Result<()> {
         let payload = [IoSlice::new(&body)];
         loop {
             let out = match ch {
@@ -365,8 +355,8 @@ fn pingpong(
             }
         }
     };
-    let wait = |ud: &mut VerbsUd, rc: &mut VerbsRc, sink: &mut Count, want: usize| {
-        while sink.0 < want {
+    let wait = |ud: &mut VerbsUd, rc: &mut VerbsRc, sink: &mut Discard, want: usize| {
+        while sink.ams < want {
             ud.progress(sink)?;
             rc.progress(sink)?;
             if t0.elapsed() > LIMIT {
@@ -378,7 +368,7 @@ fn pingpong(
         }
         Ok(())
     };
-    let base = sink.0;
+    let base = sink.ams;
     for i in 0..n {
         if lead {
             send(ud, rc, sink)?;
@@ -405,7 +395,7 @@ pub fn measure_pair(
     rounds: usize,
     n: usize,
 ) -> Result<Option<Costs>> {
-    let mut sink = Count(0);
+    let mut sink = Discard::default();
     ud.connect(peer)?;
     if lead {
         rc.connect(peer)?;

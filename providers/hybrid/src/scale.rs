@@ -21,7 +21,7 @@ use crate::Hybrid;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use weft_provider::bootstrap::{Bootstrap, KvSpace, NodeMap};
-use weft_provider::provider::{Completed, Provider, Sink, StaticProvider, Token};
+use weft_provider::provider::{Discard, Provider, StaticProvider};
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
 use weft_verbs_rc::VerbsRc;
@@ -147,14 +147,6 @@ impl Bootstrap for Phantom {
     }
 }
 
-struct Discard;
-
-impl Sink for Discard {
-    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
-    fn complete(&mut self, _: Token, _: Result<Completed>) {}
-    fn peer_failed(&mut self, _: Rank, _: &str) {}
-}
-
 fn footprint(p: &dyn Provider, size: u32, touched: u32) -> Result<Footprint> {
     let c = p.counters();
     let get = |k: &str| c.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
@@ -180,7 +172,7 @@ fn touch_all(p: &mut dyn Provider, peers: std::ops::Range<u32>) -> Result<()> {
     for r in peers {
         p.connect(r)?;
     }
-    p.progress(&mut Discard)?;
+    p.progress(&mut Discard::default())?;
     Ok(())
 }
 

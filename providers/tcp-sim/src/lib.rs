@@ -30,7 +30,9 @@ use std::io::{IoSlice, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::Bootstrap;
-use weft_provider::provider::{Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider};
+use weft_provider::provider::{
+    Caps, Discard, ProbeContext, Provider, SendOutcome, Sink, StaticProvider,
+};
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
 weft_provider::param!(BIND: Str = "tcp-sim", "BIND", "auto",
@@ -1144,27 +1146,13 @@ impl Provider for TcpSim {
                 }
                 if ev.is_readable() {
                     // Only handshakes matter now; messages arriving after finalize are dropped.
-                    self.on_readable(t.0, &mut NullSink);
+                    self.on_readable(t.0, &mut Discard::default());
                 }
             }
             self.events = events;
         }
         Ok(())
     }
-}
-
-/// Drops everything (used while closing).
-struct NullSink;
-
-impl Sink for NullSink {
-    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
-    fn complete(
-        &mut self,
-        _: weft_provider::provider::Token,
-        _: Result<weft_provider::provider::Completed>,
-    ) {
-    }
-    fn peer_failed(&mut self, _: Rank, _: &str) {}
 }
 
 impl StaticProvider for TcpSim {

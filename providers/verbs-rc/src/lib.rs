@@ -56,8 +56,8 @@ use weft_provider::bootstrap::{Bootstrap, KvSpace};
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Access, AtomicOp, Caps, CntrId, CntrValue, Completion, CompletionLevel, CompletionTable,
-    ConnEvent, MemRegion, PeerCaps, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr, RmaCaps,
-    SendOutcome, Sink, StaticProvider,
+    ConnEvent, Discard, MemRegion, PeerCaps, ProbeContext, Provider, RawIov, RawIovMut, RemoteAddr,
+    RmaCaps, SendOutcome, Sink, StaticProvider,
 };
 use weft_provider::types::{AtomicTable, BasicType, Op, Rank};
 use weft_provider::{Error, ErrorDetail, Result};
@@ -2040,17 +2040,6 @@ impl Provider for VerbsRc {
     /// it — the peer would then wait for a message that never comes. Bounded: a peer that has
     /// already gone never acknowledges (nothing it needs is lost then).
     fn close(&mut self) -> Result<()> {
-        struct Discard;
-        impl Sink for Discard {
-            fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
-            fn complete(
-                &mut self,
-                _: weft_provider::provider::Token,
-                _: Result<weft_provider::provider::Completed>,
-            ) {
-            }
-            fn peer_failed(&mut self, _: Rank, _: &str) {}
-        }
         let deadline = Instant::now() + CLOSE_DRAIN;
         // Empty rounds yield, then sleep, leaving the CPU to the peers being waited for.
         let mut pause = Backoff::new();
@@ -2063,7 +2052,7 @@ impl Provider for VerbsRc {
                 tracing::debug!("verbs-rc: closing with requests still in flight");
                 break;
             }
-            let n = self.progress(&mut Discard)?;
+            let n = self.progress(&mut Discard::default())?;
             pause.round(n > 0);
         }
         Ok(())

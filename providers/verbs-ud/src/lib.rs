@@ -38,8 +38,8 @@ use std::time::Duration;
 use weft_provider::backoff::Backoff;
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
 use weft_provider::provider::{
-    Access, Caps, Completed, Completion, CompletionLevel, MemRegion, PeerCaps, ProbeContext,
-    Provider, RawIov, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider, Token,
+    Access, Caps, Completed, Completion, CompletionLevel, Discard, MemRegion, PeerCaps,
+    ProbeContext, Provider, RawIov, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider, Token,
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
@@ -1592,17 +1592,6 @@ impl Provider for VerbsUd {
     fn close(&mut self) -> Result<()> {
         // After the final barrier: let the last packets be acknowledged (a peer may still
         // need them), bounded — a peer that already left never acknowledges.
-        struct Discard;
-        impl Sink for Discard {
-            fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {}
-            fn complete(
-                &mut self,
-                _: weft_provider::provider::Token,
-                _: Result<weft_provider::provider::Completed>,
-            ) {
-            }
-            fn peer_failed(&mut self, _: Rank, _: &str) {}
-        }
         let deadline = Instant::now() + Duration::from_millis(250);
         // Empty rounds yield, then sleep: the acknowledgements come from peers' processes,
         // which on an oversubscribed host need the CPU this loop would otherwise keep.
@@ -1631,7 +1620,7 @@ impl Provider for VerbsUd {
             if !(waiting || self.sq_used > 0) || now >= deadline {
                 break;
             }
-            let n = self.progress(&mut Discard)?;
+            let n = self.progress(&mut Discard::default())?;
             pause.round(n > 0);
         }
         Ok(())
@@ -1840,19 +1829,6 @@ mod tests {
     /// RC takes the traffic.
     #[test]
     fn a_close_sends_the_acknowledgements_it_owes() {
-        struct Count(usize);
-        impl Sink for Count {
-            fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {
-                self.0 += 1;
-            }
-            fn complete(
-                &mut self,
-                _: weft_provider::provider::Token,
-                _: Result<weft_provider::provider::Completed>,
-            ) {
-            }
-            fn peer_failed(&mut self, _: Rank, _: &str) {}
-        }
         let job = InProcessJob::new(2, Duration::from_secs(20));
         let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
         // No keepalive probes: rank 1 must have nothing of its own in flight.
@@ -1865,8 +1841,8 @@ mod tests {
         let one = std::thread::spawn(move || {
             let mut b = open(1, &j1);
             b.connect(0).unwrap();
-            let (mut got, t0) = (Count(0), Instant::now());
-            while got.0 == 0 {
+            let (mut got, t0) = (Discard::default(), Instant::now());
+            while got.ams == 0 {
                 assert!(
                     t0.elapsed() < Duration::from_secs(10),
                     "rank 0's message never came"
@@ -1896,7 +1872,7 @@ mod tests {
                 t0.elapsed() < Duration::from_secs(2),
                 "rank 1 left without acknowledging rank 0's message"
             );
-            a.progress(&mut Count(0)).unwrap();
+            a.progress(&mut Discard::default()).unwrap();
         }
     }
 

@@ -5,7 +5,7 @@
 //! segment, the engine or a second core, so that the ring and MPSC variants and the inline and
 //! data-area paths can be compared operation by operation.
 
-use crate::queue::{self, Cell, DataState, Line, SendState, Unit};
+use crate::queue::{self, Cell, DataState, Line, SendState, Tails, Unit};
 use crate::sync::UnsafeCell;
 
 /// Which small-message queue to exercise.
@@ -22,7 +22,7 @@ pub struct Pair {
     flavour: Flavour,
     cells: Vec<Cell>,
     data: Vec<Unit>,
-    tail: Line,
+    tails: Tails,
     enq: Line,
     bell: Vec<Line>,
     st: SendState,
@@ -39,7 +39,7 @@ impl Pair {
             data: (0..data_bytes.div_ceil(queue::UNIT))
                 .map(|_| UnsafeCell::new([0; queue::UNIT]))
                 .collect(),
-            tail: Line::new(0),
+            tails: Tails::new(),
             enq: Line::new(0),
             bell: vec![Line::new(0)],
             st: SendState::default(),
@@ -55,7 +55,7 @@ impl Pair {
             Flavour::Ring => queue::ring_send(
                 &self.cells,
                 &self.data,
-                &self.tail,
+                &self.tails,
                 &mut self.st,
                 0,
                 hdr,
@@ -66,7 +66,7 @@ impl Pair {
                 &self.enq,
                 &self.cells,
                 &self.data,
-                &self.tail,
+                &self.tails.data,
                 &mut self.st,
                 0,
                 hdr,
@@ -93,12 +93,19 @@ impl Pair {
             Err((meta, _)) => (meta, None),
         };
         let nunits = self.data.len();
-        queue::release(
-            &self.cells,
-            self.rpos,
-            &meta,
-            Some((&mut self.ds, &self.tail, nunits)),
-        );
+        match self.flavour {
+            Flavour::Ring => {
+                queue::release_ring(self.cells.len(), &meta, &mut self.ds, &self.tails, nunits);
+                // One receive at a time: publish as a receiver going idle would.
+                queue::flush_tails(&mut self.ds, &self.tails);
+            }
+            Flavour::Mpsc => queue::release(
+                &self.cells,
+                self.rpos,
+                &meta,
+                Some((&mut self.ds, &self.tails.data, nunits)),
+            ),
+        }
         self.rpos += 1;
         n
     }

@@ -350,23 +350,35 @@ impl Shm {
                     meta
                 }
             };
-            let from = meta.src as usize;
-            let ds = (from < nlocal)
-                .then(|| (&mut self.data[from], self.seg.pair_tail(from, me), nunits));
-            queue::release(cells, pos, &meta, ds);
             match src {
-                Some(s) => self.recv_pos[s] += 1,
-                None => self.mpsc_pos += 1,
+                Some(s) => {
+                    // The pair's own ring: its data, whatever the cell claims.
+                    let tails = self.seg.pair_tails(s, me);
+                    queue::release_ring(cells.len(), &meta, &mut self.data[s], tails, nunits);
+                    self.recv_pos[s] += 1;
+                }
+                None => {
+                    let from = meta.src as usize;
+                    let ds = (from < nlocal).then(|| {
+                        (
+                            &mut self.data[from],
+                            &self.seg.pair_tails(from, me).data,
+                            nunits,
+                        )
+                    });
+                    queue::release(cells, pos, &meta, ds);
+                    self.mpsc_pos += 1;
+                }
             }
             n += 1;
         }
         if n > 0 {
             // The queue is empty: let blocked senders see the space we freed.
             match src {
-                Some(s) => queue::flush_tail(&mut self.data[s], self.seg.pair_tail(s, me)),
+                Some(s) => queue::flush_tails(&mut self.data[s], self.seg.pair_tails(s, me)),
                 None => {
                     for s in 0..nlocal {
-                        queue::flush_tail(&mut self.data[s], self.seg.pair_tail(s, me));
+                        queue::flush_tails(&mut self.data[s], self.seg.pair_tails(s, me));
                     }
                 }
             }
@@ -474,7 +486,7 @@ impl Provider for Shm {
                 let ok = queue::ring_send(
                     self.seg.pair_cells(self.me, li),
                     self.seg.pair_data(self.me, li),
-                    self.seg.pair_tail(self.me, li),
+                    self.seg.pair_tails(self.me, li),
                     &mut self.send[li],
                     me,
                     header,
@@ -490,7 +502,7 @@ impl Provider for Shm {
                 self.seg.queue_enq(li),
                 self.seg.queue_cells(li),
                 self.seg.pair_data(self.me, li),
-                self.seg.pair_tail(self.me, li),
+                &self.seg.pair_tails(self.me, li).data,
                 &mut self.send[li],
                 me,
                 header,

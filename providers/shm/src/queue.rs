@@ -7,6 +7,12 @@
 //!   reads a shared head pointer, and stale bytes can never look like a message.
 //! * Cells are organised either as one **SPSC ring per ordered pair** (`ring`) or as one
 //!   **MPSC queue per receiver** (`mpsc`, senders reserve positions with a CAS).
+//! * In a ring the receiver never writes a cell: it publishes how many messages it has
+//!   consumed (the ring's *cell tail*, next to the data tail), lazily like the data tail, and the
+//!   sender reads it only when its cached copy says the ring is full. A ping-pong message then
+//!   costs the sender no read of a line the receiver wrote last, and the receiver no store
+//!   ahead of its reply's in the store buffer. (The MPSC queue keeps Vyukov's hand-back, which
+//!   its senders' position reservation needs.)
 //! * Payloads that do not fit inline go to the pair's **data area** — the RDMA-channel ring:
 //!   fixed 64-byte units, a private head at the sender and a tail the receiver publishes
 //!   *lazily*, once a quarter of the area has been consumed; the sender re-reads the tail only
@@ -76,6 +82,24 @@ pub struct Line {
     pub v: AtomicU64,
 }
 
+/// What a pair's receiver publishes to the sender, each counter alone on its line: the data
+/// area's tail (in units) and, for a ring, the count of consumed messages.
+#[repr(C)]
+pub struct Tails {
+    pub data: Line,
+    pub cells: Line,
+}
+
+impl Tails {
+    #[cfg_attr(not(loom), allow(dead_code))]
+    pub fn new() -> Self {
+        Tails {
+            data: Line::new(0),
+            cells: Line::new(0),
+        }
+    }
+}
+
 impl Line {
     #[cfg_attr(not(loom), allow(dead_code))]
     pub fn new(v: u64) -> Self {
@@ -97,13 +121,18 @@ pub struct SendState {
     pub data_head: u64,
     /// Last tail read from the receiver.
     pub tail_cache: u64,
+    /// Ring only: the receiver's consumed-message count, as last read.
+    pub cells_cache: u64,
 }
 
-/// Receiver-private state for one sender's data area.
+/// Receiver-private state for one sender's data area (and, with rings, its ring).
 #[derive(Debug, Default, Clone)]
 pub struct DataState {
     pub consumed: u64,
     pub published: u64,
+    /// Ring only: messages consumed, and the count last published in the cell tail.
+    pub cells: u64,
+    pub cells_published: u64,
 }
 
 /// Where a message's payload goes.
@@ -114,6 +143,7 @@ pub struct Plan {
 }
 
 /// Units needed for `len` bytes.
+#[inline]
 fn units(len: usize) -> u64 {
     len.div_ceil(UNIT) as u64
 }
@@ -121,6 +151,7 @@ fn units(len: usize) -> u64 {
 /// Plan room for `len` payload bytes in `data` after `st.data_head`, wrapping to the start when
 /// the payload would not be contiguous. `None` when there is no room even after re-reading the
 /// receiver's tail.
+#[inline]
 pub fn plan(data: &[Unit], st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
     plan_in(data.len() as u64, st, tail, len)
 }
@@ -134,6 +165,7 @@ pub fn ring_fits(ring: usize, chunk: usize) -> bool {
 }
 
 /// `plan` over a data area of `n` units.
+#[inline]
 fn plan_in(n: u64, st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
     let need = units(len);
     if need > n / 2 {
@@ -186,9 +218,12 @@ fn write_data(data: &[Unit], p: Plan, parts: &[&[u8]]) {
 }
 
 /// Fill a reserved cell and publish it at `pos`.
+#[inline]
 fn fill(cell: &Cell, pos: u64, meta: Meta, hdr: &[u8], inline_parts: &[&[u8]]) {
-    // SAFETY: the cell at `pos` is reserved for us (seq == pos and we own the position), so no
-    // other thread reads or writes its meta/inline until we publish seq = pos + 1.
+    // SAFETY: the cell at `pos` is ours: in a ring the receiver has published that it consumed
+    // position `pos - n` (see `ring_send`), in the MPSC queue we reserved `pos` against seq ==
+    // pos. No other thread writes it, and a reader reads meta/inline only after seeing seq ==
+    // pos + 1, which we publish last.
     cell.meta.with_mut(|m| unsafe { *m = meta });
     cell.inline.with_mut(|b| {
         let b = unsafe { &mut *b };
@@ -204,6 +239,7 @@ fn fill(cell: &Cell, pos: u64, meta: Meta, hdr: &[u8], inline_parts: &[&[u8]]) {
 }
 
 /// Build the metadata and decide inline vs. data area. `None`: no data-area room.
+#[inline]
 fn prepare(
     data: &[Unit],
     st: &mut SendState,
@@ -231,11 +267,18 @@ fn prepare(
 }
 
 /// SPSC ring send. `false` means Busy (no free cell or no data room); nothing was written.
+///
+/// The cell at `pos` is free once the receiver has consumed position `pos - n`: the sender
+/// knows it from the published cell tail (re-read only when the cached one says full), not
+/// from the cell. The tail's Acquire pairs with the receiver's Release after its last read of
+/// those cells. A tail that is not a count this sender could have reached (a scribbling peer)
+/// reads as a full ring.
 #[allow(clippy::too_many_arguments)]
+#[inline]
 pub fn ring_send(
     cells: &[Cell],
     data: &[Unit],
-    tail: &Line,
+    tails: &Tails,
     st: &mut SendState,
     src: u32,
     hdr: &[u8],
@@ -243,11 +286,14 @@ pub fn ring_send(
     total: usize,
 ) -> bool {
     let n = cells.len() as u64;
-    let cell = &cells[(st.pos % n) as usize];
-    if cell.seq.load(Ordering::Acquire) != st.pos {
-        return false;
+    if st.pos.wrapping_sub(st.cells_cache) >= n {
+        st.cells_cache = tails.cells.v.load(Ordering::Acquire);
+        if st.pos.wrapping_sub(st.cells_cache) >= n {
+            return false;
+        }
     }
-    let Some((meta, plan)) = prepare(data, st, tail, src, hdr, total) else {
+    let cell = &cells[(st.pos % n) as usize];
+    let Some((meta, plan)) = prepare(data, st, &tails.data, src, hdr, total) else {
         return false;
     };
     match plan {
@@ -324,6 +370,7 @@ pub struct Corrupt(pub &'static str);
 /// Look at the cell at `pos`: `None` if it is empty. `data_of(src)` gives the data area of the
 /// sender named in the cell. A cell whose metadata does not fit its bounds is `Err(Corrupt)`:
 /// it must still be released.
+#[inline]
 pub fn peek<'a>(
     cells: &'a [Cell],
     pos: u64,
@@ -335,7 +382,8 @@ pub fn peek<'a>(
         return None;
     }
     // SAFETY: seq == pos + 1 was published with Release after the sender wrote meta/inline,
-    // and the sender does not touch the cell again until we store pos + n.
+    // and the sender does not touch the cell again until we hand it back (store pos + n in the
+    // MPSC queue; publish a cell tail past `pos` in a ring).
     let meta = cell.meta.with(|m| unsafe { *m });
     let h = meta.hdr_len as usize;
     let len = meta.len as usize;
@@ -364,6 +412,7 @@ pub fn peek<'a>(
     }))
 }
 
+#[inline]
 fn read_inline(cell: &Cell, at: usize, len: usize) -> Cow<'_, [u8]> {
     #[cfg(not(loom))]
     {
@@ -380,6 +429,7 @@ fn read_inline(cell: &Cell, at: usize, len: usize) -> Cow<'_, [u8]> {
     }
 }
 
+#[inline]
 fn read_data(data: &[Unit], first: usize, len: usize) -> Cow<'_, [u8]> {
     #[cfg(not(loom))]
     {
@@ -402,11 +452,11 @@ fn read_data(data: &[Unit], first: usize, len: usize) -> Cow<'_, [u8]> {
     }
 }
 
-/// Free the cell at `pos` and account its data; publishes the data tail lazily (once a quarter
-/// of the area has been consumed since the last publication).
-pub fn release(cells: &[Cell], pos: u64, meta: &Meta, ds: Option<(&mut DataState, &Line, usize)>) {
-    let n = cells.len() as u64;
-    if let (true, Some((ds, tail, nunits))) = (meta.flags & F_EXT != 0, ds) {
+/// Account a consumed message's data; publishes the data tail lazily (once a quarter of the
+/// area has been consumed since the last publication).
+#[inline]
+fn consume_data(meta: &Meta, ds: &mut DataState, tail: &Line, nunits: usize) {
+    if meta.flags & F_EXT != 0 {
         if meta.data_end > ds.consumed {
             ds.consumed = meta.data_end;
         }
@@ -415,20 +465,47 @@ pub fn release(cells: &[Cell], pos: u64, meta: &Meta, ds: Option<(&mut DataState
             ds.published = ds.consumed;
         }
     }
+}
+
+/// MPSC queue: free the cell at `pos` (Vyukov's hand-back) and account its data.
+pub fn release(cells: &[Cell], pos: u64, meta: &Meta, ds: Option<(&mut DataState, &Line, usize)>) {
+    let n = cells.len() as u64;
+    if let Some((ds, tail, nunits)) = ds {
+        consume_data(meta, ds, tail, nunits);
+    }
     cells[(pos % n) as usize]
         .seq
         .store(pos + n, Ordering::Release);
 }
 
-/// Publish the data tail now (used when a receiver goes idle, so a blocked sender can go on).
-pub fn flush_tail(ds: &mut DataState, tail: &Line) {
+/// Ring: the message just read from the ring is consumed. The cell is not written; the count of
+/// consumed messages is published lazily (once a quarter of the ring), and by [`flush_tails`]
+/// when the receiver stops reading.
+#[inline]
+pub fn release_ring(ncells: usize, meta: &Meta, ds: &mut DataState, tails: &Tails, nunits: usize) {
+    consume_data(meta, ds, &tails.data, nunits);
+    ds.cells += 1;
+    if ds.cells - ds.cells_published >= (ncells as u64 / 4).max(1) {
+        tails.cells.v.store(ds.cells, Ordering::Release);
+        ds.cells_published = ds.cells;
+    }
+}
+
+/// Publish both tails now (when a receiver goes idle, so a blocked sender can go on).
+#[inline]
+pub fn flush_tails(ds: &mut DataState, tails: &Tails) {
     if ds.consumed != ds.published {
-        tail.v.store(ds.consumed, Ordering::Release);
+        tails.data.v.store(ds.consumed, Ordering::Release);
         ds.published = ds.consumed;
+    }
+    if ds.cells != ds.cells_published {
+        tails.cells.v.store(ds.cells, Ordering::Release);
+        ds.cells_published = ds.cells;
     }
 }
 
 /// Sender side of the doorbell: after publishing a message, make sure the receiver will look.
+#[inline]
 pub fn ring_bell(bell: &[Line], src: u32) {
     fence(Ordering::SeqCst);
     let w = &bell[(src / 64) as usize];
@@ -483,6 +560,47 @@ mod plan_tests {
         }
     }
 
+    /// A ring's cell is written again only once the receiver has published that it consumed
+    /// it: lazily (a quarter of the ring at a time) or when it flushes on going idle. A tail no
+    /// sender could have reached reads as a full ring.
+    #[test]
+    fn a_ring_cell_is_reused_only_after_the_receiver_publishes_it() {
+        let cells: Vec<Cell> = (0..8).map(Cell::new).collect();
+        let data: Vec<Unit> = (0..8).map(|_| UnsafeCell::new([0; UNIT])).collect();
+        let tails = Tails::new();
+        let mut st = SendState::default();
+        let mut ds = DataState::default();
+        let send =
+            |st: &mut SendState, i: u8| ring_send(&cells, &data, &tails, st, 0, &[i], &[], 0);
+        for i in 0..8 {
+            assert!(send(&mut st, i));
+        }
+        assert!(!send(&mut st, 8), "a ninth message in eight cells");
+        // One consumed, not yet published (a quarter is two): still full.
+        let r = peek(&cells, 0, |_| Some(&data[..])).unwrap().unwrap();
+        assert_eq!(&*r.hdr, &[0]);
+        let meta = r.meta;
+        release_ring(cells.len(), &meta, &mut ds, &tails, data.len());
+        assert_eq!(tails.cells.v.load(Ordering::Relaxed), 0);
+        assert!(!send(&mut st, 8));
+        flush_tails(&mut ds, &tails);
+        assert!(send(&mut st, 8));
+        // The receiver still reads position 1, then position 8 in cell 0 (the next lap).
+        let r = peek(&cells, 1, |_| Some(&data[..])).unwrap().unwrap();
+        assert_eq!(&*r.hdr, &[1]);
+        assert!(peek(&cells, 9, |_| Some(&data[..])).is_none());
+        assert_eq!(
+            &*peek(&cells, 8, |_| Some(&data[..])).unwrap().unwrap().hdr,
+            &[8]
+        );
+        // A scribbled tail (ahead of the sender, or far behind) stops it; it does not panic.
+        for bad in [u64::MAX, 100, 0] {
+            tails.cells.v.store(bad, Ordering::Relaxed);
+            st.cells_cache = bad;
+            assert!(!send(&mut st, 9), "tail {bad}");
+        }
+    }
+
     #[test]
     fn the_reported_configuration_is_refused() {
         assert!(!ring_fits(2200, 1100));
@@ -500,7 +618,7 @@ mod loom_tests {
     struct Pair {
         cells: Vec<Cell>,
         data: Vec<Unit>,
-        tail: Line,
+        tails: Tails,
         bell: Vec<Line>,
         enq: Line,
     }
@@ -509,7 +627,7 @@ mod loom_tests {
         Arc::new(Pair {
             cells: (0..ncells as u64).map(Cell::new).collect(),
             data: (0..nunits).map(|_| UnsafeCell::new([0u8; UNIT])).collect(),
-            tail: Line::new(0),
+            tails: Tails::new(),
             bell: vec![Line::new(0)],
             enq: Line::new(0),
         })
@@ -530,7 +648,16 @@ mod loom_tests {
                 let mut st = SendState::default();
                 for i in 0..3u8 {
                     let m = msg(i, i != 1);
-                    while !ring_send(&q.cells, &q.data, &q.tail, &mut st, 0, &[i], &[&m], m.len()) {
+                    while !ring_send(
+                        &q.cells,
+                        &q.data,
+                        &q.tails,
+                        &mut st,
+                        0,
+                        &[i],
+                        &[&m],
+                        m.len(),
+                    ) {
                         thread::yield_now();
                     }
                 }
@@ -547,8 +674,8 @@ mod loom_tests {
                         assert_eq!(&*m.payload, &msg(got, got != 1)[..]);
                         let meta = m.meta;
                         drop(m);
-                        release(&p.cells, pos, &meta, Some((&mut ds, &p.tail, p.data.len())));
-                        flush_tail(&mut ds, &p.tail);
+                        release_ring(p.cells.len(), &meta, &mut ds, &p.tails, p.data.len());
+                        flush_tails(&mut ds, &p.tails);
                         pos += 1;
                         got += 1;
                     }
@@ -600,7 +727,7 @@ mod loom_tests {
                         &q.enq,
                         &q.cells,
                         &q.data,
-                        &q.tail,
+                        &q.tails.data,
                         &mut st,
                         src,
                         &[],
@@ -638,7 +765,7 @@ mod loom_tests {
                         &q.enq,
                         &q.cells,
                         &q.data,
-                        &q.tail,
+                        &q.tails.data,
                         &mut st,
                         0,
                         &[],
@@ -671,7 +798,7 @@ mod loom_tests {
                 assert!(ring_send(
                     &q.cells,
                     &q.data,
-                    &q.tail,
+                    &q.tails,
                     &mut st,
                     0,
                     &[7],

@@ -2,11 +2,15 @@
 //! kvsname), mapped by the others, and unlinked by the last rank to map it, so a crash after
 //! start-up leaves nothing in /dev/shm.
 
-use crate::queue::{Cell, Line, Unit, CELL_SIZE, UNIT};
+use crate::queue::{Cell, Line, Tails, Unit, CELL_SIZE, UNIT};
 use std::sync::atomic::{AtomicU64, Ordering};
 use weft_provider::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = 0x5745_4654_5348_4d31; // "WEFTSHM1"
+/// Layout version (2: a ring's receiver publishes a cell tail instead of handing cells back).
+pub const VERSION: u64 = 2;
+/// Bytes before a pair's cells: its [`Tails`], two cache lines.
+const TAILS: usize = std::mem::size_of::<Tails>();
 
 /// Queue organisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +71,7 @@ impl Layout {
         };
         let off_pairs = align(off_queues + queue_stride * nlocal, 4096);
         let ring_cells = if kind == Kind::Ring { ncells } else { 0 };
-        let pair_stride = align(64 + ring_cells * CELL_SIZE + nunits * UNIT, 4096);
+        let pair_stride = align(TAILS + ring_cells * CELL_SIZE + nunits * UNIT, 4096);
         let total = off_pairs + pair_stride * nlocal * nlocal;
         Layout {
             nlocal,
@@ -114,7 +118,7 @@ impl Segment {
         };
         seg.lay.total = seg.map.len();
         let h = seg.header();
-        if h.magic.load(Ordering::Acquire) != MAGIC || h.version != 1 {
+        if h.magic.load(Ordering::Acquire) != MAGIC || h.version != VERSION {
             return Err(Error::from(ErrorDetail::Bootstrap(format!(
                 "shared memory {name} is not an initialised weft segment"
             ))));
@@ -164,7 +168,7 @@ impl Segment {
         // SAFETY: the header is at offset 0 of a fresh mapping nobody else has opened yet (the
         // others open it after the bootstrap fence that follows).
         let h = unsafe { &mut *(self.map.base() as *mut Header) };
-        h.version = 1;
+        h.version = VERSION;
         h.nlocal = lay.nlocal as u64;
         h.ncells = lay.ncells as u64;
         h.nunits = lay.nunits as u64;
@@ -195,6 +199,7 @@ impl Segment {
     /// # Safety (internal)
     /// `off + size_of::<T>() * n` lies inside the mapping and is aligned for T (guaranteed by
     /// `Layout`, whose offsets are multiples of 64 and whose strides are multiples of 64).
+    #[inline]
     unsafe fn slice<T>(&self, off: usize, n: usize) -> &[T] {
         debug_assert!(off + std::mem::size_of::<T>() * n <= self.lay.total);
         std::slice::from_raw_parts(self.map.base().add(off) as *const T, n)
@@ -206,6 +211,7 @@ impl Segment {
         unsafe { &self.slice::<RankSlot>(self.lay.off_ranks + 64 * i, 1)[0] }
     }
 
+    #[inline]
     pub fn bells(&self, receiver: usize) -> &[Line] {
         assert!(receiver < self.lay.nlocal);
         // SAFETY: within the doorbell region.
@@ -217,12 +223,14 @@ impl Segment {
         }
     }
 
+    #[inline]
     pub fn queue_enq(&self, receiver: usize) -> &Line {
         assert!(receiver < self.lay.nlocal && self.lay.kind == Kind::Mpsc);
         // SAFETY: within the queue region.
         unsafe { &self.slice::<Line>(self.lay.off_queues + self.lay.queue_stride * receiver, 1)[0] }
     }
 
+    #[inline]
     pub fn queue_cells(&self, receiver: usize) -> &[Cell] {
         assert!(receiver < self.lay.nlocal && self.lay.kind == Kind::Mpsc);
         // SAFETY: within the queue region.
@@ -234,17 +242,20 @@ impl Segment {
         }
     }
 
+    #[inline]
     fn pair_off(&self, s: usize, r: usize) -> usize {
         assert!(s < self.lay.nlocal && r < self.lay.nlocal);
         self.lay.off_pairs + self.lay.pair_stride * (s * self.lay.nlocal + r)
     }
 
-    /// Data-area tail of the pair (written by the receiver).
-    pub fn pair_tail(&self, s: usize, r: usize) -> &Line {
+    /// The pair's tails: data area and ring (written by the receiver).
+    #[inline]
+    pub fn pair_tails(&self, s: usize, r: usize) -> &Tails {
         // SAFETY: within the pair region.
-        unsafe { &self.slice::<Line>(self.pair_off(s, r), 1)[0] }
+        unsafe { &self.slice::<Tails>(self.pair_off(s, r), 1)[0] }
     }
 
+    #[inline]
     pub fn pair_cells(&self, s: usize, r: usize) -> &[Cell] {
         let n = if self.lay.kind == Kind::Ring {
             self.lay.ncells
@@ -252,9 +263,10 @@ impl Segment {
             0
         };
         // SAFETY: within the pair region.
-        unsafe { self.slice::<Cell>(self.pair_off(s, r) + 64, n) }
+        unsafe { self.slice::<Cell>(self.pair_off(s, r) + TAILS, n) }
     }
 
+    #[inline]
     pub fn pair_data(&self, s: usize, r: usize) -> &[Unit] {
         let cells = if self.lay.kind == Kind::Ring {
             self.lay.ncells
@@ -264,7 +276,7 @@ impl Segment {
         // SAFETY: within the pair region.
         unsafe {
             self.slice::<Unit>(
-                self.pair_off(s, r) + 64 + cells * CELL_SIZE,
+                self.pair_off(s, r) + TAILS + cells * CELL_SIZE,
                 self.lay.nunits,
             )
         }

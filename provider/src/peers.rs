@@ -39,6 +39,7 @@ impl<T: Default> PeerTable<T> {
     }
 
     /// Rank `i`'s record (the idle one if never touched); `None` past the end.
+    #[inline]
     pub fn get(&self, i: usize) -> Option<&T> {
         self.slots
             .get(i)
@@ -100,6 +101,7 @@ impl<T: Default> Index<usize> for PeerTable<T> {
 
     /// Rank `i`'s record, the idle one if never touched. Panics past the end, as a `Vec`
     /// does: callers check ranks first.
+    #[inline]
     fn index(&self, i: usize) -> &T {
         self.slots[i].as_deref().unwrap_or(&self.idle)
     }
@@ -107,13 +109,27 @@ impl<T: Default> Index<usize> for PeerTable<T> {
 
 impl<T: Default> IndexMut<usize> for PeerTable<T> {
     /// Rank `i`'s record, allocated if never touched. Panics past the end, as a `Vec` does.
+    /// (Inlined, the allocation out of line: providers index their peers on every message.)
+    #[inline]
     fn index_mut(&mut self, i: usize) -> &mut T {
         let s = &mut self.slots[i];
-        if s.is_none() {
-            self.live.push(i as u32);
+        match *s {
+            Some(ref mut b) => b,
+            None => first_touch(&mut self.live, s, i),
         }
-        s.get_or_insert_with(Box::default)
     }
+}
+
+/// Allocate rank `i`'s record in its slot `s` and note it touched.
+#[cold]
+#[inline(never)]
+fn first_touch<'a, T: Default>(
+    live: &mut Vec<u32>,
+    s: &'a mut Option<Box<T>>,
+    i: usize,
+) -> &'a mut T {
+    live.push(i as u32);
+    s.insert(Box::default())
 }
 
 #[cfg(test)]

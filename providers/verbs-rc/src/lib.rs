@@ -1121,6 +1121,22 @@ impl VerbsRc {
 }
 
 impl VerbsRc {
+    /// Hand the core the connection events and peer failures noted since the last progress
+    /// call (out of line: most calls have none).
+    #[inline(never)]
+    fn report_events(&mut self, sink: &mut dyn Sink) -> usize {
+        let mut n = 0;
+        for (r, e) in self.events.drain(..) {
+            sink.connection(r, e);
+            n += 1;
+        }
+        for (r, why) in std::mem::take(&mut self.failures) {
+            sink.peer_failed(r, &why);
+            n += 1;
+        }
+        n
+    }
+
     /// Put a frame on `r`'s connection: `Busy` when its send queue or the send buffers are
     /// full.
     fn send_frame(
@@ -2019,13 +2035,8 @@ impl Provider for VerbsRc {
                 i += 1;
             }
         }
-        for (r, e) in self.events.drain(..) {
-            sink.connection(r, e);
-            n += 1;
-        }
-        for (r, why) in std::mem::take(&mut self.failures) {
-            sink.peer_failed(r, &why);
-            n += 1;
+        if !self.events.is_empty() || !self.failures.is_empty() {
+            n += self.report_events(sink);
         }
         n += self.table.deliver(sink);
         Ok(n)

@@ -151,7 +151,6 @@ fn units(len: usize) -> u64 {
 /// Plan room for `len` payload bytes in `data` after `st.data_head`, wrapping to the start when
 /// the payload would not be contiguous. `None` when there is no room even after re-reading the
 /// receiver's tail.
-#[inline]
 pub fn plan(data: &[Unit], st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
     plan_in(data.len() as u64, st, tail, len)
 }
@@ -165,7 +164,6 @@ pub fn ring_fits(ring: usize, chunk: usize) -> bool {
 }
 
 /// `plan` over a data area of `n` units.
-#[inline]
 fn plan_in(n: u64, st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> {
     let need = units(len);
     if need > n / 2 {
@@ -218,7 +216,6 @@ fn write_data(data: &[Unit], p: Plan, parts: &[&[u8]]) {
 }
 
 /// Fill a reserved cell and publish it at `pos`.
-#[inline]
 fn fill(cell: &Cell, pos: u64, meta: Meta, hdr: &[u8], inline_parts: &[&[u8]]) {
     // SAFETY: the cell at `pos` is ours: in a ring the receiver has published that it consumed
     // position `pos - n` (see `ring_send`), in the MPSC queue we reserved `pos` against seq ==
@@ -239,7 +236,6 @@ fn fill(cell: &Cell, pos: u64, meta: Meta, hdr: &[u8], inline_parts: &[&[u8]]) {
 }
 
 /// Build the metadata and decide inline vs. data area. `None`: no data-area room.
-#[inline]
 fn prepare(
     data: &[Unit],
     st: &mut SendState,
@@ -274,7 +270,6 @@ fn prepare(
 /// those cells. A tail that is not a count this sender could have reached (a scribbling peer)
 /// reads as a full ring.
 #[allow(clippy::too_many_arguments)]
-#[inline]
 pub fn ring_send(
     cells: &[Cell],
     data: &[Unit],
@@ -505,7 +500,6 @@ pub fn flush_tails(ds: &mut DataState, tails: &Tails) {
 }
 
 /// Sender side of the doorbell: after publishing a message, make sure the receiver will look.
-#[inline]
 pub fn ring_bell(bell: &[Line], src: u32) {
     fence(Ordering::SeqCst);
     let w = &bell[(src / 64) as usize];

@@ -390,6 +390,7 @@ impl<P: Provider> Engine<P> {
 
     /// Spin on progress until `done(self)` holds, yielding the CPU after `cfg.spin` idle rounds,
     /// and failing after `cfg.timeout`.
+    #[inline]
     pub(crate) fn wait_until(
         &mut self,
         what: &str,

@@ -46,9 +46,44 @@ fn pattern(size: usize) -> Vec<u8> {
     (0..size).map(|i| i as u8).collect()
 }
 
+/// Bytes of a page, for [`PageBuf`].
+const PAGE: usize = 4096;
+
+/// A buffer that starts on a page boundary, as OSU's and ucx_perftest's do: a kernel copy
+/// (CMA) or a registration then touches `len / 4096` pages rather than one more, whatever
+/// the allocator returned.
+struct PageBuf {
+    v: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageBuf {
+    fn new(bytes: &[u8]) -> PageBuf {
+        let len = bytes.len();
+        let mut v = vec![0u8; len + PAGE];
+        let off = v.as_ptr().align_offset(PAGE).min(PAGE);
+        v[off..off + len].copy_from_slice(bytes);
+        PageBuf { v, off, len }
+    }
+
+    fn zeroed(len: usize) -> PageBuf {
+        PageBuf::new(&vec![0u8; len])
+    }
+
+    fn get(&self) -> &[u8] {
+        &self.v[self.off..self.off + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.off..self.off + self.len]
+    }
+}
+
 /// Ping-pong between ranks 0 and 1: from a send buffer into a separate receive buffer (OSU's and
 /// ucx_perftest's convention), or with `one_buffer` from and into one buffer per rank (NetPIPE's),
-/// which halves what the caches must hold; returns the one-way time in µs.
+/// which halves what the caches must hold; returns the one-way time in µs. Buffers start on a
+/// page boundary, as those tools' do.
 fn latency(
     c: &Comm<DynProvider>,
     size: usize,
@@ -57,11 +92,11 @@ fn latency(
     one_buffer: bool,
 ) -> Result<f64> {
     let r = c.rank();
-    let data = pattern(size);
+    let data = PageBuf::new(&pattern(size));
     let mut buf = if one_buffer {
-        data.clone()
+        PageBuf::new(data.get())
     } else {
-        vec![0u8; size]
+        PageBuf::zeroed(size)
     };
     let mut t0 = Instant::now();
     for i in 0..warmup + iters {
@@ -72,12 +107,12 @@ fn latency(
         // NetPIPE's convention sends what was just received, from the same buffer.
         match r {
             0 => {
-                c.send(if one_buffer { &buf } else { &data }, 1, 1)?;
-                c.recv(&mut buf, 1, 1)?;
+                c.send(if one_buffer { buf.get() } else { data.get() }, 1, 1)?;
+                c.recv(buf.get_mut(), 1, 1)?;
             }
             1 => {
-                c.recv(&mut buf, 0, 1)?;
-                c.send(if one_buffer { &buf } else { &data }, 0, 1)?;
+                c.recv(buf.get_mut(), 0, 1)?;
+                c.send(if one_buffer { buf.get() } else { data.get() }, 0, 1)?;
             }
             _ => {}
         }
@@ -572,6 +607,23 @@ fn counters(c: &Comm<DynProvider>) -> Result<()> {
         println!("COUNTERS {}", kv.join(" "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod page_buf {
+    use super::{PageBuf, PAGE};
+
+    #[test]
+    fn buffers_start_on_a_page_and_hold_their_bytes() {
+        for len in [0usize, 1, 8, 4095, 4096, 65536 + 3] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            let mut b = PageBuf::new(&bytes);
+            assert_eq!(b.get().as_ptr() as usize % PAGE, 0, "{len}");
+            assert_eq!(b.get(), &bytes[..]);
+            assert_eq!(b.get_mut().len(), len);
+            assert!(PageBuf::zeroed(len).get().iter().all(|&x| x == 0));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -41,6 +41,63 @@ fn an_eager_message_completes_the_slot() {
     });
 }
 
+/// Messages of 0 to 16 bytes take the arrival's call-free path into the slot (`slot_arrival`):
+/// every length lands whole, nothing past it is written, and the status is exact.
+#[test]
+fn small_messages_of_every_length_complete_the_slot() {
+    testing::world(2, |c| {
+        for n in 0..=16usize {
+            if c.rank() == 0 {
+                let before = c.lean_receives();
+                let mut buf = [0xEEu8; 24];
+                go(c, 1);
+                let st = c.recv(&mut buf, 1, 6).unwrap();
+                assert_eq!((st.source, st.tag, st.bytes), (1, 6, n));
+                let want: Vec<u8> = (0..n as u8).map(|i| i ^ 0x3C).collect();
+                assert_eq!(&buf[..n], &want[..], "{n} bytes");
+                assert!(buf[n..].iter().all(|&b| b == 0xEE), "past {n} bytes");
+                assert_eq!(c.lean_receives().0, before.0 + 1, "{n}: in the slot");
+            } else {
+                wait_go(c, 0);
+                let msg: Vec<u8> = (0..n as u8).map(|i| i ^ 0x3C).collect();
+                c.send(&msg, 0, 6).unwrap();
+            }
+        }
+    });
+}
+
+/// The slot's call-free arrival counts the eager window like every other arrival and gives the
+/// sender its credit back: with the smallest window, thousands of small messages in a row
+/// still go eagerly into the slot (a lost credit would turn them into rendezvous messages,
+/// each of which demotes the slot).
+#[test]
+fn small_messages_return_the_senders_credit() {
+    let mut o = Options::default();
+    o.engine.eager_limit = Some(64);
+    o.engine.eager_window = 1;
+    testing::world_with(2, &o, |c| {
+        const N: usize = 3000;
+        if c.rank() == 0 {
+            let before = c.lean_receives();
+            for i in 0..N {
+                let mut buf = [0u8; 16];
+                go(c, 1);
+                let st = c.recv(&mut buf, 1, 7).unwrap();
+                assert_eq!(st.bytes, 16);
+                assert_eq!(buf, [(i % 251) as u8; 16]);
+            }
+            let after = c.lean_receives();
+            assert_eq!(after.0 - before.0, N as u64, "every message in the slot");
+            assert_eq!(after.1, before.1, "none demoted: the credit came back");
+        } else {
+            for i in 0..N {
+                wait_go(c, 0);
+                c.send(&[(i % 251) as u8; 16], 0, 7).unwrap();
+            }
+        }
+    });
+}
+
 #[test]
 fn a_truncating_message_writes_the_prefix_only() {
     testing::world(2, |c| {

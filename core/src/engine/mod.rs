@@ -18,7 +18,7 @@ pub use config::EngineConfig;
 pub(crate) use config::{oversubscribed, SLEEP_AFTER_AUTO};
 
 use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
-use crate::p2p::{self, Layout, Lean, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
+use crate::p2p::{self, Layout, Leaf, Lean, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
 use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
 use crate::types::Rank;
@@ -66,6 +66,17 @@ impl State {
     /// An active message the lean arrival did not take: checked against the protocol's
     /// header lengths, then dispatched by kind (out of line: its frame would otherwise be
     /// paid by every plain eager arrival).
+    /// An arrival the slot's call-free path did not take: a plain eager message by the lean
+    /// path, anything else by the general one.
+    #[inline(never)]
+    fn am_plain(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
+        if self.p2p.on_plain_eager(&mut self.am, src, header, payload) {
+            self.settle();
+            return;
+        }
+        self.am_general(src, header, payload);
+    }
+
     #[inline(never)]
     fn am_general(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if self.am.admit(src, header, payload, header_len) {
@@ -93,11 +104,13 @@ impl State {
 
 impl Sink for State {
     fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        if self.p2p.on_plain_eager(&mut self.am, src, header, payload) {
-            self.settle();
-            return;
+        // A small message into the armed blocking receive, without a call; everything else
+        // (and the credit it may make due) out of line.
+        match self.p2p.slot_arrival(&self.am, src, header, payload) {
+            Leaf::Taken => {}
+            Leaf::CreditDue => self.p2p.return_credit(&mut self.am, src),
+            Leaf::No => self.am_plain(src, header, payload),
         }
-        self.am_general(src, header, payload);
     }
 
     fn am_target(

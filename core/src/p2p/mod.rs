@@ -47,7 +47,7 @@ mod spec;
 
 pub(crate) use buf::{Layout, RecvBuf, SendBuf};
 pub(crate) use send::Lean;
-pub(crate) use slot::Slot;
+pub(crate) use slot::{Leaf, Slot};
 
 use crate::am::mr_cache::MrRef;
 use crate::am::outbox::Deferred;

@@ -421,7 +421,7 @@ impl P2pState {
     /// Half a window gathered from `src`: give it back.
     #[cold]
     #[inline(never)]
-    fn return_credit(&mut self, am: &mut AmState, src: Rank) {
+    pub(crate) fn return_credit(&mut self, am: &mut AmState, src: Rank) {
         let got = &mut self.eager_in[src as usize];
         let mut h = Hdr::new(H_CREDIT);
         h.u64(*got as u64);

@@ -19,7 +19,10 @@
 //! holds the buffer's unique borrow for the whole call. (Nothing can leak that borrow midway:
 //! there is no guard object to forget.)
 
-use super::{recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req};
+use super::{
+    recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req, EAGER_OVERHEAD, H_EAGER,
+    PLAIN_EAGER_LEN,
+};
 use crate::am::{AmState, ReqId};
 use crate::matching::PostedHandle;
 use crate::p2p::Layout;
@@ -49,6 +52,16 @@ impl Armed {
             shared: false,
         }
     }
+}
+
+/// What [`P2pState::slot_arrival`] did with a message.
+pub(crate) enum Leaf {
+    /// Not its case: nothing was changed; the general arrival takes the message.
+    No,
+    /// Taken into the slot.
+    Taken,
+    /// Taken, and half the eager window from this peer is now consumed: its credit is due.
+    CreditDue,
 }
 
 /// Where the blocking receive stands.
@@ -146,6 +159,56 @@ impl P2pState {
         self.slot_done += 1;
         self.eager_matched(am, src, payload.len(), sreq);
         true
+    }
+
+    /// The arrival that needs no call: a plain eager message of at most 16 bytes, nothing
+    /// posted in the matcher (so nothing older than the slot can match it), matching the armed
+    /// slot and fitting its buffer. Changes nothing unless it takes the message; everything
+    /// else is [`Leaf::No`], for the general arrival (which repeats these checks). Kept free of
+    /// calls, so that the arrival handler around it needs no stack frame on this path.
+    #[inline(always)]
+    pub(crate) fn slot_arrival(
+        &mut self,
+        am: &AmState,
+        src: Rank,
+        header: &[u8],
+        payload: &[u8],
+    ) -> Leaf {
+        // First what tells a receive waiting in the slot from one posted as a request.
+        if self.matcher.posted_len() != 0 {
+            return Leaf::No;
+        }
+        let Slot::Armed(a) = &self.slot else {
+            return Leaf::No;
+        };
+        let Ok(h) = <&[u8; PLAIN_EAGER_LEN]>::try_from(header) else {
+            return Leaf::No;
+        };
+        let n = payload.len();
+        if h[0] != H_EAGER || h[1] != 0 || n > 16 || !am.admits_plain(src, n) {
+            return Leaf::No;
+        }
+        let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+        let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
+        if !a.matches(ctx, src, tag) || n > a.cap || src as usize >= self.eager_in.len() {
+            return Leaf::No;
+        }
+        let base = a.base;
+        // The slot first, while it is known to hold `Armed` (no drop of an old outcome).
+        self.slot = Slot::Done(Ok(status(src, tag, n)));
+        self.slot_done += 1;
+        // SAFETY: as in `eager_into_slot`: the buffer the slot was armed with is valid for `cap`
+        // bytes (`n` is at most `cap`) until `recv_now` takes the outcome, which it cannot do
+        // before this returns; the payload cannot overlap it.
+        let dst = unsafe { std::slice::from_raw_parts_mut(base, n) };
+        weft_provider::bytes::copy_small(dst, payload);
+        let got = &mut self.eager_in[src as usize];
+        *got += n + EAGER_OVERHEAD;
+        if *got >= self.eager_window / 2 {
+            Leaf::CreditDue
+        } else {
+            Leaf::Taken
+        }
     }
 
     /// A message other than an eager one matched nothing in the matcher: the slot's request if

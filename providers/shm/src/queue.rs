@@ -176,9 +176,11 @@ fn plan_in(n: u64, st: &mut SendState, tail: &Line, len: usize) -> Option<Plan> 
         st.data_head
     };
     let end = start + need;
-    if end - st.tail_cache > n {
+    // Wrapping: a tail ahead of us (written by a peer that scribbled on the segment) reads as
+    // a full area, not as an overflow.
+    if end.wrapping_sub(st.tail_cache) > n {
         st.tail_cache = tail.v.load(Ordering::Acquire);
-        if end - st.tail_cache > n {
+        if end.wrapping_sub(st.tail_cache) > n {
             return None;
         }
     }
@@ -592,6 +594,22 @@ mod plan_tests {
             tails.cells.v.store(bad, Ordering::Relaxed);
             st.cells_cache = bad;
             assert!(!send(&mut st, 9), "tail {bad}");
+        }
+    }
+
+    /// A data tail that no receiver could have published (ahead of the sender, from a peer
+    /// that scribbled on the segment) reads as a full area: Busy, not a panic. (Counts are
+    /// modular: a tail within one area's length behind the sender cannot be told from a true
+    /// one, and only the scribbler's own reads suffer from it.)
+    #[test]
+    fn a_scribbled_data_tail_reads_as_full() {
+        let mut st = SendState::default();
+        let tail = Line::new(0);
+        assert!(plan_in(64, &mut st, &tail, 100).is_some());
+        for bad in [u64::MAX / 2, 1 << 40, 3] {
+            tail.v.store(bad, Ordering::Relaxed);
+            st.tail_cache = bad;
+            assert!(plan_in(64, &mut st, &tail, 100).is_none(), "tail {bad}");
         }
     }
 

@@ -3,8 +3,8 @@
 //! contradicts the protocol fails the sending peer through `AmState::malformed`.
 
 use super::{
-    recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp, F_REMOTE, F_SYNC,
-    H_EAGER, H_SACK, PLAIN_EAGER_LEN, WFIN_FAILED,
+    parse_plain_eager, recv_result, status, Kind, P2pState, RecvPhase, Req, SendPhase, Unexp,
+    F_REMOTE, F_SYNC, H_SACK, WFIN_FAILED,
 };
 use crate::am::{AmState, Hdr, Rd};
 use crate::provider::RemoteAddr;
@@ -43,14 +43,12 @@ impl P2pState {
         header: &[u8],
         payload: &[u8],
     ) -> bool {
-        let Ok(h) = <&[u8; PLAIN_EAGER_LEN]>::try_from(header) else {
+        let Some((ctx, tag)) = parse_plain_eager(header) else {
             return false;
         };
-        if h[0] != H_EAGER || h[1] != 0 || !am.admits_plain(src, payload.len()) {
+        if !am.admits_plain(src, payload.len()) {
             return false;
         }
-        let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
-        let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
         // With nothing posted in the matcher, the slot is all a message can match first.
         if self.matcher.posted_len() == 0 && self.eager_into_slot(am, src, ctx, tag, None, payload)
         {

@@ -99,6 +99,19 @@ fn plain_eager_bytes(ctx: u32, tag: i32) -> [u8; PLAIN_EAGER_LEN] {
     [H_EAGER, 0, c[0], c[1], c[2], c[3], t[0], t[1], t[2], t[3]]
 }
 
+/// The inverse of [`plain_eager_bytes`]: `(ctx, tag)` of a plain `EAGER` header, `None` for any
+/// other header (the two lean arrival paths read it this way).
+#[inline(always)]
+fn parse_plain_eager(header: &[u8]) -> Option<(u32, i32)> {
+    let h = <&[u8; PLAIN_EAGER_LEN]>::try_from(header).ok()?;
+    if h[0] != H_EAGER || h[1] != 0 {
+        return None;
+    }
+    let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+    let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
+    Some((ctx, tag))
+}
+
 /// Bytes an eager message counts against its peer's window besides its payload: the share of
 /// an unexpected-queue entry and its header.
 const EAGER_OVERHEAD: usize = 64;

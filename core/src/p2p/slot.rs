@@ -15,13 +15,15 @@
 //! Soundness: the slot holds a raw pointer into the caller's buffer only while it is armed,
 //! and it is armed only inside `Engine::recv_now`, which every path leaves with the slot
 //! disarmed (done, demoted into a request the engine waits for or quarantines, or cleared) —
-//! a panic unwinding out of the wait included (`catch_unwind`, then on) — while `Comm::recv`
-//! holds the buffer's unique borrow for the whole call. (Nothing can leak that borrow midway:
-//! there is no guard object to forget.)
+//! a panic unwinding out of the wait included (the engine's own `SlotGuard` withdraws the slot
+//! in its drop) — while `Comm::recv` holds the buffer's unique borrow for the whole call.
+//! (Nothing can leak that borrow midway: the guard never leaves `recv_now`, so no caller can
+//! forget it.) An arrival writes into the buffer only from a progress call inside that wait,
+//! while the slot is armed.
 
 use super::{
-    recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req, EAGER_OVERHEAD, H_EAGER,
-    PLAIN_EAGER_LEN,
+    parse_plain_eager, recv_result, status, Kind, P2pState, RecvBuf, RecvPhase, RecvReq, Req,
+    EAGER_OVERHEAD,
 };
 use crate::am::{AmState, ReqId};
 use crate::matching::PostedHandle;
@@ -181,15 +183,13 @@ impl P2pState {
         let Slot::Armed(a) = &self.slot else {
             return Leaf::No;
         };
-        let Ok(h) = <&[u8; PLAIN_EAGER_LEN]>::try_from(header) else {
+        let Some((ctx, tag)) = parse_plain_eager(header) else {
             return Leaf::No;
         };
         let n = payload.len();
-        if h[0] != H_EAGER || h[1] != 0 || n > 16 || !am.admits_plain(src, n) {
+        if n > 16 || !am.admits_plain(src, n) {
             return Leaf::No;
         }
-        let ctx = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
-        let tag = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as i32;
         if !a.matches(ctx, src, tag) || n > a.cap || src as usize >= self.eager_in.len() {
             return Leaf::No;
         }

@@ -3,7 +3,8 @@
 //! scheduling policy, static and dynamic dispatch.
 
 use weft::{
-    Assert, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion, WinInfo, Window,
+    Assert, BasicType, Comm, Element, ErrorKind, LockKind, Op, Provider, Sched, WinCompletion,
+    WinInfo, Window,
 };
 use weft_shm as _;
 use weft_testing::{self as testing, Options};
@@ -643,6 +644,118 @@ fn a_native_put_does_not_overtake_the_last_epochs_accumulate() {
                     }
                     c.barrier()?;
                 }
+                Ok(())
+            })
+            .unwrap();
+        });
+    }
+}
+
+/// Paper 002's aggregation on a native window: small puts and gets go packed in batches, large
+/// ones natively, in the same epochs. The ranks need not agree on the policy (rank 0 aggregates,
+/// the others do not): the window agrees that it packs, so nobody takes the all-native fence
+/// (a barrier) while a batch of rank 0's is still on its way. With every rank `off`, nothing
+/// is packed.
+#[test]
+fn a_native_window_packs_small_operations_when_any_rank_aggregates() {
+    // Loopback's RMA mode (atomics by active messages), and contract 2 with HCA atomics and a
+    // window that uses only those: every path native, the case with an all-native fence.
+    for (o, acc) in [
+        (opts(true), None),
+        (opts_contract2(), Some(vec![(Op::Sum, BasicType::I64)])),
+    ] {
+        testing::world_with(3, &o, |c| {
+            let (n, me) = (c.size(), c.rank());
+            let s = if me == 0 {
+                Sched::Aggregate
+            } else {
+                Sched::Off
+            };
+            let inf = WinInfo {
+                accumulate_ops: acc.clone(),
+                ..info(s)
+            };
+            let writes = || {
+                let p = c.provider_counters();
+                p.iter()
+                    .find(|(k, _)| *k == "rma_write")
+                    .map_or(0, |(_, v)| *v)
+            };
+            const BIG: usize = 512; // 4 KiB: past WEFT_RMA_AGG_MAX, so native
+            let mut m = vec![0u64; 8 * n as usize + BIG + 1];
+            let ctr = 8 * n as usize + BIG; // a counter no epoch above writes
+            c.win_create(&mut m, inf, |w| {
+                let all = w.native_paths() == (true, true, true);
+                assert!(w.native_paths().0 && w.native_paths().1);
+                assert_eq!(all, acc.is_some());
+                assert!(w.packs_native(), "some rank aggregates");
+                assert!(!w.native_locks());
+                let before = writes();
+                let right = (me + 1) % n;
+                let left = (me + n - 1) % n;
+                for ep in 1..=50u64 {
+                    let row: Vec<u64> = (0..8).map(|i| ep << 40 | (me as u64) << 32 | i).collect();
+                    let big = vec![ep << 40 | me as u64; BIG];
+                    w.fence_epoch(Assert::NONE, |e| {
+                        for t in 0..n {
+                            e.put(&row, t, 8 * me as usize)?;
+                        }
+                        e.put(&big, right, 8 * n as usize)
+                    })?;
+                    let mut mine = vec![0u64; ctr];
+                    w.read_local(0, &mut mine)?;
+                    for r in 0..n as u64 {
+                        for i in 0..8u64 {
+                            let want = ep << 40 | r << 32 | i;
+                            assert_eq!(mine[(r * 8 + i) as usize], want, "epoch {ep}");
+                        }
+                    }
+                    assert!(mine[8 * n as usize..]
+                        .iter()
+                        .all(|v| *v == ep << 40 | left as u64));
+                    // Small and large gets of the left neighbour's window in one epoch.
+                    let mut small = vec![0u64; 8];
+                    let mut large = vec![0u64; BIG];
+                    w.fence_epoch(Assert::NONE, |e| {
+                        e.get(&mut small, left, 8 * right as usize)?;
+                        e.get(&mut large, left, 8 * n as usize)
+                    })?;
+                    let lrow: Vec<u64> = (0..8)
+                        .map(|i| ep << 40 | (right as u64) << 32 | i)
+                        .collect();
+                    assert_eq!(small, lrow, "epoch {ep}");
+                    let from = (left + n - 1) % n;
+                    assert!(
+                        large.iter().all(|v| *v == ep << 40 | from as u64),
+                        "epoch {ep}"
+                    );
+                }
+                // Rank 0 (aggregating) wrote natively only its large puts; the others all.
+                let native = writes() - before;
+                assert_eq!(native, if me == 0 { 50 } else { 50 * (n as u64 + 1) });
+                // Passive target: a get-modify-put under an exclusive lock, by every rank.
+                for _ in 0..5 {
+                    w.lock_epoch(0, LockKind::Exclusive, |e| {
+                        let mut v = [0u64];
+                        e.local(|l| l.get(&mut v, 0, ctr))?;
+                        let w1 = [v[0] + 1];
+                        e.local(|l| l.put(&w1, 0, ctr))?;
+                        e.flush(0)
+                    })?;
+                }
+                c.barrier()?;
+                if me == 0 {
+                    let mut v = [0u64];
+                    w.read_local(ctr, &mut v)?;
+                    assert_eq!(v[0], 5 * n as u64);
+                }
+                c.barrier()?;
+                Ok(())
+            })
+            .unwrap();
+            let mut m = vec![0u64; 4];
+            c.win_create(&mut m, info(Sched::Off), |w| {
+                assert!(!w.packs_native(), "nobody aggregates");
                 Ok(())
             })
             .unwrap();

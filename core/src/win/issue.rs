@@ -575,10 +575,14 @@ impl<'w, P: Provider> Window<'w, P> {
     }
 
     /// Whether `op` goes into a batch: small by `WEFT_RMA_AGG_MAX`, on the active-message
-    /// path, and its record fits one active message of `chunk` bytes (so a batch never
-    /// exceeds what the provider carries, whatever `WEFT_RMA_AGG_MAX` says).
+    /// path (or a put or get of a window that packs those although they could go natively;
+    /// atomics never leave their path, so that they stay atomic with each other), and its
+    /// record fits one active message of `chunk` bytes (so a batch never exceeds what the
+    /// provider carries, whatever `WEFT_RMA_AGG_MAX` says).
     pub(super) fn aggregatable(&self, op: &PendingOp, chunk: usize) -> bool {
-        op.len <= self.agg_max && !self.is_native(op.kind) && Self::record_len(op) <= chunk
+        let path = !self.is_native(op.kind)
+            || (self.pack_native && matches!(op.kind, OpKind::Put | OpKind::Get));
+        op.len <= self.agg_max && path && Self::record_len(op) <= chunk
     }
 
     /// Bytes of `op`'s batch record: kind, offset and length, at most 11 bytes of operation

@@ -221,6 +221,9 @@ pub struct Window<'w, P: Provider> {
     native_atomics: bool,
     /// Locks through the provider (shared flags) instead of active messages.
     native_locks: bool,
+    /// Aggregation packs small puts and gets into batches although they could go natively
+    /// (some rank aggregates, and the memory is registered, not provider-placed).
+    pack_native: bool,
     sched: Sched,
     agg_max: usize,
     mr: Option<MemRegion>,
@@ -382,6 +385,7 @@ impl<'w, P: Provider> Window<'w, P> {
         // Register the memory for native access when the provider can; with scalable keys
         // the key is the window id and addresses are offsets, so nobody needs a key table.
         let scalable = caps.rma.is_some_and(|r| r.scalable_keys) && pre_mr.is_none();
+        let placed = pre_mr.is_some();
         let mut mr = pre_mr;
         if mr.is_none() {
             if let Some(rc) = caps.rma {
@@ -405,10 +409,24 @@ impl<'w, P: Provider> Window<'w, P> {
             }
         }
         let native_mem = mr.is_some() as u32;
-        // Agree on the path, then exchange sizes and (unless keys are computable) keys.
-        let mut all_native = [0u32];
-        wcomm.allreduce(&[native_mem], &mut all_native, Op::Min)?;
-        let native = all_native[0] == 1;
+        // Agree on the path (and on what decides whether small operations are packed, below),
+        // then exchange sizes and (unless keys are computable) keys.
+        let no_packing = !sched.aggregates() as u32;
+        let mut agreed = [0u32; 3];
+        wcomm.allreduce(
+            &[native_mem, no_packing, placed as u32],
+            &mut agreed,
+            Op::Min,
+        )?;
+        let native = agreed[0] == 1;
+        // Paper 002's aggregation: small puts and gets travel packed in active-message batches
+        // even where the window is native (large ones stay native), because a native operation
+        // over registered memory pays the fabric's initiation and completion per operation (a
+        // CMA system call, a work request) and a batch pays them once. Not on memory the
+        // provider placed (shm's segment), where a native put is a plain copy. Agreed by all
+        // ranks, because it decides collective paths: such a window never takes the all-native
+        // fence or native locks, which know nothing of active messages.
+        let pack_native = native && agreed[1] == 0 && agreed[2] == 0;
         let n = wcomm.size() as usize;
         let mut sizes = vec![0u64; 2 * n];
         wcomm.allgather(&[len as u64, disp_unit as u64], &mut sizes)?;
@@ -449,7 +467,8 @@ impl<'w, P: Provider> Window<'w, P> {
                 .is_some_and(|r| r.write && (r.delivery_complete() || (r.fence && r.read)));
         let native_get = native && caps.rma.is_some_and(|r| r.read);
         // Native locks only make sense when no operation needs the target's progress.
-        let native_locks = native_put
+        let native_locks = !pack_native
+            && native_put
             && native_get
             && native_atomics
             && keys.is_some()
@@ -485,6 +504,7 @@ impl<'w, P: Provider> Window<'w, P> {
             native_get,
             native_atomics,
             native_locks,
+            pack_native,
             sched,
             agg_max,
             mr: if owned.is_some() { None } else { mr },
@@ -537,6 +557,12 @@ impl<'w, P: Provider> Window<'w, P> {
     /// Whether passive-target locks go through the provider (shared flags).
     pub fn native_locks(&self) -> bool {
         self.native_locks
+    }
+
+    /// Whether small puts and gets travel in aggregated batches although this window is
+    /// native (some rank's policy aggregates and the memory is registered user memory).
+    pub fn packs_native(&self) -> bool {
+        self.pack_native
     }
 
     /// Whether the window keeps a per-peer key table (false with scalable registration).

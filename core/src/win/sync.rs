@@ -63,7 +63,7 @@ impl<'w, P: Provider> Window<'w, P> {
             }
             return self.comm.barrier();
         }
-        if self.native_put && self.native_get && self.native_atomics {
+        if self.native_put && self.native_get && self.native_atomics && !self.pack_native {
             self.drain_pending(None)?;
             self.complete_local()?;
             self.prove_delivery(None)?;

@@ -49,7 +49,11 @@
 //! what is still held at the synchronisation;
 //! `aggregate` defers and packs operations up to `WEFT_RMA_AGG_MAX` bytes per target into one
 //! active message, with the synchronisation (complete, unlock, flush, even the lock itself)
-//! folded into the last one; `full` does both.
+//! folded into the last one; `full` does both. As in paper 002, packing takes small puts and
+//! gets off the native path too, on windows over registered memory (large ones stay native;
+//! atomics keep their path): a batch pays the fabric's per-operation cost once. If any rank of
+//! a window aggregates, the window is *packing* on every rank (agreed at creation): it then
+//! uses the active-message fence and locks, which see the batches.
 
 use crate::am::mr_cache::MrRef;
 use crate::am::{Hdr, Out};
@@ -79,7 +83,7 @@ type Targets = SmallVec<[u32; 4]>;
 crate::param!(RMA_SCHED: Enum(&["off", "reorder", "aggregate", "full"]) = "", "RMA_SCHED", "off",
     "epoch scheduling of RMA operations: off (program order), reorder (gets interleaved ahead of puts), aggregate (pack small operations, fold the sync), full (both)");
 crate::param!(RMA_AGG_MAX: Size = "", "RMA_AGG_MAX", "1K",
-    "operations up to this many bytes are aggregated by WEFT_RMA_SCHED=aggregate|full");
+    "operations up to this many bytes are aggregated by WEFT_RMA_SCHED=aggregate|full (puts and gets also on native windows over registered memory)");
 
 /// Epoch scheduling policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -132,12 +132,67 @@ pub(crate) enum Wait {
         pending: u32,
         err: Option<Error>,
     },
+    /// The gets of one target packed in an epoch's batches, under one token: each record of
+    /// theirs carries a *sub-token* (the token and the get's index, [`sub_token`]) that its
+    /// reply echoes; done when every destination is full (`left` counts those that are not).
+    /// One wait instead of one per get: a get's token, lookup and removal were a fifth of an
+    /// aggregated epoch's time at the origin.
+    Gets {
+        dests: Vec<Dest>,
+        left: usize,
+    },
     Failed(Error),
+}
+
+/// Where one packed get lands (see [`Wait::Gets`]).
+#[derive(Debug)]
+pub(crate) struct Dest {
+    ptr: *mut u8,
+    len: usize,
+    got: usize,
+}
+
+/// A sub-token has this bit besides `am::TOKEN_RMA`; plain tokens never do (their sequence
+/// numbers stay below 2^62).
+const SUB: u64 = 1 << 62;
+/// A sub-token's index sits above the token's sequence number, which must fit below it.
+const SUB_SHIFT: u32 = 40;
+const SUB_SEQ: u64 = (1 << SUB_SHIFT) - 1;
+const SUB_IDX: u64 = (1 << (62 - SUB_SHIFT)) - 1;
+
+/// The sub-token of destination `idx` of wait `t`, if both fit.
+fn sub_token(t: u64, idx: usize) -> Option<u64> {
+    let seq = t & !crate::am::TOKEN_RMA;
+    (t & crate::am::TOKEN_RMA != 0 && seq <= SUB_SEQ && (idx as u64) <= SUB_IDX)
+        .then(|| t | SUB | (idx as u64) << SUB_SHIFT)
+}
+
+/// A token as a reply names it: the wait's token, and the destination's index for a
+/// sub-token.
+pub(crate) fn split_token(t: u64) -> (u64, Option<usize>) {
+    if t & crate::am::TOKEN_RMA != 0 && t & SUB != 0 {
+        let idx = (t >> SUB_SHIFT) & SUB_IDX;
+        (crate::am::TOKEN_RMA | (t & SUB_SEQ), Some(idx as usize))
+    } else {
+        (t, None)
+    }
+}
+
+/// What became of GET data a reply brought ([`RmaState::land`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Landed {
+    /// Copied into its destination.
+    Done,
+    /// The request exists but the data does not fit it (a protocol error of the peer).
+    Unlike,
+    /// No such request (given up earlier, or never made).
+    Unknown,
 }
 
 impl Wait {
     fn done(&self) -> bool {
         match self {
+            Wait::Gets { left, .. } => *left == 0,
             Wait::Data { len, got, .. } => got >= len,
             Wait::Reply { done, .. } => *done,
             Wait::Native { pending, .. } => *pending == 0,
@@ -268,6 +323,9 @@ pub(crate) struct RmaState {
     pub waits: waits::Waits<Wait>,
     /// Scratch for applying active-message accumulates to a copy of window bytes.
     scratch_acc: Vec<u8>,
+    /// Destination lists of finished [`Wait::Gets`], kept for the next (no allocation per
+    /// epoch).
+    spare_dests: Vec<Vec<Dest>>,
 }
 
 impl RmaState {
@@ -284,8 +342,72 @@ impl RmaState {
     pub fn take(&mut self, t: u64) -> Result<()> {
         match self.waits.remove(&t) {
             Some(Wait::Failed(e)) | Some(Wait::Native { err: Some(e), .. }) => Err(e),
+            Some(Wait::Gets { mut dests, .. }) => {
+                if self.spare_dests.len() < 8 {
+                    dests.clear();
+                    self.spare_dests.push(dests);
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
+    }
+
+    /// A fresh [`Wait::Gets`] for packed gets from `peer`, with no destination yet.
+    pub fn gets_wait(&mut self, peer: Rank) -> u64 {
+        let dests = self.spare_dests.pop().unwrap_or_default();
+        self.waits.add(Wait::Gets { dests, left: 0 }, peer)
+    }
+
+    /// Add a destination of `len` bytes at `ptr` to [`Wait::Gets`] `t`, returning the
+    /// sub-token its record carries; `None` if `t` is no such wait or the sub-token would not
+    /// fit (the caller then gives the get a token of its own).
+    pub fn add_get(&mut self, t: u64, ptr: *mut u8, len: usize) -> Option<u64> {
+        let Some(Wait::Gets { dests, left }) = self.waits.get_mut(&t) else {
+            return None;
+        };
+        let sub = sub_token(t, dests.len())?;
+        dests.push(Dest { ptr, len, got: 0 });
+        if len > 0 {
+            *left += 1;
+        }
+        Some(sub)
+    }
+
+    /// Copy `data`, which a GET reply brought for token (or sub-token) `t` at offset `off`
+    /// of the request, into the request's destination. `whole`: the data must be the whole
+    /// request at once (a reply batch's record), else any piece not landed outside it.
+    pub fn land(&mut self, t: u64, off: usize, data: &[u8], whole: bool) -> Landed {
+        let (base, idx) = split_token(t);
+        let (ptr, len, got, left) = match (self.waits.get_mut(&base), idx) {
+            (Some(Wait::Data { ptr, len, got }), None) => (*ptr, *len, got, None),
+            (Some(Wait::Gets { dests, left }), Some(i)) => match dests.get_mut(i) {
+                Some(d) => (d.ptr, d.len, &mut d.got, Some(left)),
+                None => return Landed::Unlike,
+            },
+            (Some(Wait::Data { .. } | Wait::Gets { .. }), _) => return Landed::Unlike,
+            _ => return Landed::Unknown,
+        };
+        let fits = if whole {
+            off == 0 && data.len() == len && *got == 0
+        } else {
+            off.checked_add(data.len()).is_some_and(|e| e <= len)
+        };
+        if !fits {
+            return Landed::Unlike;
+        }
+        // SAFETY: `ptr..ptr+len` is the origin buffer of a GET, borrowed by its epoch until
+        // the GET's wait is done or given up (then the wait is gone and nothing lands here);
+        // `off + data.len() <= len` was just checked.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.add(off), data.len()) };
+        let was_short = *got < len;
+        *got += data.len();
+        if let Some(left) = left {
+            if was_short && *got >= len {
+                *left -= 1;
+            }
+        }
+        Landed::Done
     }
 
     /// A provider completion for an RMA token.

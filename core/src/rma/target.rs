@@ -71,18 +71,10 @@ pub(crate) fn on_am(
         H_GET_REPLY => {
             let token = rd.u64()?;
             let off = rd.u64()? as usize;
-            match st.rma.waits.get_mut(&token) {
-                Some(Wait::Data { ptr, len, got }) if off.checked_add(payload.len())? <= *len => {
-                    // SAFETY: `ptr..ptr+len` is the origin buffer of a GET, borrowed by its epoch
-                    // until the GET completes; the range was just checked.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(payload.as_ptr(), ptr.add(off), payload.len())
-                    };
-                    *got += payload.len();
-                    Some(())
-                }
-                Some(Wait::Data { .. }) => bad(st, src, "GET reply outside its request"),
-                _ => unknown_token(st, src, token, "GET reply"),
+            match st.rma.land(token, off, payload, false) {
+                Landed::Done => Some(()),
+                Landed::Unlike => bad(st, src, "GET reply outside its request"),
+                Landed::Unknown => unknown_token(st, src, split_token(token).0, "GET reply"),
             }
         }
         H_REPLY_BATCH => {
@@ -91,24 +83,17 @@ pub(crate) fn on_am(
                 let token = p.u64()?;
                 let len = p.u32()? as usize;
                 let data = p.bytes(len)?;
-                match st.rma.waits.get_mut(&token) {
-                    Some(Wait::Data {
-                        ptr,
-                        len: want,
-                        got,
-                    }) if *want == len && *got == 0 => {
-                        // SAFETY: `ptr..ptr+len` is the origin buffer of a GET, borrowed by its
-                        // epoch until the GET completes; its length was just checked.
-                        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), *ptr, len) };
-                        *got = len;
-                    }
-                    Some(Wait::Data { .. }) => {
+                match st.rma.land(token, 0, data, true) {
+                    Landed::Done => {}
+                    Landed::Unlike => {
                         return bad(st, src, "GET reply batch record unlike its request")
                     }
-                    _ if st.am.was_quarantined(token) => {
+                    Landed::Unknown if st.am.was_quarantined(split_token(token).0) => {
                         tracing::debug!(peer = src, "dropping a late GET reply");
                     }
-                    _ => return bad(st, src, "GET reply batch record for an unknown request"),
+                    Landed::Unknown => {
+                        return bad(st, src, "GET reply batch record for an unknown request")
+                    }
                 }
             }
             Some(())
@@ -594,6 +579,112 @@ mod tests {
         r.extend_from_slice(&(data.len() as u32).to_le_bytes());
         r.extend_from_slice(data);
         r
+    }
+
+    /// Packed gets share one wait: each reply (a batch record, or chunks of a large get) lands
+    /// by its sub-token in its own buffer, the wait is done only when every non-empty buffer
+    /// is full, and a record that names no destination of the wait, or lands twice, fails the
+    /// peer. A late reply for a wait given up is dropped quietly.
+    #[test]
+    fn packed_gets_land_by_sub_token_under_one_wait() {
+        let mut rma = RmaState::default();
+        let mut am = AmState::new(2, Caps::am_only(64, 1024, 4), (0, 0));
+        let (mut a, mut b, mut z) = ([0u8; 4], [0u8; 6], [0u8; 0]);
+        let g = rma.gets_wait(1);
+        let sa = rma.add_get(g, a.as_mut_ptr(), 4).unwrap();
+        let sz = rma.add_get(g, z.as_mut_ptr(), 0).unwrap();
+        let sb = rma.add_get(g, b.as_mut_ptr(), 6).unwrap();
+        assert_eq!(split_token(sb), (g, Some(2)));
+        assert_eq!(split_token(g), (g, None));
+        assert!(!rma.is_done(g));
+        let mut cx = Ctx {
+            rma: &mut rma,
+            am: &mut am,
+        };
+        // b in two chunks (a large get's replies), a and the empty one in a batch.
+        let mut h = Hdr::new(H_GET_REPLY);
+        h.u64(sb).u64(3);
+        let hb = h.bytes().to_vec();
+        let mut rd = Rd::new(&hb[1..]);
+        assert!(on_am(&mut cx, 1, H_GET_REPLY, &mut rd, &[4, 5, 6]).is_some());
+        assert!(!cx.rma.is_done(g));
+        let mut p = record(sa, &[1, 2, 3, 4]);
+        p.extend(record(sz, &[]));
+        let mut rd = Rd::new(&[]);
+        assert!(on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, &p).is_some());
+        assert!(!cx.rma.is_done(g), "b is still short");
+        let mut h = Hdr::new(H_GET_REPLY);
+        h.u64(sb).u64(0);
+        let hb = h.bytes().to_vec();
+        let mut rd = Rd::new(&hb[1..]);
+        assert!(on_am(&mut cx, 1, H_GET_REPLY, &mut rd, &[1, 2, 3]).is_some());
+        assert!(!cx.am.is_failed(1));
+        assert!(cx.rma.is_done(g));
+        assert_eq!((a, b), ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]));
+        assert!(cx.rma.take(g).is_ok());
+
+        // Records the wait cannot take: each fails the peer and writes nothing.
+        let bad_records = |g: u64, sa: u64| -> [Vec<u8>; 4] {
+            [
+                record(sa, &[9; 4]).repeat(2), // lands twice
+                record(sa | 7 << 40, &[9; 4]), // no such destination
+                record(g, &[9; 4]),            // the wait's own token
+                record(sa, &[9; 3]),           // shorter than the request
+            ]
+        };
+        for i in 0..4 {
+            let mut rma = RmaState::default();
+            let mut am = AmState::new(2, Caps::am_only(64, 1024, 4), (0, 0));
+            let mut c = [0u8; 4];
+            let g = rma.gets_wait(1);
+            let sa = rma.add_get(g, c.as_mut_ptr(), 4).unwrap();
+            let p = &bad_records(g, sa)[i];
+            let mut cx = Ctx {
+                rma: &mut rma,
+                am: &mut am,
+            };
+            let mut rd = Rd::new(&[]);
+            let parsed = on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, p);
+            assert!(parsed.is_none() || cx.am.is_failed(1), "case {i}");
+            if i > 0 {
+                assert_eq!(c, [0; 4], "case {i}: nothing written");
+            }
+        }
+
+        // Given up (a wait that failed): a late reply is dropped, the peer stays.
+        let mut rma = RmaState::default();
+        let mut am = AmState::new(2, Caps::am_only(64, 1024, 4), (0, 0));
+        let mut c = [0u8; 4];
+        let g = rma.gets_wait(1);
+        let sa = rma.add_get(g, c.as_mut_ptr(), 4).unwrap();
+        assert!(rma.take(g).is_ok());
+        am.note_quarantined(g);
+        let mut cx = Ctx {
+            rma: &mut rma,
+            am: &mut am,
+        };
+        let mut rd = Rd::new(&[]);
+        assert!(on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, &record(sa, &[9; 4])).is_some());
+        assert!(!cx.am.is_failed(1));
+        assert_eq!(c, [0; 4]);
+    }
+
+    /// Sub-tokens are made only while the wait's sequence number and the index fit beside
+    /// each other, and never look like a plain token.
+    #[test]
+    fn sub_tokens_fit_or_are_refused() {
+        use crate::am::TOKEN_RMA;
+        let t = TOKEN_RMA | 5;
+        let s = sub_token(t, 3).unwrap();
+        assert_ne!(s, t);
+        assert_eq!(split_token(s), (t, Some(3)));
+        assert_eq!(sub_token(TOKEN_RMA | (SUB_SEQ + 1), 0), None);
+        assert_eq!(sub_token(t, SUB_IDX as usize + 1), None);
+        assert_eq!(sub_token(5, 0), None, "not an RMA token");
+        assert_eq!(
+            split_token(TOKEN_RMA | SUB_SEQ),
+            (TOKEN_RMA | SUB_SEQ, None)
+        );
     }
 
     /// Two gets answered by one reply batch land each in its own buffer; a record unlike its

@@ -521,17 +521,20 @@ impl<'w, P: Provider> Window<'w, P> {
         }
         // Aggregation: per target, consecutive small AM operations go into batch records.
         // One entry per target this epoch touches (not per rank of the communicator).
-        let mut batches: SmallVec<[(u32, Vec<u8>, u64); 4]> = SmallVec::new();
-        fn slot(b: &mut SmallVec<[(u32, Vec<u8>, u64); 4]>, t: u32) -> usize {
+        // One entry per target: its batch, the batch's record count, and the wait its
+        // packed gets share (see `record_into`).
+        type Batch = (u32, Vec<u8>, u64, Option<u64>);
+        let mut batches: SmallVec<[Batch; 4]> = SmallVec::new();
+        fn slot(b: &mut SmallVec<[Batch; 4]>, t: u32) -> usize {
             b.iter().position(|e| e.0 == t).unwrap_or_else(|| {
-                b.push((t, Vec::new(), 0));
+                b.push((t, Vec::new(), 0, None));
                 b.len() - 1
             })
         }
         let chunk = self.engine().st.am.caps.max_am_payload;
         for op in ops.drain(..) {
             let i = slot(&mut batches, op.trank);
-            let (t, buf, count) = &mut batches[i];
+            let (t, buf, count, gets) = &mut batches[i];
             let small = self.aggregatable(&op, chunk);
             if !small {
                 self.send_batch(*t, buf, count, 0, 0, 0)?;
@@ -544,7 +547,7 @@ impl<'w, P: Provider> Window<'w, P> {
             if buf.capacity() == 0 {
                 *buf = self.engine().st.am.spare_buf();
             }
-            self.record_into(op, buf)?;
+            self.record_into(op, buf, gets)?;
             *count += 1;
         }
         let mut folded = Targets::new();
@@ -560,7 +563,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     None => (0, 0),
                 };
                 let i = slot(&mut batches, tr);
-                let (t, buf, count) = &mut batches[i];
+                let (t, buf, count, _) = &mut batches[i];
                 self.send_batch(*t, buf, count, flag | lflag, lkind, token)?;
                 if lock.is_some() {
                     self.lazy_lock.set(None);
@@ -568,7 +571,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 folded.push(tr);
             }
         }
-        for (t, buf, count) in &mut batches {
+        for (t, buf, count, _) in &mut batches {
             self.send_batch(*t, buf, count, 0, 0, 0)?;
         }
         Ok(folded)
@@ -596,23 +599,20 @@ impl<'w, P: Provider> Window<'w, P> {
         13 + 11 + data
     }
 
-    /// Append one operation's batch record to `r`; registers a wait for returned data.
-    pub(super) fn record_into(&self, op: PendingOp, r: &mut Vec<u8>) -> Result<()> {
+    /// Append one operation's batch record to `r`; registers a wait for returned data (a
+    /// get: a destination of `gets`, the wait this drain's packed gets to the target share,
+    /// made at the first).
+    pub(super) fn record_into(
+        &self,
+        op: PendingOp,
+        r: &mut Vec<u8>,
+        gets: &mut Option<u64>,
+    ) -> Result<()> {
         let target = self.world(op.trank);
         let (kind, token) = match op.kind {
             OpKind::Put => (rma::R_PUT, None),
             OpKind::Acc(..) => (rma::R_ACC, None),
-            OpKind::Get => {
-                let t = self.engine().st.rma.token(
-                    Wait::Data {
-                        ptr: op.result,
-                        len: op.len,
-                        got: 0,
-                    },
-                    target,
-                );
-                (rma::R_GET, Some(t))
-            }
+            OpKind::Get => (rma::R_GET, Some(self.get_token(gets, target, &op))),
             OpKind::Rmw(..) => {
                 let t = self.engine().st.rma.token(
                     Wait::Reply {
@@ -625,7 +625,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 (rma::R_RMW, Some(t))
             }
         };
-        if let Some(t) = token {
+        if let (Some(t), OpKind::Rmw(..)) = (token, op.kind) {
             self.tokens.borrow_mut().push(t);
         }
         let cmp = !op.compare.is_null();
@@ -678,6 +678,32 @@ impl<'w, P: Provider> Window<'w, P> {
             }
         }
         Ok(())
+    }
+
+    /// The token a packed get's record carries: a sub-token of `gets` (made now if this is
+    /// the first), or, past what sub-tokens can number, a token of its own.
+    fn get_token(&self, gets: &mut Option<u64>, target: Rank, op: &PendingOp) -> u64 {
+        let mut eng = self.engine();
+        let rma = &mut eng.st.rma;
+        if let Some(t) = gets.and_then(|g| rma.add_get(g, op.result, op.len)) {
+            return t;
+        }
+        let g = rma.gets_wait(target);
+        self.tokens.borrow_mut().push(g);
+        *gets = Some(g);
+        if let Some(t) = rma.add_get(g, op.result, op.len) {
+            return t;
+        }
+        let t = rma.token(
+            Wait::Data {
+                ptr: op.result,
+                len: op.len,
+                got: 0,
+            },
+            target,
+        );
+        self.tokens.borrow_mut().push(t);
+        t
     }
 
     /// Before an operation goes to `trank`: wait until it has said it applied the epoch of the

@@ -164,7 +164,7 @@ const SUB_IDX: u64 = (1 << (62 - SUB_SHIFT)) - 1;
 fn sub_token(t: u64, idx: usize) -> Option<u64> {
     let seq = t & !crate::am::TOKEN_RMA;
     (t & crate::am::TOKEN_RMA != 0 && seq <= SUB_SEQ && (idx as u64) <= SUB_IDX)
-        .then(|| t | SUB | (idx as u64) << SUB_SHIFT)
+        .then_some(t | SUB | (idx as u64) << SUB_SHIFT)
 }
 
 /// A token as a reply names it: the wait's token, and the destination's index for a

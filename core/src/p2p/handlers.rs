@@ -183,6 +183,7 @@ impl P2pState {
         let tag = s.tag;
         if let Some(m) = s.mr.take() {
             self.deregs.push(*m);
+            self.work = true;
         }
         // A speculative send still pumping `SDATA` is in `streams` already; it switches to
         // `DATA` (the receiver dropped what it got before its receive matched).
@@ -194,6 +195,7 @@ impl P2pState {
             s.phase = SendPhase::Stream { rreq, off: 0, len };
             if !streaming {
                 self.streams.push(sreq);
+                self.work = true;
             }
         }
         Some(())
@@ -233,6 +235,7 @@ impl P2pState {
         }
         if let Some(m) = s.mr.take() {
             self.deregs.push(*m);
+            self.work = true;
         }
         let streaming =
             matches!(s.phase, SendPhase::Spec { off, .. } if off > 0 && off < s.buf.len);
@@ -244,10 +247,12 @@ impl P2pState {
                 issued: false,
             };
             self.writes.push(sreq);
+            self.work = true;
         } else {
             s.phase = SendPhase::Stream { rreq, off: 0, len };
             if !streaming {
                 self.streams.push(sreq);
+                self.work = true;
             }
         }
         Some(())
@@ -382,6 +387,7 @@ impl P2pState {
         }
         if let Some(m) = s.mr.take() {
             self.deregs.push(*m);
+            self.work = true;
         }
         let (tag, len) = (s.tag, s.buf.len);
         self.finish(sreq, Ok(status(src, tag, len)));

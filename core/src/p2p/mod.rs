@@ -357,6 +357,11 @@ pub(crate) struct P2pState {
     wdone: Vec<(ReqId, Result<Status>)>,
     /// Registrations to release once `progress` returns.
     deregs: Vec<SendMr>,
+    /// Something may be in `streams`, `reads`, `writes`, `wcts`, `wdone` or `deregs`: set by
+    /// every push, recomputed when `flush` and `after_progress` have worked them off. The
+    /// engine's progress round tests this one word instead of six lists (debug builds check
+    /// that it never says "nothing" while a list holds something).
+    work: bool,
     /// Results of sends finished while zero-copy pieces were still in flight (rare).
     parked: hashbrown::HashMap<ReqId, Result<Status>>,
     /// Registrations describing request buffers to a provider that needs local descriptors
@@ -428,6 +433,7 @@ impl P2pState {
             wkeys: Default::default(),
             wdone: Vec::new(),
             deregs: Vec::new(),
+            work: false,
             parked: Default::default(),
             locals: Default::default(),
             slot: slot::Slot::Idle,
@@ -451,6 +457,15 @@ impl P2pState {
     /// Work for `after_progress`: streams to pump, reads to issue, registrations to release.
     #[inline]
     pub(crate) fn has_work(&self) -> bool {
+        debug_assert!(
+            self.work || !self.lists_hold_work(),
+            "a p2p work list was filled without setting `work`"
+        );
+        self.work
+    }
+
+    /// Whether any work list holds something (what `work` stands for).
+    fn lists_hold_work(&self) -> bool {
         !self.streams.is_empty()
             || !self.reads.is_empty()
             || !self.deregs.is_empty()
@@ -462,7 +477,9 @@ impl P2pState {
     /// Send queued messages (the outbox, in per-destination order) and stream rendezvous data.
     pub(crate) fn flush<P: Provider>(&mut self, p: &mut P, am: &mut AmState) -> Result<usize> {
         let mut sent = am.flush(p, self);
-        sent += self.pump_streams(p, am)?;
+        let r = self.pump_streams(p, am);
+        self.work = self.lists_hold_work();
+        sent += r?;
         Ok(sent)
     }
 
@@ -494,6 +511,7 @@ impl P2pState {
                 SendMr::Cached(r) => am.mr.release(r),
             }
         }
+        self.work = self.lists_hold_work();
         n
     }
 
@@ -606,6 +624,7 @@ impl P2pState {
         if !self.wkeys.is_empty() && self.wkeys.contains_key(&id) {
             // A peer may still write here: not until the key is revoked.
             self.wdone.push((id, res));
+            self.work = true;
             return;
         }
         if let Some(r) = self.reqs.get_mut(id) {
@@ -912,6 +931,7 @@ impl P2pState {
                 Kind::Send(s) => {
                     if let Some(m) = s.mr.take() {
                         self.deregs.push(*m);
+                        self.work = true;
                     }
                 }
                 _ => {}

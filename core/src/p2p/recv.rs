@@ -395,6 +395,7 @@ impl P2pState {
                 issued: false,
             };
             self.reads.push(id);
+            self.work = true;
             return;
         }
         r.phase = RecvPhase::Stream {
@@ -407,6 +408,7 @@ impl P2pState {
         if rma_write && len > 0 && matches!(r.buf.layout, Layout::Contig) {
             // Registered and announced by `issue_wcts`, which has the provider.
             self.wcts.push((id, sreq));
+            self.work = true;
             return;
         }
         let cap = r.buf.cap;

@@ -205,6 +205,7 @@ impl P2pState {
             );
             if n < len {
                 self.streams.push(id);
+                self.work = true;
             }
         }
         Ok(o)
@@ -471,6 +472,7 @@ impl P2pState {
             if pieces.len() > max_iov {
                 s.phase = SendPhase::Stream { rreq, off: 0, len };
                 self.streams.push(id);
+                self.work = true;
                 continue;
             }
             let span = s.buf.span();

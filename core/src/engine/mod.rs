@@ -337,8 +337,9 @@ impl<P: Provider> Engine<P> {
     #[inline]
     pub(crate) fn progress(&mut self) -> Result<usize> {
         let n = self.p.progress(&mut self.st)?;
+        // `has_work` covers the rendezvous streams too, the other half of `out_idle`.
         if self.st.am.provider_fault.is_none()
-            && self.st.out_idle()
+            && self.st.am.out.is_empty()
             && !self.st.p2p.has_work()
             && !self.st.am.needs_refresh()
             && !self.st.am.mr.has_dead()
@@ -480,10 +481,11 @@ impl<P: Provider> Engine<P> {
         buf: RecvBuf,
     ) -> Result<Status> {
         let st = &mut self.st;
+        // `src` is a valid world rank (`Comm::source`): alive unless some rank failed.
         let lean = !st.am.caps.tagged
             && st.p2p.slot_usable(ctx, src, tag)
             && matches!(buf.layout, Layout::Contig)
-            && src.is_none_or(|s| st.am.alive(s));
+            && (st.am.nfailed == 0 || src.is_none_or(|s| st.am.alive(s)));
         if !lean {
             return self.recv_posted(src, ctx, tag, buf);
         }

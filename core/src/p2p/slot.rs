@@ -103,13 +103,18 @@ impl P2pState {
         cap: usize,
     ) {
         debug_assert!(matches!(self.slot, Slot::Idle));
-        self.slot = Slot::Armed(Armed {
-            ctx,
-            src,
-            tag,
-            base,
-            cap,
-        });
+        // The slot is idle (`slot_usable`), so there is nothing to drop: `forget` spares the
+        // drop test an assignment would make (at worst it would leak a result, never free one).
+        std::mem::forget(std::mem::replace(
+            &mut self.slot,
+            Slot::Armed(Armed {
+                ctx,
+                src,
+                tag,
+                base,
+                cap,
+            }),
+        ));
     }
 
     /// Is the slot still waiting for its message?

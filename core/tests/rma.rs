@@ -763,6 +763,52 @@ fn a_native_window_packs_small_operations_when_any_rank_aggregates() {
     }
 }
 
+/// Under aggregation the gets of an epoch leave first, in a batch of their own (the target
+/// answers them while the origin packs the rest) — except towards a target whose lock is still
+/// lazy: the lock rides on the epoch's one batch, and nothing may reach the target before it.
+#[test]
+fn packed_gets_go_first_but_never_ahead_of_a_lazy_lock() {
+    testing::world_with(2, &opts(false), |c| {
+        let me = c.rank();
+        let sent = || {
+            let p = c.provider_counters();
+            p.iter()
+                .find(|(k, _)| *k == "am_send")
+                .map_or(0, |(_, v)| *v)
+        };
+        let mut m = vec![0u64; 8];
+        c.win_create(&mut m, info(Sched::Aggregate), |w| {
+            w.write_local(0, &[me as u64 + 10; 8])?;
+            c.barrier()?;
+            if me == 1 {
+                let (mut a, mut b) = ([0u64; 2], [0u64; 2]);
+                let before = sent();
+                w.lock_epoch(0, LockKind::Exclusive, |e| {
+                    e.put(&[7u64, 7], 0, 4)?;
+                    e.get(&mut a, 0, 0)?;
+                    e.put(&[8u64, 8], 0, 6)?;
+                    e.get(&mut b, 0, 2)
+                })?;
+                assert_eq!(
+                    sent() - before,
+                    1,
+                    "lock, operations and unlock in one batch"
+                );
+                assert_eq!((a, b), ([10, 10], [10, 10]));
+            }
+            c.barrier()?;
+            if me == 0 {
+                let mut v = [0u64; 8];
+                w.read_local(0, &mut v)?;
+                assert_eq!(v, [10, 10, 10, 10, 7, 7, 8, 8]);
+            }
+            c.barrier()?;
+            Ok(())
+        })
+        .unwrap();
+    });
+}
+
 #[test]
 fn shm_native_atomics_agree_with_the_reference() {
     testing::world_dyn(3, "shm", |c| {

@@ -476,9 +476,17 @@ impl<'w, P: Provider> Window<'w, P> {
         fold: Option<(u8, &[(u32, u64)])>,
     ) -> Result<Targets> {
         let is_get = |o: &PendingOp| o.kind == OpKind::Get;
-        if self.sched.reorders() && ops.iter().any(is_get) && !ops.iter().all(is_get) {
-            // Gets first, interleaved with the rest so both directions carry data; accumulates
-            // keep their relative order. (Nothing to do unless both kinds are present.)
+        let aggregates = self.sched.aggregates();
+        if (self.sched.reorders() || aggregates)
+            && ops.iter().any(is_get)
+            && !ops.iter().all(is_get)
+        {
+            // Gets first; puts and accumulates keep their relative order. (Nothing to do unless
+            // both kinds are present.) Issued one by one, the gets are interleaved with the
+            // rest so that both directions carry data; packed, they go first in a batch of
+            // their own (below), which the target answers while the origin packs the rest:
+            // an aggregated epoch is otherwise a chain — the whole batch out, the target's
+            // work, the replies back.
             let mut scratch = self.reorder_scratch.borrow_mut();
             let (gets, rest) = &mut *scratch;
             for op in ops.drain(..) {
@@ -488,18 +496,23 @@ impl<'w, P: Provider> Window<'w, P> {
                     rest.push(op);
                 }
             }
-            let (mut g, mut r) = (gets.drain(..), rest.drain(..));
-            loop {
-                match (g.next(), r.next()) {
-                    (None, None) => break,
-                    (a, b) => {
-                        ops.extend(a);
-                        ops.extend(b);
+            if aggregates {
+                ops.append(gets);
+                ops.append(rest);
+            } else {
+                let (mut g, mut r) = (gets.drain(..), rest.drain(..));
+                loop {
+                    match (g.next(), r.next()) {
+                        (None, None) => break,
+                        (a, b) => {
+                            ops.extend(a);
+                            ops.extend(b);
+                        }
                     }
                 }
             }
         }
-        if !self.sched.aggregates() {
+        if !aggregates {
             for op in ops.drain(..) {
                 self.issue(op, None)?;
             }
@@ -520,21 +533,30 @@ impl<'w, P: Provider> Window<'w, P> {
             }
         }
         // Aggregation: per target, consecutive small AM operations go into batch records.
-        // One entry per target this epoch touches (not per rank of the communicator).
-        // One entry per target: its batch, the batch's record count, and the wait its
-        // packed gets share (see `record_into`).
-        type Batch = (u32, Vec<u8>, u64, Option<u64>);
+        // One entry per target this epoch touches (not per rank of the communicator): its
+        // batch, the batch's record count, the wait its packed gets share (see
+        // `record_into`), and whether the batch holds gets only.
+        type Batch = (u32, Vec<u8>, u64, Option<u64>, bool);
         let mut batches: SmallVec<[Batch; 4]> = SmallVec::new();
         fn slot(b: &mut SmallVec<[Batch; 4]>, t: u32) -> usize {
             b.iter().position(|e| e.0 == t).unwrap_or_else(|| {
-                b.push((t, Vec::new(), 0, None));
+                b.push((t, Vec::new(), 0, None, true));
                 b.len() - 1
             })
         }
         let chunk = self.engine().st.am.caps.max_am_payload;
+        // A lazy lock rides on the last batch to its target: nothing may go there before it.
+        let lazy = self.lazy_lock.get().map(|(lt, _)| lt);
         for op in ops.drain(..) {
             let i = slot(&mut batches, op.trank);
-            let (t, buf, count, gets) = &mut batches[i];
+            let (t, buf, count, gets, gets_only) = &mut batches[i];
+            if !is_get(&op) {
+                // The gets packed so far leave now, ahead of the rest (see above).
+                if *gets_only && *count > 0 && lazy != Some(*t) {
+                    self.send_batch(*t, buf, count, 0, 0, 0)?;
+                }
+                *gets_only = false;
+            }
             let small = self.aggregatable(&op, chunk);
             if !small {
                 self.send_batch(*t, buf, count, 0, 0, 0)?;
@@ -563,7 +585,7 @@ impl<'w, P: Provider> Window<'w, P> {
                     None => (0, 0),
                 };
                 let i = slot(&mut batches, tr);
-                let (t, buf, count, _) = &mut batches[i];
+                let (t, buf, count, _, _) = &mut batches[i];
                 self.send_batch(*t, buf, count, flag | lflag, lkind, token)?;
                 if lock.is_some() {
                     self.lazy_lock.set(None);
@@ -571,7 +593,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 folded.push(tr);
             }
         }
-        for (t, buf, count, _) in &mut batches {
+        for (t, buf, count, _, _) in &mut batches {
             self.send_batch(*t, buf, count, 0, 0, 0)?;
         }
         Ok(folded)

@@ -63,11 +63,9 @@ impl State {
         self.am.peer_failure(rank).map(str::to_string)
     }
 
-    /// An active message the lean arrival did not take: checked against the protocol's
-    /// header lengths, then dispatched by kind (out of line: its frame would otherwise be
-    /// paid by every plain eager arrival).
     /// An arrival the slot's call-free path did not take: a plain eager message by the lean
-    /// path, anything else by the general one.
+    /// path, anything else by the general one (out of line, so that the call-free path pays
+    /// no frame).
     #[inline(never)]
     fn am_plain(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if self.p2p.on_plain_eager(&mut self.am, src, header, payload) {

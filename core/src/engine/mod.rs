@@ -75,6 +75,9 @@ impl State {
         self.am_general(src, header, payload);
     }
 
+    /// Any other active message: checked against the protocol's header lengths, then
+    /// dispatched by kind (out of line: its frame would otherwise be paid by every plain eager
+    /// arrival).
     #[inline(never)]
     fn am_general(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if self.am.admit(src, header, payload, header_len) {

@@ -547,8 +547,14 @@ impl<'w, P: Provider> Window<'w, P> {
         let chunk = self.engine().st.am.caps.max_am_payload;
         // A lazy lock rides on the last batch to its target: nothing may go there before it.
         let lazy = self.lazy_lock.get().map(|(lt, _)| lt);
+        // The target of the previous operation (epochs mostly go to one target at a time).
+        let mut last = usize::MAX;
         for op in ops.drain(..) {
-            let i = slot(&mut batches, op.trank);
+            let i = match batches.get(last) {
+                Some(b) if b.0 == op.trank => last,
+                _ => slot(&mut batches, op.trank),
+            };
+            last = i;
             let (t, buf, count, gets, gets_only) = &mut batches[i];
             if !is_get(&op) {
                 // The gets packed so far leave now, ahead of the rest (see above).

@@ -53,7 +53,9 @@
 //! gets off the native path too, on windows over registered memory (large ones stay native;
 //! atomics keep their path): a batch pays the fabric's per-operation cost once. If any rank of
 //! a window aggregates, the window is *packing* on every rank (agreed at creation): it then
-//! uses the active-message fence and locks, which see the batches.
+//! uses the active-message fence and locks, which see the batches. Packed gets leave first,
+//! in a batch of their own, so that the target answers them while the origin packs the rest
+//! (not ahead of a lazy lock, which rides on the epoch's one batch).
 
 use crate::am::mr_cache::MrRef;
 use crate::am::{Hdr, Out};

@@ -713,12 +713,11 @@ impl<'w, P: Provider> Window<'w, P> {
     fn get_token(&self, gets: &mut Option<u64>, target: Rank, op: &PendingOp) -> u64 {
         let mut eng = self.engine();
         let rma = &mut eng.st.rma;
-        if let Some(t) = gets.and_then(|g| rma.add_get(g, op.result, op.len)) {
-            return t;
-        }
-        let g = rma.gets_wait(target);
-        self.tokens.borrow_mut().push(g);
-        *gets = Some(g);
+        let g = *gets.get_or_insert_with(|| {
+            let g = rma.gets_wait(target);
+            self.tokens.borrow_mut().push(g);
+            g
+        });
         if let Some(t) = rma.add_get(g, op.result, op.len) {
             return t;
         }

@@ -574,6 +574,15 @@ mod tests {
     use super::*;
     use crate::provider::Caps;
 
+    /// Deliver reply batch `p` from rank 1: whether it was refused (unparsable, or the peer
+    /// failed for it).
+    fn refused(rma: &mut RmaState, am: &mut AmState, p: &[u8]) -> bool {
+        let mut cx = Ctx { rma, am };
+        let mut rd = Rd::new(&[]);
+        let parsed = on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, p);
+        parsed.is_none() || cx.am.is_failed(1)
+    }
+
     fn record(token: u64, data: &[u8]) -> Vec<u8> {
         let mut r = token.to_le_bytes().to_vec();
         r.extend_from_slice(&(data.len() as u32).to_le_bytes());
@@ -639,13 +648,7 @@ mod tests {
             let g = rma.gets_wait(1);
             let sa = rma.add_get(g, c.as_mut_ptr(), 4).unwrap();
             let p = &bad_records(g, sa)[i];
-            let mut cx = Ctx {
-                rma: &mut rma,
-                am: &mut am,
-            };
-            let mut rd = Rd::new(&[]);
-            let parsed = on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, p);
-            assert!(parsed.is_none() || cx.am.is_failed(1), "case {i}");
+            assert!(refused(&mut rma, &mut am, p), "case {i}");
             if i > 0 {
                 assert_eq!(c, [0; 4], "case {i}: nothing written");
             }
@@ -659,13 +662,7 @@ mod tests {
         let sa = rma.add_get(g, c.as_mut_ptr(), 4).unwrap();
         assert!(rma.take(g).is_ok());
         am.note_quarantined(g);
-        let mut cx = Ctx {
-            rma: &mut rma,
-            am: &mut am,
-        };
-        let mut rd = Rd::new(&[]);
-        assert!(on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, &record(sa, &[9; 4])).is_some());
-        assert!(!cx.am.is_failed(1));
+        assert!(!refused(&mut rma, &mut am, &record(sa, &[9; 4])));
         assert_eq!(c, [0; 4]);
     }
 
@@ -740,13 +737,7 @@ mod tests {
                 1,
             );
             assert_eq!(t, ta, "tokens are numbered alike in a fresh state");
-            let mut cx = Ctx {
-                rma: &mut rma,
-                am: &mut am,
-            };
-            let mut rd = Rd::new(&[]);
-            let parsed = on_am(&mut cx, 1, H_REPLY_BATCH, &mut rd, p);
-            assert!(parsed.is_none() || cx.am.is_failed(1), "case {i}");
+            assert!(refused(&mut rma, &mut am, p), "case {i}");
             assert_eq!(c, [0; 4], "case {i}: nothing written");
         }
     }

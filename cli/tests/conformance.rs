@@ -55,6 +55,26 @@ fn builtin_providers_pass_across_processes() {
     passes(&["--provider", "limic", "-n", "3"]);
 }
 
+/// Aggregation on native windows over registered memory (limic's CMA, verbs-rc's RDMA): small
+/// puts and gets are packed into active-message batches while large ones stay native, and the
+/// windows synchronise by active messages; under `full` the gets of an epoch leave first.
+#[test]
+fn aggregation_packs_on_native_windows_across_processes() {
+    for sched in ["WEFT_RMA_SCHED=aggregate", "WEFT_RMA_SCHED=full"] {
+        passes(&["--provider", "limic", "-n", "3", "--env", sched]);
+        passes(&[
+            "--provider",
+            "verbs-rc",
+            "-n",
+            "3",
+            "--env",
+            "WEFT_VERBS_DEVICE=soft",
+            "--env",
+            sched,
+        ]);
+    }
+}
+
 /// verbs-rc on the soft HCA, with every eager design and every rendezvous mode: the receiver's
 /// RDMA read of the sender's buffer, the sender's RDMA write into the receiver's, and the copy
 /// through active messages.

@@ -482,11 +482,17 @@ pub(crate) fn apply_acc(op: Op, ty: BasicType, target: &mut [u8], origin: &[u8])
 }
 
 /// Check an origin-side request against the window's size at the target: used by the native
-/// path, which cannot rely on the target to refuse it.
-pub(crate) fn check_remote(len_at_target: usize, off: usize, n: usize, target: Rank) -> Result<()> {
+/// path, which cannot rely on the target to refuse it. `target` names the target's world rank
+/// for the error (worked out only then).
+pub(crate) fn check_remote(
+    len_at_target: usize,
+    off: usize,
+    n: usize,
+    target: impl FnOnce() -> Rank,
+) -> Result<()> {
     if off.checked_add(n).is_none_or(|e| e > len_at_target) {
         return Err(Error::from(ErrorDetail::RemoteAccess {
-            rank: target,
+            rank: target(),
             what: format!(
                 "bytes {off}..{} are outside the {len_at_target}-byte window",
                 off.saturating_add(n)

@@ -768,11 +768,7 @@ impl<'w, P: Provider> Window<'w, P> {
                 size: self.comm.size(),
             })
         })?;
-        if toff.checked_add(n).is_some_and(|end| end <= p.len) {
-            return Ok(());
-        }
-        // Out of range: the error names the target's world rank (not worked out otherwise).
-        rma::check_remote(p.len, toff, n, self.world(trank))
+        rma::check_remote(p.len, toff, n, || self.world(trank))
     }
 }
 

@@ -394,3 +394,54 @@ fn json_records_the_hybrid_channel_statistics() {
     assert_eq!(k["rc_opened"].as_u64(), Some(2), "{h}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The verbs providers report the QP-context cache misses of their device (the soft HCA's
+/// timing model): some with the model on, none with it off.
+#[test]
+fn json_records_the_qp_cache_misses_of_the_verbs_providers() {
+    let dir = std::env::temp_dir().join(format!("weft-bench-qpc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let o = bench(&[
+        "latency",
+        "--providers",
+        "verbs-rc,verbs-ud,hybrid",
+        "--variant",
+        "hybrid/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+        "--variant",
+        "verbs-rc/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+        "--variant",
+        "verbs-ud/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+        "--sizes",
+        "8",
+        "--reps",
+        "1",
+        "--iters",
+        "200",
+        "--json",
+        json.to_str().unwrap(),
+        "--env",
+        "WEFT_VERBS_DEVICE=soft",
+    ]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let jobs = v["counters"].as_array().expect("a counters list");
+    for p in ["verbs-rc", "verbs-ud", "hybrid"] {
+        let misses = |col: &str| {
+            let j = jobs
+                .iter()
+                .find(|j| j["provider"] == col)
+                .unwrap_or_else(|| panic!("no job for {col}: {v}"));
+            j["counters"]["hca_qp_cache_misses"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{col} reports no hca_qp_cache_misses: {j}"))
+        };
+        assert_eq!(misses(p), 0, "{p} without the cache model");
+        assert!(
+            misses(&format!("{p}/cache")) > 0,
+            "{p} with one cached context"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

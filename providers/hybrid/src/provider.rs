@@ -1019,6 +1019,8 @@ impl Provider for Hybrid {
 }
 
 impl StaticProvider for Hybrid {
+            // The one device both channels share (timing model: QP contexts not cached).
+            ("hca_qp_cache_misses", self.hca.counters().qp_cache_misses),
     const NAME: &'static str = "hybrid";
 
     fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {

@@ -2139,6 +2139,7 @@ impl Provider for VerbsRc {
         base: *mut u8,
         len: usize,
         access: Access,
+            ("hca_qp_cache_misses", hc.qp_cache_misses),
     ) -> Result<MemRegion> {
         if len == 0 {
             return Ok(MemRegion {

@@ -1583,6 +1583,7 @@ impl Provider for VerbsUd {
             ("zcopy_refused", s.zrefused),
             ("hca_ud_dropped", hc.ud_dropped),
             ("hca_ud_duplicated", hc.ud_duplicated),
+            ("hca_qp_cache_misses", hc.qp_cache_misses),
             ("mem_hca_bytes", mem.0),
             ("mem_buffer_bytes", mem.1),
             ("mem_peer_bytes", mem.2),

@@ -647,6 +647,7 @@ mod tests {
             buf: 8192,
             pool: 64,
             conns: 16,
+            fp_payload: 0,
         };
         let c = measure(sizing, 1, 4).unwrap();
         for (k, row) in c.ns.iter().enumerate() {

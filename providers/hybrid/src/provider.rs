@@ -294,7 +294,24 @@ impl Hybrid {
 
     fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<Hybrid> {
         let (rank, size) = (boot.rank(), boot.size());
-        let (_, ud_upto) = cfg.job(size)?;
+        let (job, ud_upto) = cfg.job(size)?;
+        // RC-FP slots hold what the chain sends through them, no more (verbs-rc's own slots
+        // are 4 KiB; the default chain's RC-FP reach is 2 KiB); a chain without RC-FP sets up
+        // no slots at all. `auto` decides the chain after the channels are open, so it keeps
+        // verbs-rc's slots and measures RC-FP in them.
+        let fp_reach = if cfg.auto {
+            None
+        } else {
+            job.reach(Channel::RcFp)
+        };
+        if !cfg.auto && fp_reach.is_none() {
+            cfg.limits.max_fp = 0;
+        }
+        let fp_payload = fp_reach.map_or(0, |r| {
+            usize::try_from(r.min(ud_upto))
+                .unwrap_or(usize::MAX)
+                .min(64 << 10)
+        });
         // RC serves at most max_rc peers and messages up to the chain's UD-SR reach: smaller
         // shared pools than verbs-rc alone takes for a job where every peer may connect
         // (unless WEFT_VERBS_RC_BUF, _SRQ or _SEND_BUFS say otherwise).
@@ -307,6 +324,7 @@ impl Hybrid {
             buf: usize::try_from(ud_upto).unwrap_or(usize::MAX).min(64 << 10),
             pool: RC_POOL,
             conns: cfg.limits.max_rc,
+            fp_payload,
         };
         // One device for both channels, as a process has one HCA: they share its QP-context
         // cache (the timing model's included) and its service threads.
@@ -366,6 +384,12 @@ impl Hybrid {
     /// The chain in force (for `weft info` and the statistics).
     pub fn chain(&self) -> &JobChain {
         &self.chain
+    }
+
+    /// Eager-ring memory (RC-FP slots, both directions) of each peer that gets slots, or
+    /// `None` when none will (the chain names no RC-FP, or `WEFT_HYBRID_MAX_FP=0`).
+    pub fn fp_bytes_per_peer(&self) -> Option<u64> {
+        (self.budget.limits().max_fp > 0).then(|| self.rc.ring_bytes_per_peer())
     }
 
     fn check_rank(&self, r: Rank) -> Result<usize> {
@@ -995,6 +1019,8 @@ impl Provider for Hybrid {
             ("rc_fallback_ud", self.totals.rc_fallback),
             ("ctrl_sent", self.totals.ctrl_sent),
             ("held_for_order", self.totals.held),
+            // The one device both channels share (timing model: QP contexts not cached).
+            ("hca_qp_cache_misses", self.hca.counters().qp_cache_misses),
         ];
         // Memory (`weft bench mem`): the device's accounting once (both channels report the
         // whole shared device, queues and device memory), the channels' host buffers and
@@ -1019,8 +1045,6 @@ impl Provider for Hybrid {
 }
 
 impl StaticProvider for Hybrid {
-            // The one device both channels share (timing model: QP contexts not cached).
-            ("hca_qp_cache_misses", self.hca.counters().qp_cache_misses),
     const NAME: &'static str = "hybrid";
 
     fn probe(ctx: &ProbeContext) -> std::result::Result<(), String> {

@@ -534,6 +534,16 @@ impl JobChain {
         &self.0
     }
 
+    /// The largest message size any rule naming `c` covers (`u64::MAX` for an unbounded
+    /// one), or `None` if no rule names it: an upper bound on what `c` is ever asked to carry.
+    pub fn reach(&self, c: Channel) -> Option<u64> {
+        self.0
+            .iter()
+            .filter(|r| r.channel == c)
+            .map(|r| r.cond.size.hi)
+            .max()
+    }
+
     /// The largest size up to which a peer with only UD open is sent every message by UD-SR
     /// (`None`: not even the smallest). Sizes beyond go by UD-ZCOPY.
     pub fn ud_sr_upto(&self) -> Option<u64> {

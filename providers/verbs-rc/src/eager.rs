@@ -118,6 +118,15 @@ impl Shape {
         }
     }
 
+    /// A fastpath slot for records of bodies up to `body` bytes: their size, and 512 bytes to
+    /// spare, in 256-byte steps. A record that fills its slot (a 2 KiB message in slots of
+    /// 2,304 bytes) took 6 % longer than in 4 KiB slots, one with 600 bytes to spare (2,816)
+    /// did not: the slack keeps a record's tail flag off the cache lines of the next slot,
+    /// which the next write and the receiver touch meanwhile.
+    pub fn fastpath_slot_for(body: usize) -> usize {
+        (HEAD + TAIL + 8 * MAX_PAD + body + 512).next_multiple_of(256)
+    }
+
     /// The largest body one record carries.
     pub fn max_body(&self) -> usize {
         let over = HEAD
@@ -560,6 +569,22 @@ mod tests {
                 slot: 0,
                 chunk: 128,
             },
+        }
+    }
+
+    #[test]
+    fn a_slot_sized_for_a_body_carries_it_with_room_to_spare() {
+        for body in [1, 100, 2192, 4000, 8336, 65_680] {
+            let slot = Shape::fastpath_slot_for(body);
+            let s = Shape {
+                design: Design::Fastpath,
+                size: 16 * slot,
+                slot,
+                chunk: 0,
+            };
+            assert!(s.valid(), "{body}: slot {slot}");
+            assert!(s.max_body() >= body + 512, "{body}: slot {slot}");
+            assert!(s.max_body() < body + 512 + 256, "{body}: slot {slot}");
         }
     }
 

@@ -95,7 +95,7 @@ weft_provider::param!(CHUNK: Size = "verbs", "RC_CHUNK", "16K",
 weft_provider::param!(FP_BUFS: Uint = "verbs", "RC_FP_BUFS", "16",
     "verbs-rc fastpath: RDMA eager slots per peer (MVAPICH MV2_NUM_RDMA_BUFFER); 2 to 1024");
 weft_provider::param!(FP_SIZE: Size = "verbs", "RC_FP_SIZE", "4K",
-    "verbs-rc fastpath: bytes of one slot, head and tail flags included (MVAPICH MV2_RDMA_FAST_PATH_BUF_SIZE); 256 to 1M");
+    "verbs-rc fastpath: bytes of one slot, head and tail flags included (MVAPICH MV2_RDMA_FAST_PATH_BUF_SIZE); 256 to 1M; unset, hybrid sizes its slots to its chain's RC-FP reach");
 weft_provider::param!(FP_THRESHOLD: Uint = "verbs", "RC_FP_THRESHOLD", "16",
     "verbs-rc fastpath: messages received from a peer before its slots are set up (MVAPICH: 256, Open MPI: 16); 0: at connection");
 weft_provider::param!(FP_PEERS: Uint = "verbs", "RC_FP_PEERS", "64",
@@ -641,6 +641,11 @@ impl VerbsRc {
         if !SEND_BUFS.is_set() {
             cfg.send_bufs = sizing.pool.clamp(16, 16384);
         }
+        if !FP_SIZE.is_set() && sizing.fp_payload > 0 {
+            // A frame (its header, the largest active-message header, the payload) per slot.
+            let body = FRAME_HDR + MAX_HDR + sizing.fp_payload;
+            cfg.fp_size = Shape::fastpath_slot_for(body).min(1 << 20);
+        }
         Self::open_with(boot, &cfg, hca)
     }
 
@@ -650,6 +655,12 @@ impl VerbsRc {
         self.peers
             .get(peer as usize)
             .is_some_and(|p| p.etx.is_some())
+    }
+
+    /// Eager-ring memory of one peer, both directions (the ring it writes into here and the
+    /// mirror of ours), with the geometry in force (see [`Sizing::fp_payload`]).
+    pub fn ring_bytes_per_peer(&self) -> u64 {
+        2 * (self.shape.mem_len() + BLOCK_EXTRA) as u64
     }
 
     /// Stop posting anything to `peer` (a composition is closing the connection): sends to
@@ -2128,6 +2139,7 @@ impl Provider for VerbsRc {
             ),
             ("hca_packets", hc.packets),
             ("hca_wire_bytes", hc.wire_bytes),
+            ("hca_qp_cache_misses", hc.qp_cache_misses),
             ("mem_hca_bytes", mem.0),
             ("mem_buffer_bytes", mem.1),
             ("mem_peer_bytes", mem.2),
@@ -2139,7 +2151,6 @@ impl Provider for VerbsRc {
         base: *mut u8,
         len: usize,
         access: Access,
-            ("hca_qp_cache_misses", hc.qp_cache_misses),
     ) -> Result<MemRegion> {
         if len == 0 {
             return Ok(MemRegion {
@@ -2360,6 +2371,10 @@ pub struct Sizing {
     /// room for that many keepalive probes rather than one per rank of the job. More
     /// connections still work; their keepalives then take turns.
     pub conns: usize,
+    /// The largest active-message payload the composition sends through RC-FP: each slot is
+    /// made just large enough for it with the largest header (`WEFT_VERBS_RC_FP_SIZE`
+    /// unless set). 0: that parameter's slots.
+    pub fp_payload: usize,
 }
 
 /// What verbs-rc costs in memory with the current parameters, measured with the HCA's own

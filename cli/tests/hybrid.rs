@@ -147,6 +147,23 @@ fn conformance_with_everything_on_ud() {
     assert_eq!(sent_over(&stats, "RC-SR") + sent_over(&stats, "RC-FP"), 0);
 }
 
+/// A chain that names RC-SR but no RC-FP: connections open, no peer gets RC-FP slots (the
+/// hybrid sizes them to the chain's RC-FP reach, and there is none), and every small message
+/// to a connected peer goes by RC-SR.
+#[test]
+fn conformance_with_a_chain_without_rc_fp() {
+    let stats = conformance(&[
+        "WEFT_HYBRID_RULES={size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY}",
+        "WEFT_HYBRID_RC_THRESHOLD=1",
+    ]);
+    assert!(
+        budgets(&stats).iter().all(|&(_, _, opened)| opened > 0),
+        "{stats:#?}"
+    );
+    assert_eq!(sent_over(&stats, "RC-FP"), 0, "{stats:#?}");
+    assert!(sent_over(&stats, "RC-SR") > 0, "{stats:#?}");
+}
+
 #[test]
 fn conformance_with_an_rc_limit_of_one() {
     let stats = conformance(&["WEFT_HYBRID_MAX_RC=1", "WEFT_HYBRID_RC_THRESHOLD=1"]);

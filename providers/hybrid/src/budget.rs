@@ -219,9 +219,15 @@ impl Budget {
         if peer == self.me || peer as usize >= self.peers.len() {
             return;
         }
+        let rebalance = self.limits.rebalance;
+        let p = &mut self.peers[peer as usize];
+        // Past `Ud` the count decides nothing, and the time of last use only picks what
+        // rebalancing closes: without it, a connected peer's messages need no bookkeeping.
+        if !rebalance && p.rc != RcState::Ud {
+            return;
+        }
         self.clock += 1;
         let clock = self.clock;
-        let p = &mut self.peers[peer as usize];
         p.msgs += 1;
         p.last_use = clock;
         let t = self.limits.threshold;

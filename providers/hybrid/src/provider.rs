@@ -62,6 +62,9 @@ const K_DATA: u8 = 0;
 const K_CTRL: u8 = 1;
 /// Bytes the hybrid provider puts before the core's header.
 const PREFIX: usize = 5;
+/// Room for the prefix and the core's header when sending: no channel takes a longer header
+/// (verbs-rc 128 bytes, verbs-ud fewer), and `max_am_header` is theirs less the prefix.
+const HDR_ROOM: usize = 160;
 /// Receive and send buffers of the RC channel (verbs-rc alone: 256 each).
 const RC_POOL: usize = 128;
 /// Channels counted per peer (index by [`slot`]): the zero-copy ones count the rendezvous
@@ -744,16 +747,21 @@ impl Provider for Hybrid {
             .chain
             .pick(size, self.open_to(dest))
             .unwrap_or(Channel::UdSr);
-        let mut hdr = smallvec::SmallVec::<[u8; 160]>::new();
-        hdr.push(K_DATA);
-        let seq = self.peers[i].seq.peek();
-        hdr.extend_from_slice(&seq.to_le_bytes());
-        hdr.extend_from_slice(header);
+        // The prefix and the core's header, on the stack: `max_am_header` leaves room for the
+        // prefix within the channels' largest header (checked above).
+        let mut buf = [0u8; HDR_ROOM];
+        let hdr = buf
+            .get_mut(..PREFIX + header.len())
+            .ok_or_else(|| Error::invalid("hybrid: header longer than the channels take"))?;
+        hdr[0] = K_DATA;
+        hdr[1..PREFIX].copy_from_slice(&self.peers[i].seq.peek().to_le_bytes());
+        hdr[PREFIX..].copy_from_slice(header);
+        let hdr = &*hdr;
         let mut used = want;
         let mut out = match want {
             Channel::RcSr | Channel::RcFp => {
                 self.rc
-                    .am_send_via(dest, &hdr, payload, want == Channel::RcFp)?
+                    .am_send_via(dest, hdr, payload, want == Channel::RcFp)?
             }
             _ => SendOutcome::Busy,
         };
@@ -763,7 +771,7 @@ impl Provider for Hybrid {
             }
             used = Channel::UdSr;
             self.ud_quiet = 0;
-            out = self.ud.am_send(dest, &hdr, payload)?;
+            out = self.ud.am_send(dest, hdr, payload)?;
         }
         if out == SendOutcome::Sent {
             self.peers[i].seq.take();

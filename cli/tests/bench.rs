@@ -356,32 +356,44 @@ fn halo_sparse_and_mixed_patterns_run() {
     }
 }
 
-/// The report's JSON records each weft job's provider counters, summed over the ranks: for the
-/// hybrid provider, the messages it sent over each channel.
-#[test]
-fn json_records_the_hybrid_channel_statistics() {
-    let dir = std::env::temp_dir().join(format!("weft-bench-hybrid-{}", std::process::id()));
+/// `weft bench ARGS --json` on the soft device: the report's per-job provider counters.
+fn bench_counters(tag: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let dir = std::env::temp_dir().join(format!("weft-bench-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("r.json");
-    let o = bench(&[
-        "latency",
-        "--providers",
-        "hybrid",
-        "--sizes",
-        "8,4K",
-        "--reps",
-        "1",
-        "--iters",
-        "400",
+    let mut all = args.to_vec();
+    all.extend([
         "--json",
         json.to_str().unwrap(),
         "--env",
         "WEFT_VERBS_DEVICE=soft",
     ]);
+    let o = bench(&all);
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let jobs = v["counters"].as_array().expect("a counters list");
+    std::fs::remove_dir_all(&dir).ok();
+    v["counters"].as_array().expect("a counters list").to_vec()
+}
+
+/// The report's JSON records each weft job's provider counters, summed over the ranks: for the
+/// hybrid provider, the messages it sent over each channel.
+#[test]
+fn json_records_the_hybrid_channel_statistics() {
+    let jobs = bench_counters(
+        "hybrid",
+        &[
+            "latency",
+            "--providers",
+            "hybrid",
+            "--sizes",
+            "8,4K",
+            "--reps",
+            "1",
+            "--iters",
+            "400",
+        ],
+    );
     let h = jobs
         .iter()
         .find(|j| j["provider"] == "hybrid" && j["test"] == "latency")
@@ -392,47 +404,38 @@ fn json_records_the_hybrid_channel_statistics() {
         assert!(k[key].as_u64().unwrap_or(0) > 0, "{key}: {h}");
     }
     assert_eq!(k["rc_opened"].as_u64(), Some(2), "{h}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// The verbs providers report the QP-context cache misses of their device (the soft HCA's
 /// timing model): some with the model on, none with it off.
 #[test]
 fn json_records_the_qp_cache_misses_of_the_verbs_providers() {
-    let dir = std::env::temp_dir().join(format!("weft-bench-qpc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("r.json");
-    let o = bench(&[
-        "latency",
-        "--providers",
-        "verbs-rc,verbs-ud,hybrid",
-        "--variant",
-        "hybrid/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
-        "--variant",
-        "verbs-rc/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
-        "--variant",
-        "verbs-ud/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
-        "--sizes",
-        "8",
-        "--reps",
-        "1",
-        "--iters",
-        "200",
-        "--json",
-        json.to_str().unwrap(),
-        "--env",
-        "WEFT_VERBS_DEVICE=soft",
-    ]);
-    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let jobs = v["counters"].as_array().expect("a counters list");
+    let jobs = bench_counters(
+        "qpc",
+        &[
+            "latency",
+            "--providers",
+            "verbs-rc,verbs-ud,hybrid",
+            "--variant",
+            "hybrid/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+            "--variant",
+            "verbs-rc/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+            "--variant",
+            "verbs-ud/cache:WEFT_VERBS_SOFT_QP_CACHE=1",
+            "--sizes",
+            "8",
+            "--reps",
+            "1",
+            "--iters",
+            "200",
+        ],
+    );
     for p in ["verbs-rc", "verbs-ud", "hybrid"] {
         let misses = |col: &str| {
             let j = jobs
                 .iter()
                 .find(|j| j["provider"] == col)
-                .unwrap_or_else(|| panic!("no job for {col}: {v}"));
+                .unwrap_or_else(|| panic!("no job for {col}: {jobs:?}"));
             j["counters"]["hca_qp_cache_misses"]
                 .as_u64()
                 .unwrap_or_else(|| panic!("{col} reports no hca_qp_cache_misses: {j}"))
@@ -443,5 +446,4 @@ fn json_records_the_qp_cache_misses_of_the_verbs_providers() {
             "{p} with one cached context"
         );
     }
-    std::fs::remove_dir_all(&dir).ok();
 }

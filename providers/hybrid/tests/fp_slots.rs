@@ -32,5 +32,13 @@ fn rc_fp_slots_follow_the_chain() {
     let wide = fp(Some("{size<=8192: RC-FP}, {true: UD-SR}")).expect("a chain with RC-FP");
     assert!(wide >= 2 * 16 * 8192, "8 KiB by RC-FP in {wide} B of slots");
     assert_eq!(fp(Some("{size<=8192: RC-SR}, {true: UD-SR}")), None);
+    // Slots for 64 KiB, 1024 of them: more than a ring may take, an error saying so.
+    std::env::set_var("WEFT_VERBS_RC_FP_BUFS", "1024");
+    std::env::set_var("WEFT_HYBRID_RULES", "{size<=65536: RC-FP}, {true: UD-SR}");
+    let e = Hybrid::open(&mut Singleton::new())
+        .err()
+        .expect("a ring over 8 MiB refused");
+    assert!(e.to_string().contains("WEFT_VERBS_RC_FP_BUFS=1024"), "{e}");
+    std::env::remove_var("WEFT_VERBS_RC_FP_BUFS");
     std::env::remove_var("WEFT_HYBRID_RULES");
 }

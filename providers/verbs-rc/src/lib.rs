@@ -645,6 +645,14 @@ impl VerbsRc {
             // A frame (its header, the largest active-message header, the payload) per slot.
             let body = FRAME_HDR + MAX_HDR + sizing.fp_payload;
             cfg.fp_size = Shape::fastpath_slot_for(body).min(1 << 20);
+            if !cfg.shape_of(Design::Fastpath).valid() {
+                return Err(Error::invalid(format!(
+                    "verbs-rc: RC-FP slots for payloads of {} bytes ({} bytes each) times \
+                     WEFT_VERBS_RC_FP_BUFS={} exceed the 8 MiB a ring may take: fewer slots, \
+                     or a smaller RC-FP reach",
+                    sizing.fp_payload, cfg.fp_size, cfg.fp_bufs
+                )));
+            }
         }
         Self::open_with(boot, &cfg, hca)
     }
@@ -2372,8 +2380,9 @@ pub struct Sizing {
     /// connections still work; their keepalives then take turns.
     pub conns: usize,
     /// The largest active-message payload the composition sends through RC-FP: each slot is
-    /// made just large enough for it with the largest header (`WEFT_VERBS_RC_FP_SIZE`
-    /// unless set). 0: that parameter's slots.
+    /// made large enough for it with the largest header and some slack
+    /// ([`eager::Shape::fastpath_slot_for`]; `WEFT_VERBS_RC_FP_SIZE` instead when set). 0:
+    /// that parameter's slots.
     pub fp_payload: usize,
 }
 

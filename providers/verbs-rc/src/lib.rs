@@ -70,6 +70,12 @@ use wire::{CmKind, CmMsg, Frame, FrameKind, Offer, CM_LEN, FRAME_HDR};
 /// peer acknowledges *our* ring there) and the source word of the tail pointers we write.
 const BLOCK_EXTRA: usize = 16;
 
+/// Eager-ring memory of one peer with rings of `shape`: the block it writes into here and the
+/// mirror of ours.
+fn ring_pair_bytes(shape: Shape) -> usize {
+    2 * (shape.mem_len() + BLOCK_EXTRA)
+}
+
 weft_provider::param!(BUF: Size = "verbs", "RC_BUF", "16K",
     "verbs-rc: bytes of active-message payload one RC send carries (the eager limit and the rendezvous chunk); 1K to 1M");
 weft_provider::param!(SRQ: Uint = "verbs", "RC_SRQ", "256",
@@ -528,7 +534,7 @@ impl Config {
     /// Bytes of eager-ring memory one peer costs on each side: the ring it writes into here
     /// (and the words beside it) and the mirror of ours there.
     fn eager_bytes(&self) -> usize {
-        2 * (self.shape().mem_len() + BLOCK_EXTRA)
+        ring_pair_bytes(self.shape())
     }
 
     /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
@@ -668,7 +674,7 @@ impl VerbsRc {
     /// Eager-ring memory of one peer, both directions (the ring it writes into here and the
     /// mirror of ours), with the geometry in force (see [`Sizing::fp_payload`]).
     pub fn ring_bytes_per_peer(&self) -> u64 {
-        2 * (self.shape.mem_len() + BLOCK_EXTRA) as u64
+        ring_pair_bytes(self.shape) as u64
     }
 
     /// Stop posting anything to `peer` (a composition is closing the connection): sends to

@@ -119,13 +119,15 @@ pub enum RcState {
     Closing { drained: bool, closed: bool },
 }
 
+/// 24 bytes: a job has one per peer talked to (counts saturate at 2^32 − 1, far past any
+/// threshold that means something).
 #[derive(Debug, Default, Clone)]
 struct Peer {
     rc: RcState,
     /// Messages exchanged since the peer last went to UD.
-    msgs: u64,
+    msgs: u32,
     /// Ask again only from this many messages on (after a `No`).
-    retry_at: u64,
+    retry_at: u32,
     refusals: u32,
     /// The budget's message clock at the last message with this peer.
     last_use: u64,
@@ -228,10 +230,10 @@ impl Budget {
         }
         self.clock += 1;
         let clock = self.clock;
-        p.msgs += 1;
+        p.msgs = p.msgs.saturating_add(1);
         p.last_use = clock;
         let t = self.limits.threshold;
-        if p.rc != RcState::Ud || p.msgs < t.max(1) || p.msgs < p.retry_at {
+        if p.rc != RcState::Ud || u64::from(p.msgs) < t.max(1) || p.msgs < p.retry_at {
             return;
         }
         if self.rc_used() < self.limits.max_rc {
@@ -328,7 +330,9 @@ impl Budget {
                 let p = &mut self.peers[peer as usize];
                 p.rc = RcState::Ud;
                 p.refusals += 1;
-                p.retry_at = p.msgs + (t << p.refusals.min(16));
+                let wait = t.saturating_mul(1 << p.refusals.min(16));
+                p.retry_at =
+                    u32::try_from(u64::from(p.msgs).saturating_add(wait)).unwrap_or(u32::MAX);
             }
             (Ctrl::Close, RcState::Up) => self.start_close(peer, out),
             (Ctrl::Closed, RcState::Closing { drained, .. }) => {
@@ -404,6 +408,28 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::{HashMap, VecDeque};
+
+    /// A job of 16K ranks holds one of these per peer talked to.
+    #[test]
+    fn a_peers_record_takes_24_bytes() {
+        assert_eq!(std::mem::size_of::<Peer>(), 24);
+    }
+
+    /// A refused peer asks again after twice as many messages each time, however large the
+    /// threshold: the wait saturates instead of wrapping.
+    #[test]
+    fn the_wait_after_refusals_saturates() {
+        let limits = Limits {
+            threshold: u64::MAX / 2,
+            ..Limits::default()
+        };
+        let mut b = Budget::new(0, 2, limits);
+        let mut out = vec![];
+        b.peers[1].rc = RcState::Asked;
+        b.on_ctrl(1, Ctrl::No, &mut out);
+        assert_eq!(b.peers[1].retry_at, u32::MAX);
+        assert_eq!(b.state(1), RcState::Ud);
+    }
 
     /// Processes whose control messages travel in order per (from, to) pair, delivered in an
     /// order the test chooses; RC sends drain when the test says so.

@@ -1029,6 +1029,7 @@ impl Provider for Hybrid {
             ("held_for_order", self.totals.held),
             // The one device both channels share (timing model: QP contexts not cached).
             ("hca_qp_cache_misses", self.hca.counters().qp_cache_misses),
+            ("hca_rnr_naks", self.hca.counters().rnr_naks),
         ];
         // Memory (`weft bench mem`): the device's accounting once (both channels report the
         // whole shared device, queues and device memory), the channels' host buffers and
@@ -1147,6 +1148,12 @@ pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The order state of one peer: a job of 16K ranks holds one per peer talked to.
+    #[test]
+    fn a_peers_order_state_takes_24_bytes() {
+        assert_eq!(std::mem::size_of::<PeerState>(), 24);
+    }
 
     /// However long RC alone has carried the traffic, a quiet UD is still polled on one call
     /// in `UD_EVERY`: its peers' first messages, acknowledgements and control messages must

@@ -2154,6 +2154,9 @@ impl Provider for VerbsRc {
             ("hca_packets", hc.packets),
             ("hca_wire_bytes", hc.wire_bytes),
             ("hca_qp_cache_misses", hc.qp_cache_misses),
+            // Sends this process's HCA found no posted receive for at the peer (each waited
+            // out the RNR timer): a shared receive queue too shallow for the traffic.
+            ("hca_rnr_naks", hc.rnr_naks),
             ("mem_hca_bytes", mem.0),
             ("mem_buffer_bytes", mem.1),
             ("mem_peer_bytes", mem.2),

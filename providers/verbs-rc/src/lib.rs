@@ -62,7 +62,7 @@ use weft_provider::provider::{
 use weft_provider::types::{AtomicTable, BasicType, Op, Rank};
 use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::{
-    self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus, WrOpcode,
+    self as verbs, Chunked, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus, WrOpcode,
 };
 use wire::{CmKind, CmMsg, Frame, FrameKind, Offer, CM_LEN, FRAME_HDR};
 
@@ -135,6 +135,8 @@ const OPS_IN_FLIGHT: usize = 4096;
 const RING_IN_FLIGHT: usize = 2048;
 /// Completions polled at once.
 const POLL: usize = 32;
+/// Send buffers a composition's send pool starts with, and grows by ([`VerbsRc::open_sized`]).
+const SEND_CHUNK: usize = 16;
 /// First resend of an unanswered connection request; doubled each time, up to 1 s.
 const REQ_RESEND: Duration = Duration::from_millis(20);
 
@@ -297,7 +299,9 @@ pub struct VerbsRc {
     cq: verbs::Cq,
     srq: verbs::Srq,
     recv: Pool,
-    send: Pool,
+    /// Whole at open, or (a composition's, `lazy_pools`) one chunk at the first RC queue
+    /// pair, more as sends find none free.
+    send: Chunked,
     ud_qp: verbs::Qp,
     ud_recv: Pool,
     ud_send: Pool,
@@ -378,6 +382,8 @@ struct Stats {
     credits: u64,
     pointer_writes: u64,
     overtaken: u64,
+    /// Chunks added to the send pool.
+    send_grows: u64,
 }
 
 fn verr(what: &str, st: WcStatus) -> Error {
@@ -593,16 +599,11 @@ impl VerbsRc {
     /// and host pools, eager rings and their mirrors), and the per-peer tables.
     fn memory(&self) -> (u64, u64, u64) {
         let a = self.hca.accounting();
-        let mut host: usize = [
-            &self.recv,
-            &self.send,
-            &self.ud_recv,
-            &self.ud_send,
-            &self.scratch,
-        ]
-        .iter()
-        .map(|p| p.host_bytes())
-        .sum();
+        let mut host: usize = [&self.recv, &self.ud_recv, &self.ud_send, &self.scratch]
+            .iter()
+            .map(|p| p.host_bytes())
+            .sum::<usize>()
+            + self.send.host_bytes();
         for (_, p) in self.peers.iter() {
             host += p.etx.as_ref().map_or(0, |e| e.staging.host_bytes());
             host += p.erx.as_ref().map_or(0, |e| e.block.host_bytes());
@@ -813,7 +814,7 @@ impl VerbsRc {
             (cfg.srq, cfg.send_bufs)
         };
         let recv = Pool::new(&*hca, pd, nr, slot, true)?;
-        let send = Pool::new(&*hca, pd, ns, slot, false)?;
+        let send = Chunked::fixed(&*hca, pd, ns, slot, false)?;
         let ud_recv = Pool::new(&*hca, pd, UD_RECVS, UD_SLOT, false)?;
         let ud_send = Pool::new(&*hca, pd, UD_SENDS, UD_SLOT, false)?;
         let scratch = Pool::new(&*hca, pd, 1, 8, false)?;
@@ -906,13 +907,15 @@ impl VerbsRc {
 
     /// Make the shared receive and send pools if they were left for later: before the first
     /// RC queue pair, so nothing can have used the placeholders (no receive was posted from
-    /// them, and sends need a queue pair).
+    /// them, and sends need a queue pair). The receive pool whole (the depth of the shared
+    /// receive queue sets streaming bandwidth, docs/benchmarks.md), the send pool one chunk of
+    /// [`SEND_CHUNK`] buffers that grows as sends find none free ([`VerbsRc::grow_send`]).
     fn make_pools(&mut self) -> Result<()> {
         let Some((nr, ns)) = self.pools_due else {
             return Ok(());
         };
         let recv = Pool::new(&*self.hca, self.pd, nr, self.slot, true)?;
-        let send = match Pool::new(&*self.hca, self.pd, ns, self.slot, false) {
+        let send = match Chunked::growing(&*self.hca, self.pd, SEND_CHUNK, ns, self.slot, false) {
             Ok(p) => p,
             Err(e) => {
                 recv.release(&*self.hca);
@@ -926,6 +929,28 @@ impl VerbsRc {
             self.post_srq(i)?;
         }
         Ok(())
+    }
+
+    /// A send buffer when none is free: a new chunk while the send pool may grow (`None` at
+    /// its limit, or if the memory cannot be had: the send waits for one to complete).
+    #[cold]
+    fn grow_send(&mut self) -> Option<u32> {
+        match self.send.grow(&*self.hca, self.pd) {
+            Ok(new) if !new.is_empty() => {
+                self.stats.send_grows += 1;
+                self.send.free.extend(new.rev());
+                self.send.free.pop()
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(
+                    "verbs-rc: send pool stays at {} buffers: {e}",
+                    self.send.slots()
+                );
+                self.send.stop_growing();
+                None
+            }
+        }
     }
 
     fn post_srq(&mut self, i: u32) -> Result<()> {
@@ -1179,7 +1204,7 @@ impl VerbsRc {
         if self.peers[i].conn == Conn::Draining || self.peers[i].inflight >= self.sq_depth {
             return Ok(SendOutcome::Busy);
         }
-        let Some(b) = self.send.free.pop() else {
+        let Some(b) = self.send.free.pop().or_else(|| self.grow_send()) else {
             return Ok(SendOutcome::Busy);
         };
         let plen: usize = payload.iter().map(|p| p.len()).sum();
@@ -2137,6 +2162,8 @@ impl Provider for VerbsRc {
             ("credit_msgs", s.credits),
             ("pointer_writes", s.pointer_writes),
             ("overtaken", s.overtaken),
+            ("send_pool_grows", s.send_grows),
+            ("send_pool_slots", self.send.slots() as u64),
             ("rings_polled", self.polling.len() as u64),
             // What the HCA executed for this process (work requests by kind, packets): the
             // verbs operations each design costs per message.
@@ -2327,13 +2354,8 @@ impl Drop for VerbsRc {
         for m in self.mrs.drain().map(|(_, m)| m).collect::<Vec<_>>() {
             let _ = self.hca.dereg_mr(m);
         }
-        for pool in [
-            &self.recv,
-            &self.send,
-            &self.ud_recv,
-            &self.ud_send,
-            &self.scratch,
-        ] {
+        self.send.release(&*self.hca);
+        for pool in [&self.recv, &self.ud_recv, &self.ud_send, &self.scratch] {
             pool.release(&*self.hca);
         }
         for (_, p) in self.peers.iter() {

@@ -34,7 +34,7 @@ mod sync;
 pub mod types;
 
 pub use hca::{Accounting, Counters, Hca};
-pub use pool::Pool;
+pub use pool::{Chunked, Pool};
 pub use types::*;
 
 use std::sync::Arc;

@@ -151,6 +151,148 @@ impl Pool {
     }
 }
 
+/// Equal slots in chunks made as they are needed, up to a limit: the shared receive and send
+/// pools of a channel that only a few peers use (MVAPICH grows its shared receive queue the same
+/// way, on the queue's limit event). Slot `i` lives in chunk `i >> shift`; every chunk but a
+/// [`Chunked::fixed`] pool's only one holds `1 << shift` slots. Must be
+/// [`Chunked::release`]d as a [`Pool`] is.
+pub struct Chunked {
+    chunks: Vec<Pool>,
+    shift: u32,
+    /// Slots there may be at most.
+    max: usize,
+    slot: usize,
+    device: bool,
+    /// Slots not in use; the owner hands them out (a new chunk's are not added: see
+    /// [`Chunked::grow`]).
+    pub free: Vec<u32>,
+}
+
+impl Chunked {
+    /// `n` slots at once, never more (one chunk).
+    pub fn fixed(hca: &dyn Hca, pd: Pd, n: usize, slot: usize, device: bool) -> Result<Chunked> {
+        let mut p = Pool::new(hca, pd, n, slot, device)?;
+        let free = std::mem::take(&mut p.free);
+        Ok(Chunked {
+            chunks: vec![p],
+            shift: n.max(1).next_power_of_two().trailing_zeros(),
+            max: n,
+            slot,
+            device,
+            free,
+        })
+    }
+
+    /// One chunk of `chunk` slots now (rounded down to a power of two, at most `max`), more
+    /// by [`Chunked::grow`] up to `max` slots (rounded down to whole chunks: a queue sized
+    /// for `max` takes them all).
+    pub fn growing(
+        hca: &dyn Hca,
+        pd: Pd,
+        chunk: usize,
+        max: usize,
+        slot: usize,
+        device: bool,
+    ) -> Result<Chunked> {
+        let floor2 = |n: usize| 1usize << (usize::BITS - 1 - n.max(1).leading_zeros());
+        let chunk = floor2(chunk.min(max));
+        let mut p = Pool::new(hca, pd, chunk, slot, device)?;
+        let free = std::mem::take(&mut p.free);
+        Ok(Chunked {
+            chunks: vec![p],
+            shift: chunk.trailing_zeros(),
+            max: max.max(chunk) / chunk * chunk,
+            slot,
+            device,
+            free,
+        })
+    }
+
+    /// Slots made so far.
+    pub fn slots(&self) -> usize {
+        match self.chunks.as_slice() {
+            [one] => one.len() / self.slot,
+            c => c.len() << self.shift,
+        }
+    }
+
+    /// Slots there may be at most.
+    pub fn max_slots(&self) -> usize {
+        self.max
+    }
+
+    /// Chunks made so far.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether [`Chunked::grow`] may add a chunk.
+    pub fn can_grow(&self) -> bool {
+        self.slots() < self.max
+    }
+
+    /// Bytes of one slot.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
+    /// Grow no more (the memory for a chunk could not be had).
+    pub fn stop_growing(&mut self) {
+        self.max = self.slots();
+    }
+
+    /// Make one more chunk (if [`Chunked::can_grow`]) and return its slots, which the owner
+    /// posts (receives) or adds to [`Chunked::free`] (sends). An empty range at the limit.
+    pub fn grow(&mut self, hca: &dyn Hca, pd: Pd) -> Result<std::ops::Range<u32>> {
+        if !self.can_grow() {
+            return Ok(0..0);
+        }
+        let first = self.slots() as u32;
+        let p = Pool::new(hca, pd, 1 << self.shift, self.slot, self.device)?;
+        self.chunks.push(p);
+        Ok(first..self.slots() as u32)
+    }
+
+    #[inline]
+    fn at(&self, i: u32) -> (&Pool, u32) {
+        let c = &self.chunks[(i >> self.shift) as usize];
+        (c, i & ((1u32 << self.shift) - 1))
+    }
+
+    /// Bytes of host memory the chunks hold (device memory is in the HCA's accounting).
+    pub fn host_bytes(&self) -> usize {
+        self.chunks.iter().map(Pool::host_bytes).sum()
+    }
+
+    /// The scatter entry of `len` bytes at the start of slot `i`.
+    #[inline]
+    pub fn sge(&self, i: u32, len: usize) -> Sge {
+        let (c, j) = self.at(i);
+        c.sge(j, len)
+    }
+
+    /// Slot `i`, as [`Pool::buf`].
+    #[inline]
+    pub fn buf(&mut self, i: u32) -> &mut [u8] {
+        let j = i & ((1u32 << self.shift) - 1);
+        self.chunks[(i >> self.shift) as usize].buf(j)
+    }
+
+    /// The first `n` bytes of slot `i`, as [`Pool::bytes`].
+    #[inline]
+    pub fn bytes(&self, i: u32, n: usize) -> &[u8] {
+        let (c, j) = self.at(i);
+        c.bytes(j, n)
+    }
+
+    /// Deregister every chunk and give device memory back, as [`Pool::release`].
+    pub fn release(&self, hca: &dyn Hca) {
+        for c in &self.chunks {
+            c.release(hca);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +315,53 @@ mod tests {
         assert_eq!(host.free, vec![3, 2, 1, 0]);
         host.release(&*hca);
         dev.release(&*hca);
+        assert_eq!(hca.accounting(), before);
+    }
+
+    #[test]
+    fn a_chunked_pool_grows_to_its_limit_and_keeps_slots_apart() {
+        let hca = crate::open_device("soft").unwrap();
+        let pd = hca.alloc_pd().unwrap();
+        let before = hca.accounting();
+        // Asked for 5 and at most 14: chunks of 4, at most 12.
+        let mut p = Chunked::growing(&*hca, pd, 5, 14, 64, false).unwrap();
+        assert_eq!((p.slots(), p.max_slots(), p.chunks()), (4, 12, 1));
+        assert_eq!(p.free, vec![3, 2, 1, 0]);
+        assert_eq!(p.host_bytes(), 256);
+        assert_eq!(p.grow(&*hca, pd).unwrap(), 4..8);
+        assert_eq!(p.grow(&*hca, pd).unwrap(), 8..12);
+        assert!(!p.can_grow());
+        assert_eq!(p.grow(&*hca, pd).unwrap(), 0..0, "no chunk past the limit");
+        assert_eq!((p.slots(), p.chunks(), p.host_bytes()), (12, 3, 768));
+        assert_eq!(
+            p.free.len(),
+            4,
+            "a new chunk's slots are the owner's to hand out"
+        );
+        for i in 0..12u32 {
+            p.buf(i).fill(i as u8 + 1);
+        }
+        for i in 0..12u32 {
+            assert!(p.bytes(i, 64).iter().all(|&b| b == i as u8 + 1), "slot {i}");
+            assert_eq!(p.sge(i, 8).length, 8);
+        }
+        // Slots of different chunks are in different registrations; within one, adjacent.
+        assert_eq!(p.sge(5, 8).addr, p.sge(4, 8).addr + 64);
+        assert_ne!(p.sge(4, 8).lkey, p.sge(3, 8).lkey);
+        p.release(&*hca);
+        assert_eq!(hca.accounting(), before);
+        // Chunks no larger than the limit.
+        let q = Chunked::growing(&*hca, pd, 16, 6, 8, false).unwrap();
+        assert_eq!((q.slots(), q.max_slots()), (4, 4));
+        q.release(&*hca);
+        // A fixed pool: exactly what was asked for, never more.
+        let mut f = Chunked::fixed(&*hca, pd, 5, 32, false).unwrap();
+        assert_eq!((f.slots(), f.max_slots(), f.host_bytes()), (5, 5, 160));
+        assert!(!f.can_grow());
+        assert_eq!(f.grow(&*hca, pd).unwrap(), 0..0);
+        f.buf(4).fill(9);
+        assert!(f.bytes(4, 32).iter().all(|&b| b == 9));
+        f.release(&*hca);
         assert_eq!(hca.accounting(), before);
     }
 }

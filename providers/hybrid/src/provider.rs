@@ -1013,6 +1013,7 @@ impl Provider for Hybrid {
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let sum = |k: usize, f: fn(&(u64, u64)) -> u64| -> u64 { f(&self.totals.sent[k]) };
         let s = self.budget.stats();
+        let hc = self.hca.counters();
         let mut v = vec![
             ("ud_sr_msgs", sum(0, |c| c.0)),
             ("ud_sr_bytes", sum(0, |c| c.1)),
@@ -1028,8 +1029,8 @@ impl Provider for Hybrid {
             ("ctrl_sent", self.totals.ctrl_sent),
             ("held_for_order", self.totals.held),
             // The one device both channels share (timing model: QP contexts not cached).
-            ("hca_qp_cache_misses", self.hca.counters().qp_cache_misses),
-            ("hca_rnr_naks", self.hca.counters().rnr_naks),
+            ("hca_qp_cache_misses", hc.qp_cache_misses),
+            ("hca_rnr_naks", hc.rnr_naks),
         ];
         // Memory (`weft bench mem`): the device's accounting once (both channels report the
         // whole shared device, queues and device memory), the channels' host buffers and

@@ -151,10 +151,10 @@ impl Pool {
     }
 }
 
-/// Equal slots in chunks made as they are needed, up to a limit: the shared receive and send
-/// pools of a channel that only a few peers use (MVAPICH grows its shared receive queue the same
-/// way, on the queue's limit event). Slot `i` lives in chunk `i >> shift`; every chunk but a
-/// [`Chunked::fixed`] pool's only one holds `1 << shift` slots. Must be
+/// Equal slots in chunks made as they are needed, up to a limit: the send pool of a channel
+/// that only a few peers use (verbs-rc in the hybrid), which grows as sends need buffers, as
+/// MVAPICH's buffer pools grow by secondary pools. Slot `i` lives in chunk `i >> shift`; every
+/// chunk but a [`Chunked::fixed`] pool's only one holds `1 << shift` slots. Must be
 /// [`Chunked::release`]d as a [`Pool`] is.
 pub struct Chunked {
     chunks: Vec<Pool>,
@@ -253,10 +253,10 @@ impl Chunked {
         Ok(first..self.slots() as u32)
     }
 
+    /// Slot `i`'s chunk and its index there.
     #[inline]
-    fn at(&self, i: u32) -> (&Pool, u32) {
-        let c = &self.chunks[(i >> self.shift) as usize];
-        (c, i & ((1u32 << self.shift) - 1))
+    fn at(&self, i: u32) -> (usize, u32) {
+        ((i >> self.shift) as usize, i & ((1u32 << self.shift) - 1))
     }
 
     /// Bytes of host memory the chunks hold (device memory is in the HCA's accounting).
@@ -268,21 +268,21 @@ impl Chunked {
     #[inline]
     pub fn sge(&self, i: u32, len: usize) -> Sge {
         let (c, j) = self.at(i);
-        c.sge(j, len)
+        self.chunks[c].sge(j, len)
     }
 
     /// Slot `i`, as [`Pool::buf`].
     #[inline]
     pub fn buf(&mut self, i: u32) -> &mut [u8] {
-        let j = i & ((1u32 << self.shift) - 1);
-        self.chunks[(i >> self.shift) as usize].buf(j)
+        let (c, j) = self.at(i);
+        self.chunks[c].buf(j)
     }
 
     /// The first `n` bytes of slot `i`, as [`Pool::bytes`].
     #[inline]
     pub fn bytes(&self, i: u32, n: usize) -> &[u8] {
         let (c, j) = self.at(i);
-        c.bytes(j, n)
+        self.chunks[c].bytes(j, n)
     }
 
     /// Deregister every chunk and give device memory back, as [`Pool::release`].

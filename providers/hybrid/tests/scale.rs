@@ -34,7 +34,7 @@ fn hybrid_adds_little_per_peer_over_ud() {
     let (u0, h0) = (at("verbs-ud", 2), at("hybrid", 2));
     let ud = (u.tables - u0.tables) / 2046;
     let hy = (h.tables - h0.tables) / 2046;
-    // The hybrid's own records (order, budget) and verbs-rc's pointer per rank.
+    // The hybrid's own records (order, budget) and verbs-rc's slot per rank.
     assert!(
         hy > ud && hy - ud <= 256,
         "verbs-ud {ud} B, hybrid {hy} B per peer"

@@ -648,6 +648,8 @@ mod tests {
             pool: 64,
             conns: 16,
             fp_payload: 0,
+            sq: 0,
+            sges: 0,
         };
         let c = measure(sizing, 1, 4).unwrap();
         for (k, row) in c.ns.iter().enumerate() {

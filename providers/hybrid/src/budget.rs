@@ -150,7 +150,7 @@ pub struct BudgetStats {
 pub struct Budget {
     me: Rank,
     limits: Limits,
-    /// Per-peer records (a pointer per rank of the job, a record per peer talked to).
+    /// Per-peer records (four bytes per rank of the job, a record per peer talked to).
     peers: PeerTable<Peer>,
     clock: u64,
     stats: BudgetStats,

@@ -67,6 +67,8 @@ const PREFIX: usize = 5;
 const HDR_ROOM: usize = 160;
 /// Receive and send buffers of the RC channel (verbs-rc alone: 256 each).
 const RC_POOL: usize = 128;
+/// Send-queue depth of each RC queue pair (verbs-rc alone: 128).
+const RC_SQ: u32 = 64;
 /// Channels counted per peer (index by [`slot`]): the zero-copy ones count the rendezvous
 /// data this side moved (RC-RDMA: reads as receiver; UD-ZCOPY: writes as sender).
 const COUNTED: [Channel; 5] = [
@@ -212,7 +214,7 @@ pub struct Hybrid {
     hca: Arc<dyn Hca>,
     chain: JobChain,
     budget: Budget,
-    /// Per-peer order state (a pointer per rank, a record per peer talked to).
+    /// Per-peer order state (four bytes per rank, a record per peer talked to).
     peers: PeerTable<PeerState>,
     /// Messages and bytes sent per peer and channel: kept only for `WEFT_HYBRID_STATS=1`
     /// (the totals always are), so that the per-peer cost stays small in large jobs.
@@ -328,6 +330,11 @@ impl Hybrid {
             pool: RC_POOL,
             conns: cfg.limits.max_rc,
             fp_payload,
+            // MVAPICH's send-queue depth (`MV2_DEFAULT_MAX_SEND_WQE`, 64), and one
+            // scatter-gather entry: every RC send is a copy out of a pool buffer and the
+            // hybrid's RMA (RC-RDMA) takes one piece a request (`rndv_caps`).
+            sq: RC_SQ,
+            sges: 1,
         };
         // One device for both channels, as a process has one HCA: they share its QP-context
         // cache (the timing model's included) and its service threads.

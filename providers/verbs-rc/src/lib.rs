@@ -308,7 +308,7 @@ pub struct VerbsRc {
     scratch: Pool,
     sq_depth: u32,
     max_sge: usize,
-    /// Per-peer state: a pointer per rank, a record per peer this process has talked to.
+    /// Per-peer state: four bytes per rank, a record per peer this process has talked to.
     peers: PeerTable<Peer>,
     by_qpn: HashMap<u32, Rank>,
     /// Peers with operations in their queue, to post as room frees up.
@@ -427,6 +427,8 @@ struct Config {
     ring_in_flight: usize,
     /// The shared receive and send pools are made at the first RC queue pair, not at open.
     lazy_pools: bool,
+    /// Scatter-gather entries per work request at most (the device's limit is lower or equal).
+    sges: usize,
 }
 
 impl Config {
@@ -491,6 +493,7 @@ impl Config {
             ops_in_flight: OPS_IN_FLIGHT,
             ring_in_flight: RING_IN_FLIGHT,
             lazy_pools: false,
+            sges: 16,
             rc: verbs::RcParams {
                 timeout: timeout as u8,
                 retry_cnt: retry as u8,
@@ -648,6 +651,12 @@ impl VerbsRc {
         if !SEND_BUFS.is_set() {
             cfg.send_bufs = sizing.pool.clamp(16, 16384);
         }
+        if !SQ.is_set() && sizing.sq > 0 {
+            cfg.sq = sizing.sq.clamp(16, 16384);
+        }
+        if sizing.sges > 0 {
+            cfg.sges = sizing.sges.min(16);
+        }
         if !FP_SIZE.is_set() && sizing.fp_payload > 0 {
             // A frame (its header, the largest active-message header, the payload) per slot.
             let body = FRAME_HDR + MAX_HDR + sizing.fp_payload;
@@ -791,7 +800,7 @@ impl VerbsRc {
     fn open_with(boot: &mut dyn Bootstrap, cfg: &Config, hca: Arc<dyn Hca>) -> Result<VerbsRc> {
         let attr = hca.attr().clone();
         let pd = hca.alloc_pd()?;
-        let max_sge = (attr.max_sge as usize).clamp(1, 16);
+        let max_sge = (attr.max_sge as usize).clamp(1, cfg.sges);
         let mut caps = cfg.caps();
         if let Some(r) = caps.rma.as_mut() {
             r.max_iov = max_sge;
@@ -2415,6 +2424,13 @@ pub struct Sizing {
     /// ([`eager::Shape::fastpath_slot_for`]; `WEFT_VERBS_RC_FP_SIZE` instead when set). 0:
     /// that parameter's slots.
     pub fp_payload: usize,
+    /// Send-queue depth of each RC queue pair (`WEFT_VERBS_RC_SQ` when set; 0: that
+    /// parameter's default).
+    pub sq: u32,
+    /// Scatter-gather entries a work request needs at most: a composition that sends by copy
+    /// and offers RMA on single buffers needs one, and each queue pair's send ring shrinks with
+    /// it (0: as many as the device takes, up to 16).
+    pub sges: usize,
 }
 
 /// What verbs-rc costs in memory with the current parameters, measured with the HCA's own
@@ -2446,7 +2462,7 @@ pub fn footprint() -> Result<Footprint> {
     let srq = hca.create_srq(pd, cfg.srq as u32, 1)?;
     let ud = hca.create_qp(pd, &ud_init(cq))?;
     let a1 = hca.accounting().total();
-    let max_sge = (hca.attr().max_sge).clamp(1, 16);
+    let max_sge = (hca.attr().max_sge).clamp(1, cfg.sges as u32);
     let rc = hca.create_qp(pd, &rc_init(cq, srq, cfg.sq, max_sge))?;
     let a2 = hca.accounting().total();
     for q in [rc, ud] {

@@ -28,7 +28,10 @@ impl<T> PeerTable<T> {
     /// log2 of the records a chunk holds: as many as fit in 4 KiB, a power of two, at least 1.
     const SHIFT: u32 = {
         let size = std::mem::size_of::<T>();
-        let per = if size == 0 { 64 } else { 4096 / size };
+        let per = match 4096usize.checked_div(size) {
+            Some(per) => per,
+            None => 64,
+        };
         if per <= 1 {
             0
         } else {

@@ -5,7 +5,7 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Barrier};
 use weft_provider::bootstrap::InProcessJob;
-use weft_provider::provider::{Provider, StaticProvider};
+use weft_provider::provider::Provider;
 use weft_verbs_rc::{Sizing, VerbsRc};
 
 mod common;

@@ -14,20 +14,27 @@ use common::*;
 /// Sends rank 0 posts without polling: three chunks' worth.
 const BURST: usize = 48;
 
+/// A composition of one connection without RC-FP, its pools 16 buffers of 8 KiB, its queue
+/// pairs verbs-rc's own.
+const ONE_PEER: Sizing = Sizing {
+    fp_peers: 0,
+    fp_threshold: 0,
+    buf: 8192,
+    pool: 16,
+    conns: 1,
+    fp_payload: 0,
+    sq: 0,
+    sges: 0,
+};
+
 #[test]
 fn a_compositions_send_pool_starts_with_one_chunk_and_grows_with_the_sends_in_flight() {
     let job = InProcessJob::new(2, T);
     let bar = Arc::new(Barrier::new(2));
     let phase = Arc::new(AtomicU32::new(0));
     let sizing = Sizing {
-        fp_peers: 0,
-        fp_threshold: 0,
-        buf: 8192,
         pool: 128,
-        conns: 1,
-        fp_payload: 0,
-        sq: 0,
-        sges: 0,
+        ..ONE_PEER
     };
     let hs: Vec<_> = (0..2u32)
         .map(|r| {
@@ -79,14 +86,9 @@ fn a_compositions_queue_pairs_take_the_depth_and_entries_it_asks_for() {
         let job = InProcessJob::new(2, T);
         let bar = Arc::new(Barrier::new(2));
         let sizing = Sizing {
-            fp_peers: 0,
-            fp_threshold: 0,
-            buf: 8192,
-            pool: 16,
-            conns: 1,
-            fp_payload: 0,
             sq,
             sges,
+            ..ONE_PEER
         };
         let hs: Vec<_> = (0..2u32)
             .map(|r| {

@@ -218,6 +218,13 @@ impl Budget {
 
     /// A message was sent to or received from `peer`.
     pub fn note(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        self.note_if(peer, || true, out);
+    }
+
+    /// [`Budget::note`] for a message that counts only if `counts()` (asked only when the
+    /// count can still decide something, i.e. not for a connected peer without rebalancing).
+    #[inline]
+    pub fn note_if(&mut self, peer: Rank, counts: impl FnOnce() -> bool, out: &mut Vec<Action>) {
         if peer == self.me || peer as usize >= self.peers.len() {
             return;
         }
@@ -225,7 +232,7 @@ impl Budget {
         let p = &mut self.peers[peer as usize];
         // Past `Ud` the count decides nothing, and the time of last use only picks what
         // rebalancing closes: without it, a connected peer's messages need no bookkeeping.
-        if !rebalance && p.rc != RcState::Ud {
+        if (!rebalance && p.rc != RcState::Ud) || !counts() {
             return;
         }
         self.clock += 1;
@@ -429,6 +436,48 @@ mod tests {
         b.on_ctrl(1, Ctrl::No, &mut out);
         assert_eq!(b.peers[1].retry_at, u32::MAX);
         assert_eq!(b.state(1), RcState::Ud);
+    }
+
+    /// `note_if` counts only the messages it is told count, and does not ask about a
+    /// connected peer's messages unless rebalancing needs their time of use.
+    #[test]
+    fn note_if_counts_what_counts_and_asks_only_while_it_matters() {
+        let limits = Limits {
+            threshold: 3,
+            ..Limits::default()
+        };
+        let mut b = Budget::new(0, 2, limits);
+        let mut out = vec![];
+        for _ in 0..5 {
+            b.note_if(1, || false, &mut out);
+        }
+        assert!(out.is_empty(), "messages that do not count asked for RC");
+        for _ in 0..2 {
+            b.note_if(1, || true, &mut out);
+        }
+        assert!(out.is_empty(), "asked below the threshold");
+        b.note_if(1, || true, &mut out);
+        assert_eq!(out, vec![Action::Send(1, Ctrl::Ask)]);
+        b.note_if(1, || panic!("asked about an RC peer's message"), &mut out);
+        let mut r = Budget::new(
+            0,
+            2,
+            Limits {
+                rebalance: true,
+                ..limits
+            },
+        );
+        r.peers[1].rc = RcState::Up;
+        let mut asked = false;
+        r.note_if(
+            1,
+            || {
+                asked = true;
+                true
+            },
+            &mut out,
+        );
+        assert!(asked, "rebalancing needs a connected peer's time of use");
     }
 
     /// Processes whose control messages travel in order per (from, to) pair, delivered in an

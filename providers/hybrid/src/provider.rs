@@ -181,6 +181,24 @@ fn rc_worthy(chain: &JobChain, size: u64) -> bool {
     chain.pick(size, Open::ALL).is_some_and(|c| !c.is_ud())
 }
 
+/// The channels open to `peer` now: UD's always; RC-SR and RC-RDMA while the budget has the
+/// pair up and verbs-rc is connected; RC-FP once verbs-rc has set up its slots too. (A free
+/// function so that the send path can hold its peer's record meanwhile.)
+#[inline]
+fn open_to(rc: &VerbsRc, budget: &Budget, peer: Rank) -> Open {
+    match rc.route(peer) {
+        Some(fp) if budget.state(peer) == RcState::Up => {
+            let o = Open::UD.with(Channel::RcSr).with(Channel::RcRdma);
+            if fp {
+                o.with(Channel::RcFp)
+            } else {
+                o
+            }
+        }
+        _ => Open::UD,
+    }
+}
+
 /// A message that overtook others, held until its turn.
 struct Held {
     header: Vec<u8>,
@@ -414,17 +432,7 @@ impl Hybrid {
 
     /// The channels open to `peer` now.
     fn open_to(&self, peer: Rank) -> Open {
-        let mut o = Open::UD;
-        if self.caps.rma.is_some_and(|r| r.write) {
-            o = o.with(Channel::UdZcopy);
-        }
-        if self.budget.state(peer) == RcState::Up && self.rc.connected(peer) {
-            o = o.with(Channel::RcSr).with(Channel::RcRdma);
-            if self.rc.fast_path_to(peer) {
-                o = o.with(Channel::RcFp);
-            }
-        }
-        o
+        open_to(&self.rc, &self.budget, peer)
     }
 
     fn count(&mut self, peer: Rank, ch: Channel, bytes: u64) {
@@ -643,10 +651,38 @@ impl Recv<'_> {
 
 impl Sink for Recv<'_> {
     fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        let Some(p) = self.peers.get(src as usize) else {
+        if let [K_DATA, a, b, c, d, h @ ..] = header {
+            // Data, on every message: one look at the peer's record.
+            let Some(p) = self.peers.get_mut(src as usize) else {
+                return;
+            };
+            if p.failed {
+                return;
+            }
+            let seq = u32::from_le_bytes([*a, *b, *c, *d]);
+            match p.reorder.arrive(seq, || Held {
+                header: h.to_vec(),
+                payload: payload.to_vec(),
+            }) {
+                Ok(Arrival::Deliver) => {
+                    self.core.am(src, h, payload);
+                    while let Some(m) = p.reorder.pop() {
+                        self.core.am(src, &m.header, &m.payload);
+                    }
+                }
+                Ok(Arrival::Held) => *self.held += 1,
+                Err(e) => {
+                    let why = e.to_string();
+                    self.malformed(src, &why);
+                    return;
+                }
+            }
+            let chain = self.chain;
+            self.budget
+                .note_if(src, || rc_worthy(chain, payload.len() as u64), self.actions);
             return;
-        };
-        if p.failed {
+        }
+        if self.peers.get(src as usize).is_none_or(|p| p.failed) {
             return;
         }
         match header {
@@ -664,30 +700,6 @@ impl Sink for Recv<'_> {
                 ),
                 (None, _) => self.malformed(src, &format!("control code {code}")),
             },
-            [K_DATA, a, b, c, d, h @ ..] => {
-                let seq = u32::from_le_bytes([*a, *b, *c, *d]);
-                let p = &mut self.peers[src as usize];
-                match p.reorder.arrive(seq, || Held {
-                    header: h.to_vec(),
-                    payload: payload.to_vec(),
-                }) {
-                    Ok(Arrival::Deliver) => {
-                        self.core.am(src, h, payload);
-                        while let Some(m) = p.reorder.pop() {
-                            self.core.am(src, &m.header, &m.payload);
-                        }
-                    }
-                    Ok(Arrival::Held) => *self.held += 1,
-                    Err(e) => {
-                        let why = e.to_string();
-                        self.malformed(src, &why);
-                        return;
-                    }
-                }
-                if rc_worthy(self.chain, payload.len() as u64) {
-                    self.budget.note(src, self.actions);
-                }
-            }
             _ => self.malformed(src, &format!("a header of {} bytes", header.len())),
         }
     }
@@ -744,16 +756,17 @@ impl Provider for Hybrid {
                 self.caps.max_am_payload
             )));
         }
-        if self.peers[i].failed {
+        // One look at each table on the way: the channels open (verbs-rc's record, then the
+        // budget's only if connected), and our own record, held while the channels send.
+        let open = open_to(&self.rc, &self.budget, dest);
+        let st = &mut self.peers[i];
+        if st.failed {
             return Err(Error::peer_failed(dest, "failed earlier"));
         }
         // Rule sizes count the payload, as MVAPICH counts a message's size: the core's header
         // (at most `max_am_header` bytes) rides on top in every channel's buffers.
         let size = plen as u64;
-        let want = self
-            .chain
-            .pick(size, self.open_to(dest))
-            .unwrap_or(Channel::UdSr);
+        let want = self.chain.pick(size, open).unwrap_or(Channel::UdSr);
         // The prefix and the core's header, on the stack: `max_am_header` leaves room for the
         // prefix within the channels' largest header (checked above).
         let mut buf = [0u8; HDR_ROOM];
@@ -761,7 +774,7 @@ impl Provider for Hybrid {
             .get_mut(..PREFIX + header.len())
             .ok_or_else(|| Error::invalid("hybrid: header longer than the channels take"))?;
         hdr[0] = K_DATA;
-        hdr[1..PREFIX].copy_from_slice(&self.peers[i].seq.peek().to_le_bytes());
+        hdr[1..PREFIX].copy_from_slice(&st.seq.peek().to_le_bytes());
         hdr[PREFIX..].copy_from_slice(header);
         let hdr = &*hdr;
         let mut used = want;
@@ -781,10 +794,13 @@ impl Provider for Hybrid {
             out = self.ud.am_send(dest, hdr, payload)?;
         }
         if out == SendOutcome::Sent {
-            self.peers[i].seq.take();
+            st.seq.take();
             self.count(dest, used, size);
-            if rc_worthy(&self.chain, size) {
-                self.budget.note(dest, &mut self.actions);
+            // A connected peer's count decides nothing unless rebalancing: skip the budget.
+            if !open.has(Channel::RcSr) || self.budget.limits().rebalance {
+                let chain = &self.chain;
+                self.budget
+                    .note_if(dest, || rc_worthy(chain, size), &mut self.actions);
             }
             if !self.actions.is_empty() {
                 self.run_actions()?;

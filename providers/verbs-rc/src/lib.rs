@@ -797,6 +797,17 @@ impl VerbsRc {
             .is_some_and(|p| p.conn == Conn::Up)
     }
 
+    /// [`VerbsRc::connected`] and [`VerbsRc::fast_path_to`] in one look at the peer's record:
+    /// `None` while not connected, else whether its eager slots are set up (a composition
+    /// asks on every send).
+    #[inline]
+    pub fn route(&self, peer: Rank) -> Option<bool> {
+        self.peers
+            .get(peer as usize)
+            .filter(|p| p.conn == Conn::Up)
+            .map(|p| p.etx.is_some())
+    }
+
     fn open_with(boot: &mut dyn Bootstrap, cfg: &Config, hca: Arc<dyn Hca>) -> Result<VerbsRc> {
         let attr = hca.attr().clone();
         let pd = hca.alloc_pd()?;

@@ -155,10 +155,12 @@ fn a_connection_torn_down_and_made_again_carries_on_in_order() {
             }
             seen += per as usize;
             assert!(p.connected(peer), "round {round}: not connected");
+            assert_eq!(p.route(peer), Some(p.fast_path_to(peer)));
             // Close: stop posting, let what is in flight complete.
             bar.wait();
             p.quiesce(peer).unwrap();
             assert!(!p.connected(peer));
+            assert_eq!(p.route(peer), None, "a draining connection takes no sends");
             let t0 = Instant::now();
             while !p.quiet(peer) {
                 p.progress(&mut ev).unwrap();

@@ -40,6 +40,12 @@ impl<T> PeerTable<T> {
     };
     const MASK: usize = (1 << Self::SHIFT) - 1;
 
+    /// Rank `i`'s record number: `Some(None)` if never touched, `None` past the end.
+    #[inline]
+    fn number(&self, i: usize) -> Option<Option<usize>> {
+        self.slots.get(i).map(|&s| (s as usize).checked_sub(1))
+    }
+
     #[inline]
     fn record(&self, k: usize) -> &T {
         &self.chunks[k >> Self::SHIFT][k & Self::MASK]
@@ -75,11 +81,9 @@ impl<T: Default> PeerTable<T> {
     /// Rank `i`'s record (the idle one if never touched); `None` past the end.
     #[inline]
     pub fn get(&self, i: usize) -> Option<&T> {
-        let s = *self.slots.get(i)?;
-        Some(if s == 0 {
-            &self.idle
-        } else {
-            self.record(s as usize - 1)
+        Some(match self.number(i)? {
+            Some(k) => self.record(k),
+            None => &self.idle,
         })
     }
 
@@ -90,10 +94,8 @@ impl<T: Default> PeerTable<T> {
 
     /// Rank `i`'s record only if it was touched (no allocation).
     pub fn touched_mut(&mut self, i: usize) -> Option<&mut T> {
-        match *self.slots.get(i)? {
-            0 => None,
-            s => Some(self.record_mut(s as usize - 1)),
-        }
+        let k = self.number(i)??;
+        Some(self.record_mut(k))
     }
 
     /// The touched records with their ranks, in the order they were first touched (time in
@@ -159,10 +161,12 @@ impl<T: Default> Index<usize> for PeerTable<T> {
     /// does: callers check ranks first.
     #[inline]
     fn index(&self, i: usize) -> &T {
-        match self.slots[i] {
-            0 => &self.idle,
-            s => self.record(s as usize - 1),
-        }
+        self.get(i).unwrap_or_else(|| {
+            panic!(
+                "rank {i} is past the end of a table of {} ranks",
+                self.slots.len()
+            )
+        })
     }
 }
 

@@ -430,11 +430,6 @@ impl Hybrid {
         Ok(r as usize)
     }
 
-    /// The channels open to `peer` now.
-    fn open_to(&self, peer: Rank) -> Open {
-        open_to(&self.rc, &self.budget, peer)
-    }
-
     fn count(&mut self, peer: Rank, ch: Channel, bytes: u64) {
         let c = &mut self.totals.sent[slot(ch)];
         c.0 += 1;
@@ -862,7 +857,9 @@ impl Provider for Hybrid {
     fn peer_caps(&self, peer: Rank) -> Option<PeerCaps> {
         let rma = self.caps.rma?;
         let mut c = PeerCaps::from(&self.caps);
-        let pick = self.chain.pick(LARGE, self.open_to(peer));
+        let pick = self
+            .chain
+            .pick(LARGE, open_to(&self.rc, &self.budget, peer));
         c.rma_read = rma.read && pick == Some(Channel::RcRdma);
         c.rma_write = rma.write && pick == Some(Channel::UdZcopy);
         Some(c)

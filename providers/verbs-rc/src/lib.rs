@@ -792,9 +792,7 @@ impl VerbsRc {
 
     /// The RC connection to `peer` is up (sends to it go out now rather than wait).
     pub fn connected(&self, peer: Rank) -> bool {
-        self.peers
-            .get(peer as usize)
-            .is_some_and(|p| p.conn == Conn::Up)
+        self.route(peer).is_some()
     }
 
     /// [`VerbsRc::connected`] and [`VerbsRc::fast_path_to`] in one look at the peer's record:

@@ -48,9 +48,11 @@ weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
 weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
     "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
 weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
-    "hybrid: RC connections per process at most (paper 001: 16); 0: UD only");
+    "hybrid: RC connections per process at most (paper 001: 16; unset, every peer in a job of fewer than SMALL_JOB ranks); 0: UD only");
 weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
-    "hybrid: peers with RC-FP slots at most (paper 001: 8)");
+    "hybrid: peers with RC-FP slots at most (paper 001: 8; unset, every peer in a job of fewer than SMALL_JOB ranks)");
+weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
+    "hybrid: in a job of fewer ranks, MAX_RC and MAX_FP left unset allow every peer (MVAPICH2 gives RC-FP to every peer below 32 processes); 0: paper 001's limits at any size");
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
     "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
@@ -128,6 +130,10 @@ struct Config {
     /// at open ([`crate::auto`]).
     auto: bool,
     limits: Limits,
+    /// Whether `WEFT_HYBRID_MAX_RC` and `WEFT_HYBRID_MAX_FP` were set (else they may be
+    /// lifted for a small job, [`Config::limits_for`]).
+    set: (bool, bool),
+    small_job: u64,
     stats: bool,
 }
 
@@ -149,8 +155,29 @@ impl Config {
                 max_fp: MAX_FP.get_u64()? as usize,
                 rebalance: REBALANCE.get_bool()?,
             },
+            set: (MAX_RC.is_set(), MAX_FP.is_set()),
+            small_job: SMALL_JOB.get_u64()?,
             stats: STATS.get_bool()?,
         })
+    }
+
+    /// The limits for a job of `size` ranks. Paper 001's limits bound memory and the HCA's
+    /// context cache at scale; in a job of fewer than `WEFT_HYBRID_SMALL_JOB` ranks (32,
+    /// MVAPICH2's cut-off below which every peer gets RC-FP at once) a limit left unset allows
+    /// every peer, as MVAPICH2 does: there the limits only cost speed (UD-SR to the peers past
+    /// them) and save a few MiB at most.
+    fn limits_for(&self, size: u32) -> Limits {
+        let mut l = self.limits;
+        if u64::from(size) < self.small_job {
+            let peers = size.saturating_sub(1) as usize;
+            if !self.set.0 {
+                l.max_rc = l.max_rc.max(peers);
+            }
+            if !self.set.1 {
+                l.max_fp = l.max_fp.max(peers);
+            }
+        }
+        l
     }
 
     /// The chain for a job of `size` ranks and the largest message (payload; the core's
@@ -317,6 +344,7 @@ impl Hybrid {
 
     fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<Hybrid> {
         let (rank, size) = (boot.rank(), boot.size());
+        cfg.limits = cfg.limits_for(size);
         let (job, ud_upto) = cfg.job(size)?;
         // RC-FP slots hold what the chain sends through them, no more (verbs-rc's own slots
         // are 4 KiB; the default chain's RC-FP reach is 2 KiB); a chain without RC-FP sets up
@@ -1370,12 +1398,45 @@ mod tests {
         assert_eq!(caps.max_am_payload, 8192);
     }
 
+    /// Below `SMALL_JOB` ranks an unset limit allows every peer; a set one, or a job at or
+    /// above the cut-off, keeps its value.
+    #[test]
+    fn small_jobs_lift_the_limits_left_unset() {
+        let cfg = |set: (bool, bool), small_job: u64| Config {
+            chain: Chain::default(),
+            auto: false,
+            limits: Limits::default(),
+            set,
+            small_job,
+            stats: false,
+        };
+        let lim = |c: &Config, n: u32| {
+            let l = c.limits_for(n);
+            (l.max_rc, l.max_fp)
+        };
+        let unset = cfg((false, false), 32);
+        assert_eq!(lim(&unset, 2), (16, 8), "never below the paper's limits");
+        assert_eq!(lim(&unset, 16), (16, 15));
+        assert_eq!(lim(&unset, 31), (30, 30));
+        assert_eq!(
+            lim(&unset, 32),
+            (16, 8),
+            "the paper's limits from SMALL_JOB on"
+        );
+        assert_eq!(lim(&unset, 16384), (16, 8));
+        assert_eq!(lim(&cfg((true, false), 32), 24), (16, 23));
+        assert_eq!(lim(&cfg((false, true), 32), 24), (23, 8));
+        assert_eq!(lim(&cfg((false, false), 0), 24), (16, 8), "SMALL_JOB=0");
+    }
+
     #[test]
     fn chains_this_version_cannot_carry_are_refused_at_init() {
         let cfg = |rules: &str| Config {
             chain: Chain::parse(rules).unwrap(),
             auto: false,
             limits: Limits::default(),
+            set: (false, false),
+            small_job: 32,
             stats: false,
         };
         assert_eq!(cfg("{true: UD-SR}").job(4).unwrap().1, u64::MAX);

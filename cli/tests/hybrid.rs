@@ -319,3 +319,40 @@ fn refused_settings_say_why() {
         assert!(all.contains(why), "{k}={v}: {all}");
     }
 }
+
+/// In a job of fewer than `WEFT_HYBRID_SMALL_JOB` (32) ranks the RC and RC-FP limits left
+/// unset allow every peer; set ones, or `WEFT_HYBRID_SMALL_JOB=0`, keep paper 001's.
+#[test]
+fn small_jobs_lift_unset_limits() {
+    let ring = example("weft-cli", "ring");
+    for (env, want) in [
+        (vec![], "limits: RC 16, RC-FP 9,"),
+        (
+            vec![("WEFT_HYBRID_SMALL_JOB", "0")],
+            "limits: RC 16, RC-FP 8,",
+        ),
+        (vec![("WEFT_HYBRID_MAX_FP", "2")], "limits: RC 16, RC-FP 2,"),
+        (
+            vec![("WEFT_HYBRID_SMALL_JOB", "8"), ("WEFT_HYBRID_MAX_RC", "3")],
+            "limits: RC 3, RC-FP 8,",
+        ),
+    ] {
+        let mut c = Command::new(weft());
+        c.args(["run", "-n", "10", "--provider", "hybrid", "--"])
+            .arg(&ring)
+            .env("WEFT_VERBS_DEVICE", "soft")
+            .env("WEFT_HYBRID_STATS", "1")
+            .env("RING_LAPS", "1");
+        for (k, v) in &env {
+            c.env(k, v);
+        }
+        let o = run_bounded(&mut c, 120);
+        let all = format!("{}{}", stdout(&o), stderr(&o));
+        assert!(o.status.success(), "{env:?}: {all}");
+        let lines: Vec<&str> = all.lines().filter(|l| l.contains(" RC asked ")).collect();
+        assert_eq!(lines.len(), 10, "{env:?}: one summary per rank: {all}");
+        for l in lines {
+            assert!(l.contains(want), "{env:?}: {l}");
+        }
+    }
+}

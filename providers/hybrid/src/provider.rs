@@ -635,15 +635,19 @@ impl Hybrid {
             ));
         }
         let s = self.budget.stats();
+        let l = self.budget.limits();
         lines.push(format!(
-            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; held for order {} (at most {} at once)",
+            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; held for order {} (at most {} at once); limits: RC {}, RC-FP {}, threshold {}",
             self.rank,
             s.asked,
             s.refused,
             s.opened,
             s.closed,
             self.totals.held,
-            self.peers.iter().map(|(_, p)| p.reorder.held_max()).max().unwrap_or(0)
+            self.peers.iter().map(|(_, p)| p.reorder.held_max()).max().unwrap_or(0),
+            l.max_rc,
+            l.max_fp,
+            l.threshold
         ));
         eprintln!("{}", lines.join("\n"));
     }

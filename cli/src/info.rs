@@ -245,6 +245,14 @@ pub fn verbs_report() -> String {
         Ok(c) => writeln!(s, "  hybrid send rules (WEFT_HYBRID_RULES): {c}").unwrap(),
         Err(e) => writeln!(s, "  hybrid send rules: {e}").unwrap(),
     }
+    match weft_hybrid::limits_in_force() {
+        Ok(l) => writeln!(
+            s,
+            "  hybrid limits (WEFT_HYBRID_MAX_RC, _MAX_FP, _RC_THRESHOLD): {l}"
+        )
+        .unwrap(),
+        Err(e) => writeln!(s, "  hybrid limits: {e}").unwrap(),
+    }
     s
 }
 

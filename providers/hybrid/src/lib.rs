@@ -25,4 +25,4 @@ mod provider;
 pub mod rules;
 pub mod scale;
 
-pub use provider::{chain_in_force, Hybrid};
+pub use provider::{chain_in_force, limits_in_force, Hybrid};

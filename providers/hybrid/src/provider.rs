@@ -56,7 +56,7 @@ weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
     "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
-    "hybrid: print messages and bytes per peer and channel, and RC connections opened, at finalize (standard error)");
+    "hybrid: print messages and bytes per peer and channel, RC connections opened and the limits in force, at finalize (standard error)");
 
 /// Kind byte of a data message (then a 4-byte sequence number, then the core's header).
 const K_DATA: u8 = 0;
@@ -1152,6 +1152,34 @@ weft_provider::register_provider!(
     priority = 6,
     summary = "MVAPICH-Aptus on the verbs layer: UD-SR, RC-SR and RC-FP at once, chosen per message by a send-rule chain (WEFT_HYBRID_RULES), RC connections opened lazily under per-process limits, order kept across channels"
 );
+
+/// The RC limits the settings give, as `weft info` prints them: paper 001's (or those set)
+/// and, when a small job lifts them, from which size on they hold.
+pub fn limits_in_force() -> std::result::Result<String, String> {
+    let cfg = Config::from_env().map_err(|e| e.to_string())?;
+    let l = cfg.limits;
+    // A limit is lifted in some job below SMALL_JOB ranks when such a job has more peers.
+    let most = cfg.small_job.saturating_sub(2) as usize;
+    let rc = !cfg.set.0 && most > l.max_rc;
+    let fp = !cfg.set.1 && most > l.max_fp;
+    let lifted = match (rc, fp) {
+        (true, true) => Some("both"),
+        (true, false) => Some("RC connections"),
+        (false, true) => Some("RC-FP peers"),
+        (false, false) => None,
+    };
+    Ok(format!(
+        "RC connections {}, RC-FP peers {}, after {} messages{}{}",
+        l.max_rc,
+        l.max_fp,
+        l.threshold,
+        lifted.map_or(String::new(), |w| format!(
+            "; {w}: every peer in a job of fewer than {} ranks (WEFT_HYBRID_SMALL_JOB)",
+            cfg.small_job
+        )),
+        if l.rebalance { "; rebalanced" } else { "" }
+    ))
+}
 
 /// The chain `WEFT_HYBRID_RULES` sets for a job of `size` ranks, as `weft info` prints it, or
 /// why it is refused.

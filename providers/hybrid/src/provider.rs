@@ -1158,11 +1158,9 @@ weft_provider::register_provider!(
 pub fn limits_in_force() -> std::result::Result<String, String> {
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
     let l = cfg.limits;
-    // A limit is lifted in some job below SMALL_JOB ranks when such a job has more peers.
-    let most = cfg.small_job.saturating_sub(2) as usize;
-    let rc = !cfg.set.0 && most > l.max_rc;
-    let fp = !cfg.set.1 && most > l.max_fp;
-    let lifted = match (rc, fp) {
+    // What the largest job below SMALL_JOB ranks gets.
+    let small = cfg.limits_for(u32::try_from(cfg.small_job.saturating_sub(1)).unwrap_or(u32::MAX));
+    let lifted = match (small.max_rc > l.max_rc, small.max_fp > l.max_fp) {
         (true, true) => Some("both"),
         (true, false) => Some("RC connections"),
         (false, true) => Some("RC-FP peers"),

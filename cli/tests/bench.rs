@@ -405,6 +405,9 @@ fn json_records_the_hybrid_channel_statistics() {
         assert!(k[key].as_u64().unwrap_or(0) > 0, "{key}: {h}");
     }
     assert_eq!(k["rc_opened"].as_u64(), Some(2), "{h}");
+    // Each side offers the other RC-FP slots at connection.
+    assert_eq!(k["fp_opened"].as_u64(), Some(2), "{h}");
+    assert_eq!(k["fp_closed"].as_u64(), Some(0), "{h}");
 }
 
 /// The verbs providers report the QP-context cache misses of their device (the soft HCA's

@@ -201,6 +201,15 @@ fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
             "{stats:#?}"
         );
         assert!(c.iter().all(|&(_, closed)| closed >= 1), "{stats:#?}");
+        // RC-FP slots come and go with the connections, at most one pair open at the end.
+        let fp: Vec<(u64, u64)> = stats
+            .iter()
+            .filter_map(|l| l.find(" RC-FP opened ").map(|at| &l[at..]))
+            .map(|l| (num(l, " RC-FP opened "), num(l, " closed ")))
+            .collect();
+        assert_eq!(fp.len(), 4, "{stats:#?}");
+        assert!(fp.iter().all(|&(o, c)| o >= c && o - c <= 1), "{stats:#?}");
+        assert!(fp.iter().any(|&(_, c)| c >= 1), "{stats:#?}");
         // Rendezvous switch between the zero-copy channels as connections come and go.
         assert!(sent_over(&stats, "UD-ZCOPY") > 0, "{stats:#?}");
     }

@@ -56,7 +56,7 @@ weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
     "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
-    "hybrid: print messages and bytes per peer and channel, RC connections opened and the limits in force, at finalize (standard error)");
+    "hybrid: print messages and bytes per peer and channel, RC connections and RC-FP slots opened and closed, and the limits in force, at finalize (standard error)");
 
 /// Kind byte of a data message (then a 4-byte sequence number, then the core's header).
 const K_DATA: u8 = 0;
@@ -637,12 +637,14 @@ impl Hybrid {
         let s = self.budget.stats();
         let l = self.budget.limits();
         lines.push(format!(
-            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; held for order {} (at most {} at once); limits: RC {}, RC-FP {}, threshold {}",
+            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; RC-FP opened {} closed {}; held for order {} (at most {} at once); limits: RC {}, RC-FP {}, threshold {}",
             self.rank,
             s.asked,
             s.refused,
             s.opened,
             s.closed,
+            s.fp_opened,
+            s.fp_closed,
             self.totals.held,
             self.peers.iter().map(|(_, p)| p.reorder.held_max()).max().unwrap_or(0),
             l.max_rc,
@@ -1077,6 +1079,8 @@ impl Provider for Hybrid {
             ("rc_refused", s.refused),
             ("rc_opened", s.opened),
             ("rc_closed", s.closed),
+            ("fp_opened", s.fp_opened),
+            ("fp_closed", s.fp_closed),
             ("rc_fallback_ud", self.totals.rc_fallback),
             ("ctrl_sent", self.totals.ctrl_sent),
             ("held_for_order", self.totals.held),

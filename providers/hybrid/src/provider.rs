@@ -132,7 +132,8 @@ struct Config {
     limits: Limits,
     /// Whether `WEFT_HYBRID_MAX_RC` and `WEFT_HYBRID_MAX_FP` were set (else they may be
     /// lifted for a small job, [`Config::limits_for`]).
-    set: (bool, bool),
+    max_rc_set: bool,
+    max_fp_set: bool,
     small_job: u64,
     stats: bool,
 }
@@ -155,7 +156,8 @@ impl Config {
                 max_fp: MAX_FP.get_u64()? as usize,
                 rebalance: REBALANCE.get_bool()?,
             },
-            set: (MAX_RC.is_set(), MAX_FP.is_set()),
+            max_rc_set: MAX_RC.is_set(),
+            max_fp_set: MAX_FP.is_set(),
             small_job: SMALL_JOB.get_u64()?,
             stats: STATS.get_bool()?,
         })
@@ -170,10 +172,10 @@ impl Config {
         let mut l = self.limits;
         if u64::from(size) < self.small_job {
             let peers = size.saturating_sub(1) as usize;
-            if !self.set.0 {
+            if !self.max_rc_set {
                 l.max_rc = l.max_rc.max(peers);
             }
-            if !self.set.1 {
+            if !self.max_fp_set {
                 l.max_fp = l.max_fp.max(peers);
             }
         }
@@ -1436,11 +1438,12 @@ mod tests {
     /// above the cut-off, keeps its value.
     #[test]
     fn small_jobs_lift_the_limits_left_unset() {
-        let cfg = |set: (bool, bool), small_job: u64| Config {
+        let cfg = |(max_rc_set, max_fp_set): (bool, bool), small_job: u64| Config {
             chain: Chain::default(),
             auto: false,
             limits: Limits::default(),
-            set,
+            max_rc_set,
+            max_fp_set,
             small_job,
             stats: false,
         };
@@ -1469,7 +1472,8 @@ mod tests {
             chain: Chain::parse(rules).unwrap(),
             auto: false,
             limits: Limits::default(),
-            set: (false, false),
+            max_rc_set: false,
+            max_fp_set: false,
             small_job: 32,
             stats: false,
         };

@@ -225,7 +225,7 @@ impl Peer {
             }
             let ok = self
                 .seg
-                .ring(e.off.load(RLX), e.cap.load(RLX), seg::CQE_WORDS)
+                .ring::<{ seg::CQE_WORDS }>(e.off.load(RLX), e.cap.load(RLX))
                 .is_some_and(|r| r.push(&seg::cqe_record(wc)));
             if !ok {
                 e.overrun.store(1, Ordering::Release);
@@ -256,11 +256,11 @@ pub fn flush_rq(seg: &Seg, qi: usize, mut push: impl FnMut(u32, &Wc)) {
     if q.srq.load(RLX) != 0 {
         return;
     }
-    let Some(r) = seg.ring(q.rq_off.load(RLX), q.rq_cap.load(RLX), WQE_WORDS) else {
+    let Some(r) = seg.ring::<WQE_WORDS>(q.rq_off.load(RLX), q.rq_cap.load(RLX)) else {
         return;
     };
     let mut w = [0u64; WQE_WORDS];
-    while r.pop(&mut w) {
+    while r.pop_by(&mut w, seg::wqe_words) {
         let b: u64 = seg::wqe_sges(&w).iter().map(|s| s.length as u64).sum();
         q.rq_bytes.fetch_sub(b, RLX);
         push(
@@ -711,8 +711,8 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
         }) {
             return None;
         }
-        let r = seg.ring(s.off.load(RLX), s.cap.load(RLX), WQE_WORDS)?;
-        if !r.pop(&mut w) {
+        let r = seg.ring::<WQE_WORDS>(s.off.load(RLX), s.cap.load(RLX))?;
+        if !r.pop_by(&mut w, seg::wqe_words) {
             return None;
         }
         s.bytes.fetch_sub(bytes(&w), RLX);
@@ -722,8 +722,8 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
         }
         return Some((s.pd.load(RLX), w));
     }
-    let r = seg.ring(q.rq_off.load(RLX), q.rq_cap.load(RLX), WQE_WORDS)?;
-    if !r.pop(&mut w) {
+    let r = seg.ring::<WQE_WORDS>(q.rq_off.load(RLX), q.rq_cap.load(RLX))?;
+    if !r.pop_by(&mut w, seg::wqe_words) {
         return None;
     }
     q.rq_bytes.fetch_sub(bytes(&w), RLX);

@@ -421,7 +421,7 @@ impl SoftHca {
         if let Some(e) = self.seg.cq(cq as usize) {
             let ok = self
                 .seg
-                .ring(e.off.load(RLX), e.cap.load(RLX), CQE_WORDS)
+                .ring::<CQE_WORDS>(e.off.load(RLX), e.cap.load(RLX))
                 .is_some_and(|r| r.push(&seg::cqe_record(wc)));
             if !ok {
                 e.overrun.store(1, SC);
@@ -986,7 +986,7 @@ impl SoftHca {
         !overrun
             && self
                 .seg
-                .ring(off, cap, CQE_WORDS)
+                .ring::<CQE_WORDS>(off, cap)
                 .is_some_and(|r| !r.ready())
     }
 }

@@ -9,6 +9,13 @@
 //! (release); a consumer that finds `seq == pos + 1` claims it through the dequeue counter,
 //! reads, and frees the slot for the next lap with `seq = pos + cap`. A full ring refuses a
 //! producer, an empty one a consumer; nobody waits on anybody. Model-checked with loom below.
+//!
+//! Layout: each slot keeps its sequence word in front of its record, on cache lines of its
+//! own, and a record may be shorter than the slot (a receive WQE carries its SGE count, and
+//! only the SGEs it has are written and read). A completion or a receive of one or two SGEs is
+//! one cache line moved between processes per push and per pop; with the sequence words in an
+//! array of their own and records read whole, a WQE pop touched four lines and neighbouring
+//! slots' sequence words shared one.
 
 use crate::sync::{AtomicU64, Ordering, UnsafeCell};
 
@@ -21,59 +28,80 @@ pub struct RingHead {
     _pad2: [u64; 15],
 }
 
-/// Bytes of a ring of `cap` records of `words` u64 each, as laid out in shared memory.
-pub fn ring_bytes(cap: usize, words: usize) -> usize {
-    std::mem::size_of::<RingHead>() + cap * 8 * (1 + words)
+impl RingHead {
+    #[cfg(all(test, loom))]
+    fn new() -> RingHead {
+        RingHead {
+            enq: AtomicU64::new(0),
+            _pad: [0; 15],
+            deq: AtomicU64::new(0),
+            _pad2: [0; 15],
+        }
+    }
 }
 
-/// A ring seen through references into wherever it lives.
-pub struct Ring<'a> {
+/// One slot: its sequence word and up to `W` words of record, on whole cache lines of their
+/// own. A push or a pop of a record that fits the first line (a completion, a receive of one
+/// or two SGEs) moves that one line between the processes, and neighbouring slots never share
+/// a line (a producer filling slot `i` does not take the line a consumer is reading slot `i - 1`
+/// from; with the sequence words in an array of their own, eight slots shared one).
+#[repr(C, align(64))]
+pub struct Slot<const W: usize> {
+    seq: AtomicU64,
+    data: [UnsafeCell<u64>; W],
+}
+
+impl<const W: usize> Slot<W> {
+    #[cfg(all(test, loom))]
+    fn new(i: u64) -> Slot<W> {
+        Slot {
+            seq: AtomicU64::new(i),
+            data: std::array::from_fn(|_| UnsafeCell::new(0)),
+        }
+    }
+}
+
+/// Bytes of a ring of `cap` records of `W` words each, as laid out in shared memory.
+pub fn ring_bytes<const W: usize>(cap: usize) -> usize {
+    std::mem::size_of::<RingHead>() + cap * std::mem::size_of::<Slot<W>>()
+}
+
+/// A ring of records of at most `W` words, seen through references into wherever it lives.
+pub struct Ring<'a, const W: usize> {
     head: &'a RingHead,
-    seq: &'a [AtomicU64],
-    data: &'a [UnsafeCell<u64>],
-    words: usize,
+    slots: &'a [Slot<W>],
     mask: u64,
 }
 
-impl<'a> Ring<'a> {
-    /// A view of the parts. `seq.len()` is the capacity, a power of two; `data` holds
-    /// `words` per slot.
-    pub fn new(
-        head: &'a RingHead,
-        seq: &'a [AtomicU64],
-        data: &'a [UnsafeCell<u64>],
-        words: usize,
-    ) -> Ring<'a> {
-        debug_assert!(seq.len().is_power_of_two() && data.len() == seq.len() * words);
+impl<'a, const W: usize> Ring<'a, W> {
+    /// A view of the parts. `slots.len()` is the capacity, a power of two.
+    pub fn new(head: &'a RingHead, slots: &'a [Slot<W>]) -> Ring<'a, W> {
+        debug_assert!(slots.len().is_power_of_two());
         Ring {
             head,
-            seq,
-            data,
-            words,
-            mask: seq.len() as u64 - 1,
+            slots,
+            mask: slots.len() as u64 - 1,
         }
     }
 
     /// A view of the ring laid out at `base` by [`Ring::init`].
     ///
     /// # Safety
-    /// `base` must point at `ring_bytes(cap, words)` bytes of memory that stays mapped for
-    /// `'a`, 128-byte aligned, holding a ring initialised with the same `cap` and `words`, and
-    /// accessed by everyone only through this protocol.
-    pub unsafe fn at(base: *mut u8, cap: usize, words: usize) -> Ring<'a> {
+    /// `base` must point at `ring_bytes::<W>(cap)` bytes of memory that stays mapped for `'a`,
+    /// 128-byte aligned, holding a ring initialised with the same `cap` and `W`, and accessed
+    /// by everyone only through this protocol.
+    pub unsafe fn at(base: *mut u8, cap: usize) -> Ring<'a, W> {
         let head = &*(base as *const RingHead);
-        let seq_p = base.add(std::mem::size_of::<RingHead>()) as *const AtomicU64;
-        let seq = std::slice::from_raw_parts(seq_p, cap);
-        let data_p = seq_p.add(cap) as *const UnsafeCell<u64>;
-        let data = std::slice::from_raw_parts(data_p, cap * words);
-        Ring::new(head, seq, data, words)
+        // The head is 256 bytes, so the slots start 64-byte aligned as `Slot` needs.
+        let slots_p = base.add(std::mem::size_of::<RingHead>()) as *const Slot<W>;
+        Ring::new(head, std::slice::from_raw_parts(slots_p, cap))
     }
 
     /// Set the sequence words of a fresh (zeroed) ring; only its creator calls this, before
     /// anyone else can see it.
     pub fn init(&self) {
-        for (i, s) in self.seq.iter().enumerate() {
-            s.store(i as u64, Ordering::Relaxed);
+        for (i, s) in self.slots.iter().enumerate() {
+            s.seq.store(i as u64, Ordering::Relaxed);
         }
         self.head.enq.store(0, Ordering::Relaxed);
         self.head.deq.store(0, Ordering::Release);
@@ -90,7 +118,7 @@ impl<'a> Ring<'a> {
     pub fn ready(&self) -> bool {
         let pos = self.head.deq.load(Ordering::Relaxed);
         let slot = (pos & self.mask) as usize;
-        self.seq[slot].load(Ordering::Acquire) == pos + 1
+        self.slots[slot].seq.load(Ordering::Acquire) == pos + 1
     }
 
     #[cfg(all(test, not(loom)))]
@@ -98,13 +126,15 @@ impl<'a> Ring<'a> {
         self.len() == 0
     }
 
-    /// Append `rec` (`words` long); `false` when the ring is full.
+    /// Append `rec` (at most `W` words: a shorter record leaves the rest of the slot as it
+    /// was, for a reader that knows its length, see [`Ring::pop_by`]); `false` when the ring
+    /// is full.
     pub fn push(&self, rec: &[u64]) -> bool {
-        debug_assert_eq!(rec.len(), self.words);
+        debug_assert!(rec.len() <= W);
         let mut pos = self.head.enq.load(Ordering::Relaxed);
         loop {
-            let slot = (pos & self.mask) as usize;
-            let seq = self.seq[slot].load(Ordering::Acquire);
+            let s = &self.slots[(pos & self.mask) as usize];
+            let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
                 match self.head.enq.compare_exchange_weak(
@@ -114,12 +144,12 @@ impl<'a> Ring<'a> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        for (w, v) in rec.iter().enumerate() {
+                        for (d, v) in s.data.iter().zip(rec) {
                             // SAFETY: the slot is ours between the claim and the publishing
                             // store below; no consumer reads it before seq = pos + 1.
-                            self.data[slot * self.words + w].with_mut(|p| unsafe { *p = *v });
+                            d.with_mut(|p| unsafe { *p = *v });
                         }
-                        self.seq[slot].store(pos + 1, Ordering::Release);
+                        s.seq.store(pos + 1, Ordering::Release);
                         return true;
                     }
                     Err(p) => pos = p,
@@ -132,13 +162,21 @@ impl<'a> Ring<'a> {
         }
     }
 
-    /// Take the oldest record into `out` (`words` long); `false` when the ring is empty.
+    /// Take the oldest record into `out` (its first `out.len()` words, at most `W`); `false`
+    /// when the ring is empty.
     pub fn pop(&self, out: &mut [u64]) -> bool {
-        debug_assert_eq!(out.len(), self.words);
+        let n = out.len();
+        self.pop_by(out, |_| n)
+    }
+
+    /// Take the oldest record into `out`, reading its first two words and then as many as
+    /// `words(second word)` says (at most `out.len()` and `W`): a record whose length it
+    /// carries is read without the words it does not use. `false` when the ring is empty.
+    pub fn pop_by(&self, out: &mut [u64], words: impl FnOnce(u64) -> usize) -> bool {
         let mut pos = self.head.deq.load(Ordering::Relaxed);
         loop {
-            let slot = (pos & self.mask) as usize;
-            let seq = self.seq[slot].load(Ordering::Acquire);
+            let s = &self.slots[(pos & self.mask) as usize];
+            let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos + 1) as i64;
             if dif == 0 {
                 match self.head.deq.compare_exchange_weak(
@@ -148,12 +186,19 @@ impl<'a> Ring<'a> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        for (w, o) in out.iter_mut().enumerate() {
-                            // SAFETY: published by the producer's release store (acquired
-                            // above) and ours until we hand the slot back below.
-                            *o = self.data[slot * self.words + w].with(|p| unsafe { *p });
+                        // SAFETY (both reads): published by the producer's release store
+                        // (acquired above) and ours until we hand the slot back below.
+                        let read = |i: usize| s.data[i].with(|p| unsafe { *p });
+                        let first = out.len().min(W).min(2);
+                        for (i, o) in out[..first].iter_mut().enumerate() {
+                            *o = read(i);
                         }
-                        self.seq[slot].store(pos + self.mask + 1, Ordering::Release);
+                        let n = if first == 2 { words(out[1]) } else { first };
+                        let n = n.clamp(first, out.len().min(W));
+                        for (i, o) in out[..n].iter_mut().enumerate().skip(first) {
+                            *o = read(i);
+                        }
+                        s.seq.store(pos + self.mask + 1, Ordering::Release);
                         return true;
                     }
                     Err(p) => pos = p,
@@ -171,17 +216,59 @@ impl<'a> Ring<'a> {
 mod tests {
     use super::*;
 
-    fn heap_ring(cap: usize, words: usize) -> (Vec<u128>, usize) {
-        let bytes = ring_bytes(cap, words);
-        (vec![0u128; bytes.div_ceil(16) + 8], bytes)
+    fn heap_ring<const W: usize>(cap: usize) -> Vec<u128> {
+        vec![0u128; ring_bytes::<W>(cap).div_ceil(16) + 8]
+    }
+
+    #[test]
+    fn a_slot_is_whole_cache_lines_with_its_sequence_word_first() {
+        use crate::soft::seg::{CQE_WORDS, WQE_WORDS};
+        assert_eq!(std::mem::size_of::<Slot<CQE_WORDS>>(), 64);
+        // Sequence word, wr_id, SGE count and two SGEs fit the first line.
+        assert_eq!(std::mem::size_of::<Slot<WQE_WORDS>>(), 192);
+        assert_eq!(std::mem::offset_of!(Slot<WQE_WORDS>, seq), 0);
+        assert_eq!(ring_bytes::<CQE_WORDS>(8), 256 + 8 * 64);
+    }
+
+    #[test]
+    fn pop_by_reads_the_words_a_record_says_it_has() {
+        let mut mem = heap_ring::<6>(4);
+        let base = ((mem.as_mut_ptr() as usize + 127) & !127) as *mut u8;
+        // SAFETY: `mem` holds ring_bytes::<6>(4) bytes past the 128-aligned base and outlives r.
+        let r = unsafe { Ring::<6>::at(base, 4) };
+        r.init();
+        assert!(r.push(&[1, 2, 3, 4, 5, 6]));
+        let mut out = [0u64; 6];
+        assert!(r.pop(&mut out));
+        assert_eq!(out, [1, 2, 3, 4, 5, 6]);
+        // A shorter record in the same slot's next lap (and the three others): read as long
+        // as it says, the rest of `out` untouched.
+        for lap in 0..4u64 {
+            assert!(r.push(&[lap, 3, 30 + lap]));
+        }
+        for lap in 0..4u64 {
+            let mut out = [9u64; 6];
+            assert!(r.pop_by(&mut out, |n| n as usize));
+            assert_eq!(out, [lap, 3, 30 + lap, 9, 9, 9]);
+        }
+        // A length past `out` or the slot is cut to them; one under two words reads two.
+        assert!(r.push(&[7, 100, 1, 2, 3, 4]));
+        let mut out = [0u64; 4];
+        assert!(r.pop_by(&mut out, |n| n as usize));
+        assert_eq!(out, [7, 100, 1, 2]);
+        assert!(r.push(&[8, 0, 5]));
+        let mut out = [0u64; 3];
+        assert!(r.pop_by(&mut out, |n| n as usize));
+        assert_eq!(out, [8, 0, 0]);
+        assert!(r.is_empty());
     }
 
     #[test]
     fn fifo_full_and_empty() {
-        let (mut mem, _) = heap_ring(4, 3);
+        let mut mem = heap_ring::<3>(4);
         let base = ((mem.as_mut_ptr() as usize + 127) & !127) as *mut u8;
-        // SAFETY: `mem` holds ring_bytes(4, 3) bytes past the 128-aligned base and outlives r.
-        let r = unsafe { Ring::at(base, 4, 3) };
+        // SAFETY: `mem` holds ring_bytes::<3>(4) bytes past the 128-aligned base and outlives r.
+        let r = unsafe { Ring::<3>::at(base, 4) };
         r.init();
         let mut out = [0u64; 3];
         assert!(!r.pop(&mut out));
@@ -201,16 +288,16 @@ mod tests {
 
     #[test]
     fn threads_lose_and_duplicate_nothing() {
-        let (mut mem, _) = heap_ring(64, 2);
+        let mut mem = heap_ring::<2>(64);
         let base = (mem.as_mut_ptr() as usize + 127) & !127;
         // SAFETY: as above; the threads end before `mem` is dropped.
-        unsafe { Ring::at(base as *mut u8, 64, 2) }.init();
+        unsafe { Ring::<2>::at(base as *mut u8, 64) }.init();
         let per = 20_000u64;
         let got = std::thread::scope(|s| {
             for t in 0..2u64 {
                 s.spawn(move || {
                     // SAFETY: as above.
-                    let r = unsafe { Ring::at(base as *mut u8, 64, 2) };
+                    let r = unsafe { Ring::<2>::at(base as *mut u8, 64) };
                     for i in 0..per {
                         while !r.push(&[t, i]) {
                             std::hint::spin_loop();
@@ -222,7 +309,7 @@ mod tests {
                 .map(|_| {
                     s.spawn(move || {
                         // SAFETY: as above.
-                        let r = unsafe { Ring::at(base as *mut u8, 64, 2) };
+                        let r = unsafe { Ring::<2>::at(base as *mut u8, 64) };
                         let mut seen = vec![];
                         let mut o = [0u64; 2];
                         let t0 = std::time::Instant::now();
@@ -258,34 +345,38 @@ mod loom_tests {
 
     struct Owned {
         head: RingHead,
-        seq: Vec<AtomicU64>,
-        data: Vec<UnsafeCell<u64>>,
+        slots: Vec<Slot<3>>,
     }
 
-    fn owned(cap: usize, words: usize) -> Arc<Owned> {
+    fn owned(cap: usize) -> Arc<Owned> {
         Arc::new(Owned {
-            head: RingHead {
-                enq: AtomicU64::new(0),
-                _pad: [0; 15],
-                deq: AtomicU64::new(0),
-                _pad2: [0; 15],
-            },
-            seq: (0..cap).map(|i| AtomicU64::new(i as u64)).collect(),
-            data: (0..cap * words).map(|_| UnsafeCell::new(0)).collect(),
+            head: RingHead::new(),
+            slots: (0..cap as u64).map(Slot::new).collect(),
         })
     }
 
-    /// Two producers and two consumers on a ring of two slots: every record arrives once, whole.
+    /// A record as producer `t` of `loom_ring_mpmc` wrote it, nothing past its length read.
+    fn check(out: &[u64; 3]) {
+        match out[0] {
+            1 => assert_eq!(*out, [1, 2, 0]),
+            2 => assert_eq!(*out, [2, 3, 20]),
+            t => panic!("record of producer {t}"),
+        }
+    }
+
+    /// Two producers and two consumers on a ring of two slots: every record arrives once, whole
+    /// (producer 1's two words, producer 2's three, read as long as the record says).
     #[test]
     fn loom_ring_mpmc() {
         loom::model(|| {
-            let o = owned(2, 2);
+            let o = owned(2);
             let prods: Vec<_> = (1..=2u64)
                 .map(|t| {
                     let o = o.clone();
                     loom::thread::spawn(move || {
-                        let r = Ring::new(&o.head, &o.seq, &o.data, 2);
-                        while !r.push(&[t, t * 10]) {
+                        let r = Ring::new(&o.head, &o.slots);
+                        let rec = [t, 1 + t, t * 10];
+                        while !r.push(&rec[..1 + t as usize]) {
                             loom::thread::yield_now();
                         }
                     })
@@ -293,10 +384,10 @@ mod loom_tests {
                 .collect();
             let o2 = o.clone();
             let c = loom::thread::spawn(move || {
-                let r = Ring::new(&o2.head, &o2.seq, &o2.data, 2);
-                let mut out = [0u64; 2];
-                if r.pop(&mut out) {
-                    assert_eq!(out[1], out[0] * 10);
+                let r = Ring::new(&o2.head, &o2.slots);
+                let mut out = [0u64; 3];
+                if r.pop_by(&mut out, |n| n as usize) {
+                    check(&out);
                     out[0]
                 } else {
                     0
@@ -306,12 +397,13 @@ mod loom_tests {
                 p.join().unwrap();
             }
             let first = c.join().unwrap();
-            let r = Ring::new(&o.head, &o.seq, &o.data, 2);
+            let r = Ring::new(&o.head, &o.slots);
             let mut rest = vec![];
-            let mut out = [0u64; 2];
-            while r.pop(&mut out) {
-                assert_eq!(out[1], out[0] * 10);
+            let mut out = [0u64; 3];
+            while r.pop_by(&mut out, |n| n as usize) {
+                check(&out);
                 rest.push(out[0]);
+                out = [0; 3];
             }
             if first != 0 {
                 rest.push(first);

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use weft_provider::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"WEFTHCA1");
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// SGEs a receive work request may have (the device's `max_sge`).
 pub const MAX_SGE: usize = 8;
 /// Words of a receive WQE record: wr_id, SGE count, then address and (length, lkey) per SGE.
@@ -402,15 +402,16 @@ impl Seg {
             .then(|| unsafe { self.base.add(self.lay.heap + off as usize) })
     }
 
-    /// The ring at heap offset `off` with `cap` records of `words`, if it fits the heap.
-    pub fn ring(&self, off: u64, cap: u32, words: usize) -> Option<super::ring::Ring<'_>> {
+    /// The ring at heap offset `off` with `cap` records of at most `W` words, if it fits the
+    /// heap.
+    pub fn ring<const W: usize>(&self, off: u64, cap: u32) -> Option<super::ring::Ring<'_, W>> {
         if cap == 0 || !cap.is_power_of_two() || off % 128 != 0 {
             return None;
         }
-        let p = self.heap(off, super::ring::ring_bytes(cap as usize, words))?;
+        let p = self.heap(off, super::ring::ring_bytes::<W>(cap as usize))?;
         // SAFETY: the range lies inside our mapping, 128-aligned (heap is page aligned), and
         // rings are only ever reached through their protocol.
-        Some(unsafe { super::ring::Ring::at(p, cap as usize, words) })
+        Some(unsafe { super::ring::Ring::at(p, cap as usize) })
     }
 
     pub fn heap_base(&self) -> *mut u8 {
@@ -516,6 +517,16 @@ pub fn wqe_record(wr_id: u64, sges: &[crate::Sge]) -> [u64; WQE_WORDS] {
         r[3 + 2 * i] = (s.length as u64) << 32 | s.lkey as u64;
     }
     r
+}
+
+/// Words a WQE record with `sges` in its count word uses (what a ring moves of it).
+pub fn wqe_words(sges: u64) -> usize {
+    2 + 2 * (sges as usize).min(MAX_SGE)
+}
+
+/// The words of a WQE record that are used: what to push.
+pub fn wqe_used(r: &[u64; WQE_WORDS]) -> &[u64] {
+    &r[..wqe_words(r[1])]
 }
 
 /// The SGEs of a WQE record (at most [`MAX_SGE`], whatever the record says).

@@ -176,7 +176,7 @@ impl Hca for SoftHca {
         }
         let cap = (cqe + 1).next_power_of_two();
         let i = slot(&mut g.cqs, self.cfg.max_cq as usize).ok_or_else(|| exhausted("CQs"))?;
-        let bytes = ring::ring_bytes(cap as usize, CQE_WORDS) as u64;
+        let bytes = ring::ring_bytes::<CQE_WORDS>(cap as usize) as u64;
         let off = match g.spare_cqs.iter().position(|&(_, c)| c == cap) {
             Some(k) => g.spare_cqs.swap_remove(k).0,
             None => g
@@ -187,7 +187,7 @@ impl Hca for SoftHca {
         };
         let r = self
             .seg
-            .ring(off, cap, CQE_WORDS)
+            .ring::<CQE_WORDS>(off, cap)
             .ok_or_else(|| exhausted("heap"))?;
         r.init();
         let e = self.seg.cq(i).ok_or_else(|| exhausted("CQs"))?;
@@ -260,7 +260,7 @@ impl Hca for SoftHca {
         }
         let r = self
             .seg
-            .ring(c.off, c.cap, CQE_WORDS)
+            .ring::<CQE_WORDS>(c.off, c.cap)
             .ok_or_else(|| inval("CQ ring"))?;
         let mut n = 0;
         let mut rec = [0u64; CQE_WORDS];
@@ -290,14 +290,14 @@ impl Hca for SoftHca {
         // between the two steps while the owner posts).
         let cap = (2 * max_wr).next_power_of_two();
         let i = slot(&mut g.srqs, self.cfg.max_srq as usize).ok_or_else(|| exhausted("SRQs"))?;
-        let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
+        let bytes = ring::ring_bytes::<WQE_WORDS>(cap as usize) as u64;
         let off = g
             .heap
             .as_mut()
             .and_then(|h| h.alloc(bytes, 128))
             .ok_or_else(|| exhausted("heap"))?;
         self.seg
-            .ring(off, cap, WQE_WORDS)
+            .ring::<WQE_WORDS>(off, cap)
             .ok_or_else(|| exhausted("heap"))?
             .init();
         let e = self.seg.srq(i).ok_or_else(|| exhausted("SRQs"))?;
@@ -333,7 +333,7 @@ impl Hca for SoftHca {
         }
         self.wait_unused(seg::TAG_SRQ | srq.0 as u64);
         if let Some(s) = g.srqs[srq.0 as usize].take() {
-            let bytes = ring::ring_bytes(s.cap as usize, WQE_WORDS) as u64;
+            let bytes = ring::ring_bytes::<WQE_WORDS>(s.cap as usize) as u64;
             if let Some(h) = g.heap.as_mut() {
                 h.free(s.off, bytes);
             }
@@ -384,7 +384,7 @@ impl Hca for SoftHca {
             .ok_or_else(|| inval("no such SRQ"))?;
         let r = self
             .seg
-            .ring(s.off, s.cap, WQE_WORDS)
+            .ring::<WQE_WORDS>(s.off, s.cap)
             .ok_or_else(|| inval("SRQ ring"))?;
         for (k, wr) in wrs.iter().enumerate() {
             if wr.sg_list.len() > s.max_sge as usize {
@@ -400,7 +400,7 @@ impl Hca for SoftHca {
             }
             let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
             e.bytes.fetch_add(b, RLX);
-            if !r.push(&seg::wqe_record(wr.wr_id, &wr.sg_list)) {
+            if !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list))) {
                 e.bytes.fetch_sub(b, RLX);
                 return Err(inval(format!(
                     "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
@@ -449,14 +449,14 @@ impl Hca for SoftHca {
         let (rq_off, rq_cap) = if init.srq.is_none() {
             // Twice the limit, as for an SRQ (`create_srq`).
             let cap = (2 * c.max_recv_wr).next_power_of_two();
-            let bytes = ring::ring_bytes(cap as usize, WQE_WORDS) as u64;
+            let bytes = ring::ring_bytes::<WQE_WORDS>(cap as usize) as u64;
             let off = g
                 .heap
                 .as_mut()
                 .and_then(|h| h.alloc(bytes, 128))
                 .ok_or_else(|| exhausted("heap"))?;
             self.seg
-                .ring(off, cap, WQE_WORDS)
+                .ring::<WQE_WORDS>(off, cap)
                 .ok_or_else(|| exhausted("heap"))?
                 .init();
             (off, cap)
@@ -644,9 +644,9 @@ impl Hca for SoftHca {
                 q.held = None;
                 q.dest = None;
                 e.dest_qpn.store(0, RLX);
-                if let Some(r) = self.seg.ring(q.rq_off, q.rq_cap, WQE_WORDS) {
+                if let Some(r) = self.seg.ring::<WQE_WORDS>(q.rq_off, q.rq_cap) {
                     let mut w = [0u64; WQE_WORDS];
-                    while r.pop(&mut w) {}
+                    while r.pop_by(&mut w, seg::wqe_words) {}
                 }
                 e.rq_bytes.store(0, RLX);
                 q.state = QpState::Reset;
@@ -683,7 +683,7 @@ impl Hca for SoftHca {
         self.wait_unused(seg::TAG_QP | qp.qpn as u64);
         if let Some(q) = g.qps[qi].take() {
             if q.rq_cap > 0 {
-                let bytes = ring::ring_bytes(q.rq_cap as usize, WQE_WORDS) as u64;
+                let bytes = ring::ring_bytes::<WQE_WORDS>(q.rq_cap as usize) as u64;
                 if let Some(h) = g.heap.as_mut() {
                     h.free(q.rq_off, bytes);
                 }
@@ -827,7 +827,7 @@ impl Hca for SoftHca {
             .ok_or_else(|| inval("no such QP"))?;
         let r = self
             .seg
-            .ring(q.rq_off, q.rq_cap, WQE_WORDS)
+            .ring::<WQE_WORDS>(q.rq_off, q.rq_cap)
             .ok_or_else(|| inval("RQ ring"))?;
         for (k, wr) in wrs.iter().enumerate() {
             if wr.sg_list.len() > q.cap.max_recv_sge as usize {
@@ -843,7 +843,7 @@ impl Hca for SoftHca {
             }
             let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
             e.rq_bytes.fetch_add(b, RLX);
-            if !r.push(&seg::wqe_record(wr.wr_id, &wr.sg_list)) {
+            if !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list))) {
                 e.rq_bytes.fetch_sub(b, RLX);
                 return Err(inval(format!(
                     "post_recv: request {k}: the receive queue is full (ENOMEM)"
@@ -868,7 +868,7 @@ impl Hca for SoftHca {
         let mut a = g.acct;
         for (i, q) in g.qps.iter().enumerate() {
             if let (Some(q), Some(e)) = (q, self.seg.qp(i)) {
-                if let Some(r) = self.seg.ring(q.rq_off, q.rq_cap, WQE_WORDS) {
+                if let Some(r) = self.seg.ring::<WQE_WORDS>(q.rq_off, q.rq_cap) {
                     a.posted_recvs += r.len() as u64;
                     a.posted_recv_bytes += e.rq_bytes.load(RLX);
                 }
@@ -876,7 +876,7 @@ impl Hca for SoftHca {
         }
         for (i, s) in g.srqs.iter().enumerate() {
             if let (Some(s), Some(e)) = (s, self.seg.srq(i)) {
-                if let Some(r) = self.seg.ring(s.off, s.cap, WQE_WORDS) {
+                if let Some(r) = self.seg.ring::<WQE_WORDS>(s.off, s.cap) {
                     a.posted_recvs += r.len() as u64;
                     a.posted_recv_bytes += e.bytes.load(RLX);
                 }

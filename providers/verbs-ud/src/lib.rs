@@ -60,6 +60,8 @@ weft_provider::param!(ZCOPY_MIN: Size = "verbs", "UD_ZCOPY_MIN", "8K",
     "verbs-ud: messages of this many bytes or more that go by rendezvous are received in place (UD zero-copy); smaller ones are copied out of the shared receive buffers");
 weft_provider::param!(ZCOPY_QPS: Uint = "verbs", "UD_ZCOPY_QPS", "4",
     "verbs-ud: UD queue pairs kept for zero-copy receives, so that many large receives at once (0: no zero-copy; 0 to 64)");
+weft_provider::param!(ACK_DELAY: Float = "verbs", "UD_ACK_DELAY_US", "100",
+    "verbs-ud: µs at most a received packet waits for data going back to carry its acknowledgement before one goes alone; retransmission timeouts include it (raise it for lossless runs with more ranks than cores)");
 weft_provider::param!(KEEPALIVE: Float = "verbs", "UD_KEEPALIVE", "2",
     "verbs-ud: seconds between probes of peers we talk to that have nothing unacknowledged, so that a dead one is noticed (0: never)");
 
@@ -113,6 +115,7 @@ struct Config {
     send_bufs: usize,
     timeout: Duration,
     keepalive: Option<Duration>,
+    ack_delay: Duration,
     zcopy_min: usize,
     zcopy_qps: usize,
 }
@@ -147,8 +150,15 @@ impl Config {
                 "WEFT_VERBS_UD_KEEPALIVE: seconds, 0 or more",
             ));
         }
+        let ack_us = ACK_DELAY.get_f64()?;
+        if !(0.0..=1e6).contains(&ack_us) {
+            return Err(Error::invalid(
+                "WEFT_VERBS_UD_ACK_DELAY_US: 0 to 1000000 µs",
+            ));
+        }
         Ok(Config {
             keepalive: (ka > 0.0).then(|| Duration::from_secs_f64(ka)),
+            ack_delay: Duration::from_secs_f64(ack_us / 1e6),
             mtu,
             mtu_set: MTU.is_set(),
             window: range(&WINDOW, 1, 4096)? as u32,
@@ -216,6 +226,7 @@ impl Config {
         reliable::Config {
             window: self.window,
             peer_timeout: self.timeout,
+            ack_delay: self.ack_delay,
             ..reliable::Config::default()
         }
     }

@@ -7,6 +7,9 @@
 //!   message the provider advertised with more packets than the window holds: `am_send`
 //!   said "busy" for ever. The advertised payload now fits them.
 //!
+//! - `WEFT_VERBS_UD_ACK_DELAY_US` is how long a received packet waits for data to carry its
+//!   acknowledgement before one goes alone.
+//!
 //! (Its own test binary: the tests set environment variables, one at a time under a lock.)
 
 use std::sync::Mutex;
@@ -28,6 +31,7 @@ fn env(vars: &[(&str, &str)]) {
         "WEFT_VERBS_SOFT_MTU",
         "WEFT_VERBS_UD_WINDOW",
         "WEFT_VERBS_UD_SEND_BUFS",
+        "WEFT_VERBS_UD_ACK_DELAY_US",
     ] {
         std::env::remove_var(k);
     }
@@ -121,4 +125,48 @@ fn the_largest_message_advertised_fits_the_window_and_the_send_buffers() {
     // The defaults keep 64 KiB.
     env(&[]);
     assert_eq!(caps_of_one().max_am_payload, 64 << 10);
+}
+
+#[test]
+fn the_acknowledgement_delay_is_how_long_a_packet_waits_before_one_goes_alone() {
+    let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
+    env(&[("WEFT_VERBS_UD_ACK_DELAY_US", "-1")]);
+    let job = InProcessJob::new(1, T);
+    let err = match VerbsUd::open(&mut job.rank(0)) {
+        Ok(_) => panic!("a negative acknowledgement delay opened"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("WEFT_VERBS_UD_ACK_DELAY_US"), "{err}");
+
+    // Rank 1 receives one packet and has nothing to send back: with no delay its
+    // acknowledgement goes alone at once; with a second's, not within 50 ms of progress.
+    for (delay, alone) in [("0", true), ("1000000", false)] {
+        env(&[("WEFT_VERBS_UD_ACK_DELAY_US", delay)]);
+        let out = world(2, |mut p, bar| {
+            let mut ev = Events::default();
+            bar.wait();
+            let n = if p.rank() == 0 {
+                send(&mut p, &mut ev, 1, b"one", &[1]);
+                None
+            } else {
+                until(&mut p, &mut ev, "the packet", |e| !e.am.is_empty());
+                let t0 = std::time::Instant::now();
+                while counter(&p, "pure_acks") == 0
+                    && t0.elapsed() < std::time::Duration::from_millis(50)
+                {
+                    p.progress(&mut ev).unwrap();
+                }
+                Some(counter(&p, "pure_acks"))
+            };
+            // Both alive until rank 1 has looked.
+            bar.wait();
+            n
+        });
+        let acks = out[1].expect("rank 1's count");
+        assert_eq!(
+            acks > 0,
+            alone,
+            "WEFT_VERBS_UD_ACK_DELAY_US={delay}: {acks} pure acknowledgements"
+        );
+    }
 }

@@ -262,7 +262,7 @@ pub fn flush_rq(seg: &Seg, qi: usize, mut push: impl FnMut(u32, &Wc)) {
     let mut w = [0u64; WQE_WORDS];
     while r.pop_by(&mut w, seg::wqe_words) {
         let b: u64 = seg::wqe_sges(&w).iter().map(|s| s.length as u64).sum();
-        q.rq_bytes.fetch_sub(b, RLX);
+        q.rq_taken.fetch_add(b, RLX);
         push(
             q.recv_cq.load(RLX),
             &Wc {
@@ -715,7 +715,7 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
         if !r.pop_by(&mut w, seg::wqe_words) {
             return None;
         }
-        s.bytes.fetch_sub(bytes(&w), RLX);
+        s.taken.fetch_add(bytes(&w), RLX);
         let lim = s.limit.load(Ordering::Acquire);
         if lim != 0 && (r.len() as u32) < lim && s.limit.compare_exchange(lim, 0, SC, RLX).is_ok() {
             s.event.store(1, Ordering::Release);
@@ -726,7 +726,7 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
     if !r.pop_by(&mut w, seg::wqe_words) {
         return None;
     }
-    q.rq_bytes.fetch_sub(bytes(&w), RLX);
+    q.rq_taken.fetch_add(bytes(&w), RLX);
     Some((q.pd.load(RLX), w))
 }
 

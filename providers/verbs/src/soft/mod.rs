@@ -116,6 +116,8 @@ struct SrqLocal {
     off: u64,
     max_sge: u32,
     asked: u32,
+    /// Buffer bytes posted (what is still posted: this less the segment's `taken`).
+    posted: u64,
 }
 
 struct Pending {
@@ -202,6 +204,9 @@ struct QpLocal {
     dest: Option<(Arc<Target>, u32, Gid)>,
     rq_off: u64,
     rq_cap: u32,
+    /// Buffer bytes posted to the receive queue since it was made or reset (what is still
+    /// posted: this less the segment's `rq_taken`).
+    rq_posted: u64,
     sq: VecDeque<Pending>,
     wait_until: Option<Instant>,
     rnr_tries: u8,

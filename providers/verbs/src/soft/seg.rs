@@ -109,8 +109,10 @@ pub struct QpEntry {
     /// Remote rights the QP grants (`qp_access_flags`).
     pub access: AtomicU32,
     pub _r: AtomicU32,
-    /// Buffer bytes of the receives posted and not yet consumed.
-    pub rq_bytes: AtomicU64,
+    /// Buffer bytes of the receives taken (by initiators, or flushed) since the QP was made
+    /// or reset. The owner keeps what it posted in its own memory: a counter both sides
+    /// wrote moved a cache line between them on every message.
+    pub rq_taken: AtomicU64,
     /// Atomic replay: PSN + 1 (0 = empty) and the value the atomic returned.
     pub replay_psn: [AtomicU64; REPLAY],
     pub replay_val: [AtomicU64; REPLAY],
@@ -136,8 +138,9 @@ pub struct SrqEntry {
     pub event: AtomicU32,
     pub _r: AtomicU32,
     pub off: AtomicU64,
-    /// Buffer bytes of the receives posted and not yet consumed.
-    pub bytes: AtomicU64,
+    /// Buffer bytes of the receives taken since the SRQ was made (the owner keeps what it
+    /// posted, as for a QP's `rq_taken`).
+    pub taken: AtomicU64,
 }
 
 /// Offsets of the tables, from the limits (identical on both sides, checked on attach).

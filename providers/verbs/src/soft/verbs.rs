@@ -306,7 +306,7 @@ impl Hca for SoftHca {
         e.pd.store(pd.0, RLX);
         e.limit.store(0, RLX);
         e.event.store(0, RLX);
-        e.bytes.store(0, RLX);
+        e.taken.store(0, RLX);
         e.live.store(1, SC);
         g.srqs[i] = Some(SrqLocal {
             pd: pd.0,
@@ -314,6 +314,7 @@ impl Hca for SoftHca {
             off,
             max_sge,
             asked: max_wr,
+            posted: 0,
         });
         g.acct.srqs += 1;
         g.acct.srq_bytes += model::srq_bytes(max_wr, max_sge);
@@ -372,15 +373,11 @@ impl Hca for SoftHca {
     }
 
     fn post_srq_recv(&self, srq: Srq, wrs: &[RecvWr]) -> Result<()> {
-        let g = self.lock();
+        let mut g = self.lock();
         let s = g
             .srqs
-            .get(srq.0 as usize)
-            .and_then(|s| s.as_ref())
-            .ok_or_else(|| inval("no such SRQ"))?;
-        let e = self
-            .seg
-            .srq(srq.0 as usize)
+            .get_mut(srq.0 as usize)
+            .and_then(|s| s.as_mut())
             .ok_or_else(|| inval("no such SRQ"))?;
         let r = self
             .seg
@@ -393,19 +390,14 @@ impl Hca for SoftHca {
                     s.max_sge
                 )));
             }
-            if r.len() >= s.asked as usize {
+            if r.len() >= s.asked as usize
+                || !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list)))
+            {
                 return Err(inval(format!(
                     "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
                 )));
             }
-            let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
-            e.bytes.fetch_add(b, RLX);
-            if !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list))) {
-                e.bytes.fetch_sub(b, RLX);
-                return Err(inval(format!(
-                    "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
-                )));
-            }
+            s.posted += wr.sg_list.iter().map(|x| x.length as u64).sum::<u64>();
         }
         Ok(())
     }
@@ -471,7 +463,7 @@ impl Hca for SoftHca {
         e.srq.store(init.srq.map_or(0, |s| s.0 + 1), RLX);
         e.rq_off.store(rq_off, RLX);
         e.rq_cap.store(rq_cap, RLX);
-        e.rq_bytes.store(0, RLX);
+        e.rq_taken.store(0, RLX);
         e.dest_qpn.store(0, RLX);
         e.access.store(0, RLX);
         for k in 0..seg::REPLAY {
@@ -505,6 +497,7 @@ impl Hca for SoftHca {
             dest: None,
             rq_off,
             rq_cap,
+            rq_posted: 0,
             sq: VecDeque::new(),
             wait_until: None,
             rnr_tries: 0,
@@ -648,7 +641,8 @@ impl Hca for SoftHca {
                     let mut w = [0u64; WQE_WORDS];
                     while r.pop_by(&mut w, seg::wqe_words) {}
                 }
-                e.rq_bytes.store(0, RLX);
+                e.rq_taken.store(0, RLX);
+                q.rq_posted = 0;
                 q.state = QpState::Reset;
                 e.state.store(QpState::Reset as u32, SC);
             }
@@ -836,19 +830,14 @@ impl Hca for SoftHca {
                     q.cap.max_recv_sge
                 )));
             }
-            if r.len() >= q.cap.max_recv_wr as usize {
+            if r.len() >= q.cap.max_recv_wr as usize
+                || !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list)))
+            {
                 return Err(inval(format!(
                     "post_recv: request {k}: the receive queue is full (ENOMEM)"
                 )));
             }
-            let b: u64 = wr.sg_list.iter().map(|x| x.length as u64).sum();
-            e.rq_bytes.fetch_add(b, RLX);
-            if !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list))) {
-                e.rq_bytes.fetch_sub(b, RLX);
-                return Err(inval(format!(
-                    "post_recv: request {k}: the receive queue is full (ENOMEM)"
-                )));
-            }
+            q.rq_posted += wr.sg_list.iter().map(|x| x.length as u64).sum::<u64>();
         }
         // A peer may have failed the QP meanwhile: what we queued is flushed too.
         if q.state == QpState::Err || e.state.load(SC) == QpState::Err as u32 {
@@ -870,7 +859,7 @@ impl Hca for SoftHca {
             if let (Some(q), Some(e)) = (q, self.seg.qp(i)) {
                 if let Some(r) = self.seg.ring::<WQE_WORDS>(q.rq_off, q.rq_cap) {
                     a.posted_recvs += r.len() as u64;
-                    a.posted_recv_bytes += e.rq_bytes.load(RLX);
+                    a.posted_recv_bytes += q.rq_posted.saturating_sub(e.rq_taken.load(RLX));
                 }
             }
         }
@@ -878,7 +867,7 @@ impl Hca for SoftHca {
             if let (Some(s), Some(e)) = (s, self.seg.srq(i)) {
                 if let Some(r) = self.seg.ring::<WQE_WORDS>(s.off, s.cap) {
                     a.posted_recvs += r.len() as u64;
-                    a.posted_recv_bytes += e.bytes.load(RLX);
+                    a.posted_recv_bytes += s.posted.saturating_sub(e.taken.load(RLX));
                 }
             }
         }

@@ -66,6 +66,15 @@ fn exchange(len: usize) {
     assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i)));
 }
 
+/// The error opening a provider of a one-rank job gives (`what` names the setting).
+fn refused(what: &str) -> String {
+    let job = InProcessJob::new(1, T);
+    match VerbsUd::open(&mut job.rank(0)) {
+        Ok(_) => panic!("{what} opened"),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn caps_of_one() -> weft_provider::provider::Caps {
     let job = InProcessJob::new(1, T);
     let p = VerbsUd::open(&mut job.rank(0)).expect("open");
@@ -77,11 +86,7 @@ fn an_mtu_above_the_port_is_refused_at_open_and_carried_where_the_port_has_it() 
     let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
     // The soft HCA's port at its default, 2048 bytes.
     env(&[("WEFT_VERBS_UD_MTU", "4096")]);
-    let job = InProcessJob::new(1, T);
-    let err = match VerbsUd::open(&mut job.rank(0)) {
-        Ok(_) => panic!("a 4096-byte packet size opened on a 2048-byte port"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused("a 4096-byte packet size on a 2048-byte port");
     assert!(
         err.contains("WEFT_VERBS_UD_MTU=4096") && err.contains("active MTU (2048"),
         "{err}"
@@ -132,11 +137,7 @@ fn the_largest_message_advertised_fits_the_window_and_the_send_buffers() {
 fn the_acknowledgement_delay_is_how_long_a_packet_waits_before_one_goes_alone() {
     let _g = ENV.lock().unwrap_or_else(|e| e.into_inner());
     env(&[("WEFT_VERBS_UD_ACK_DELAY_US", "-1")]);
-    let job = InProcessJob::new(1, T);
-    let err = match VerbsUd::open(&mut job.rank(0)) {
-        Ok(_) => panic!("a negative acknowledgement delay opened"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused("a negative acknowledgement delay");
     assert!(err.contains("WEFT_VERBS_UD_ACK_DELAY_US"), "{err}");
 
     // Rank 1 receives one packet and has nothing to send back: with no delay its

@@ -220,6 +220,17 @@ mod tests {
         vec![0u128; ring_bytes::<W>(cap).div_ceil(16) + 8]
     }
 
+    /// A fresh ring of `cap` slots in `mem` (from `heap_ring::<W>(cap)`).
+    fn ring_in<const W: usize>(mem: &mut [u128], cap: usize) -> Ring<'_, W> {
+        assert!(mem.len() * 16 >= ring_bytes::<W>(cap) + 127);
+        let base = ((mem.as_mut_ptr() as usize + 127) & !127) as *mut u8;
+        // SAFETY: `mem` holds ring_bytes::<W>(cap) bytes past the 128-aligned base (checked
+        // above) and is borrowed for as long as the ring.
+        let r = unsafe { Ring::<W>::at(base, cap) };
+        r.init();
+        r
+    }
+
     #[test]
     fn a_slot_is_whole_cache_lines_with_its_sequence_word_first() {
         use crate::soft::seg::{CQE_WORDS, WQE_WORDS};
@@ -233,10 +244,7 @@ mod tests {
     #[test]
     fn pop_by_reads_the_words_a_record_says_it_has() {
         let mut mem = heap_ring::<6>(4);
-        let base = ((mem.as_mut_ptr() as usize + 127) & !127) as *mut u8;
-        // SAFETY: `mem` holds ring_bytes::<6>(4) bytes past the 128-aligned base and outlives r.
-        let r = unsafe { Ring::<6>::at(base, 4) };
-        r.init();
+        let r = ring_in::<6>(&mut mem, 4);
         assert!(r.push(&[1, 2, 3, 4, 5, 6]));
         let mut out = [0u64; 6];
         assert!(r.pop(&mut out));
@@ -266,10 +274,7 @@ mod tests {
     #[test]
     fn fifo_full_and_empty() {
         let mut mem = heap_ring::<3>(4);
-        let base = ((mem.as_mut_ptr() as usize + 127) & !127) as *mut u8;
-        // SAFETY: `mem` holds ring_bytes::<3>(4) bytes past the 128-aligned base and outlives r.
-        let r = unsafe { Ring::<3>::at(base, 4) };
-        r.init();
+        let r = ring_in::<3>(&mut mem, 4);
         let mut out = [0u64; 3];
         assert!(!r.pop(&mut out));
         for lap in 0..5u64 {

@@ -408,6 +408,18 @@ fn json_records_the_hybrid_channel_statistics() {
     // Each side offers the other RC-FP slots at connection.
     assert_eq!(k["fp_opened"].as_u64(), Some(2), "{h}");
     assert_eq!(k["fp_closed"].as_u64(), Some(0), "{h}");
+    // What UD's reliability adds: every UD-SR message is at least one datagram, besides the
+    // control messages and acknowledgements.
+    let n = |key: &str| {
+        k[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} missing: {h}"))
+    };
+    assert!(n("ud_packets_sent") > n("ud_sr_msgs"), "{h}");
+    assert!(
+        n("ud_pure_acks") + n("ud_resent") < n("ud_packets_sent"),
+        "{h}"
+    );
 }
 
 /// The verbs providers report the QP-context cache misses of their device (the soft HCA's

@@ -648,6 +648,7 @@ mod tests {
             pool: 64,
             conns: 16,
             fp_payload: 0,
+            fp_bufs: 0,
             sq: 0,
             sges: 0,
         };

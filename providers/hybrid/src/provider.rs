@@ -50,9 +50,11 @@ weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
 weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
     "hybrid: RC connections per process at most (paper 001: 16; unset, every peer in a job of fewer than SMALL_JOB ranks); 0: UD only");
 weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
-    "hybrid: peers with RC-FP slots at most (paper 001: 8; unset, every peer in a job of fewer than SMALL_JOB ranks)");
+    "hybrid: RC-FP rings per process (paper 001: 8 peers; FP_SPREAD shares their slots among up to MAX_RC peers; unset, every peer in a job of fewer than SMALL_JOB ranks)");
 weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
     "hybrid: in a job of fewer ranks, MAX_RC and MAX_FP left unset allow every peer (MVAPICH2 gives RC-FP to every peer below 32 processes); 0: paper 001's limits at any size");
+weft_provider::param!(FP_SPREAD: Bool = "hybrid", "FP_SPREAD", "1",
+    "hybrid: where MAX_FP is below MAX_RC, share the RC-FP slots of MAX_FP rings of WEFT_VERBS_RC_FP_BUFS among up to MAX_RC peers with shallower rings (at least 4 slots; the same memory); 0: MAX_FP peers with whole rings, as paper 001 (also when WEFT_VERBS_RC_FP_BUFS is set)");
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
     "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
@@ -135,7 +137,28 @@ struct Config {
     max_rc_set: bool,
     max_fp_set: bool,
     small_job: u64,
+    /// Slots of a whole RC-FP ring when `WEFT_HYBRID_FP_SPREAD` may share them among more
+    /// peers (`None`: spreading off, or `WEFT_VERBS_RC_FP_BUFS` set).
+    fp_ring: Option<usize>,
     stats: bool,
+}
+
+/// Fewest slots a shared-out RC-FP ring keeps (4: streaming 2 KiB messages through 8 slots
+/// kept within 3 % of 16 on the soft HCA, through 4 it lost 5 %; docs/benchmarks.md).
+const FP_RING_MIN: usize = 4;
+
+/// The RC-FP slots of `l.max_fp` rings of `ring` slots shared among up to `l.max_rc` of a
+/// job's `peers`: (peers, slots of each ring), or `None` when that gives no more peers than
+/// `max_fp`.
+fn spread(l: &Limits, peers: usize, ring: usize) -> Option<(usize, usize)> {
+    let rc = l.max_rc.min(peers);
+    if l.max_fp == 0 || l.max_fp >= rc || ring <= FP_RING_MIN {
+        return None;
+    }
+    let total = l.max_fp.saturating_mul(ring);
+    let slots = (total / rc).clamp(FP_RING_MIN, ring);
+    let peers = (total / slots).min(rc);
+    (peers > l.max_fp).then_some((peers, slots))
 }
 
 impl Config {
@@ -159,6 +182,11 @@ impl Config {
             max_rc_set: MAX_RC.is_set(),
             max_fp_set: MAX_FP.is_set(),
             small_job: SMALL_JOB.get_u64()?,
+            fp_ring: if FP_SPREAD.get_bool()? && !weft_verbs_rc::FP_BUFS.is_set() {
+                Some(weft_verbs_rc::FP_BUFS.get_u64()? as usize)
+            } else {
+                None
+            },
             stats: STATS.get_bool()?,
         })
     }
@@ -180,6 +208,21 @@ impl Config {
             }
         }
         l
+    }
+
+    /// The limits for a job of `size` ranks with the RC-FP slots shared out
+    /// (`WEFT_HYBRID_FP_SPREAD`), and the slots of each RC-FP ring (0: verbs-rc's
+    /// `WEFT_VERBS_RC_FP_BUFS`).
+    fn in_force(&self, size: u32) -> (Limits, usize) {
+        let mut l = self.limits_for(size);
+        let peers = size.saturating_sub(1) as usize;
+        match self.fp_ring.and_then(|ring| spread(&l, peers, ring)) {
+            Some((peers, slots)) => {
+                l.max_fp = peers;
+                (l, slots)
+            }
+            None => (l, 0),
+        }
     }
 
     /// The chain for a job of `size` ranks and the largest message (payload; the core's
@@ -346,7 +389,8 @@ impl Hybrid {
 
     fn open_with(boot: &mut dyn Bootstrap, mut cfg: Config) -> Result<Hybrid> {
         let (rank, size) = (boot.rank(), boot.size());
-        cfg.limits = cfg.limits_for(size);
+        let fp_bufs;
+        (cfg.limits, fp_bufs) = cfg.in_force(size);
         let (job, ud_upto) = cfg.job(size)?;
         // RC-FP slots hold what the chain sends through them, no more (verbs-rc's own slots
         // are 4 KiB; the default chain's RC-FP reach is 2 KiB); a chain without RC-FP sets up
@@ -378,6 +422,7 @@ impl Hybrid {
             pool: RC_POOL,
             conns: cfg.limits.max_rc,
             fp_payload,
+            fp_bufs,
             // MVAPICH's send-queue depth (`MV2_DEFAULT_MAX_SEND_WQE`, 64), and one
             // scatter-gather entry: every RC send is a copy out of a pool buffer and the
             // hybrid's RMA (RC-RDMA) takes one piece a request (`rndv_caps`).
@@ -448,6 +493,12 @@ impl Hybrid {
     /// `None` when none will (the chain names no RC-FP, or `WEFT_HYBRID_MAX_FP=0`).
     pub fn fp_bytes_per_peer(&self) -> Option<u64> {
         (self.budget.limits().max_fp > 0).then(|| self.rc.ring_bytes_per_peer())
+    }
+
+    /// The limits in force for this job (`WEFT_HYBRID_MAX_RC`, `_MAX_FP` as the job's size
+    /// and `WEFT_HYBRID_FP_SPREAD` make them).
+    pub fn limits(&self) -> Limits {
+        self.budget.limits()
     }
 
     fn check_rank(&self, r: Rank) -> Result<usize> {
@@ -1097,6 +1148,15 @@ impl Provider for Hybrid {
         let get = |c: &[(&'static str, u64)], key: &str| {
             c.iter().find(|(k, _)| *k == key).map_or(0, |(_, x)| *x)
         };
+        // UD's packets beside the messages: what its reliability costs (a pure
+        // acknowledgement is a datagram sent and received that carries no data).
+        for (key, from) in [
+            ("ud_packets_sent", "packets_sent"),
+            ("ud_pure_acks", "pure_acks"),
+            ("ud_resent", "resent"),
+        ] {
+            v.push((key, get(&u, from)));
+        }
         let a = self.hca.accounting();
         let own = self.peers.bytes()
             + self.sent_by_peer.as_ref().map_or(0, |t| t.bytes())
@@ -1163,7 +1223,7 @@ weft_provider::register_provider!(
 /// and, when a small job lifts them, from which size on they hold.
 pub fn limits_in_force() -> std::result::Result<String, String> {
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
-    let l = cfg.limits;
+    let (l, slots) = cfg.in_force(u32::MAX);
     // What the largest job below SMALL_JOB ranks gets.
     let small = cfg.limits_for(u32::try_from(cfg.small_job.saturating_sub(1)).unwrap_or(u32::MAX));
     let lifted = match (small.max_rc > l.max_rc, small.max_fp > l.max_fp) {
@@ -1173,9 +1233,17 @@ pub fn limits_in_force() -> std::result::Result<String, String> {
         (false, false) => None,
     };
     Ok(format!(
-        "RC connections {}, RC-FP peers {}, after {} messages{}{}",
+        "RC connections {}, RC-FP peers {}{}, after {} messages{}{}",
         l.max_rc,
         l.max_fp,
+        match (slots, cfg.fp_ring) {
+            (0, _) | (_, None) => String::new(),
+            (n, Some(ring)) => format!(
+                " ({n} slots each: the slots of {} rings of {ring} shared out, \
+                 WEFT_HYBRID_FP_SPREAD)",
+                cfg.limits.max_fp
+            ),
+        },
         l.threshold,
         lifted.map_or(String::new(), |w| format!(
             "; {w}: every peer in a job of fewer than {} ranks (WEFT_HYBRID_SMALL_JOB)",
@@ -1445,6 +1513,7 @@ mod tests {
             max_rc_set,
             max_fp_set,
             small_job,
+            fp_ring: None,
             stats: false,
         };
         let lim = |c: &Config, n: u32| {
@@ -1466,6 +1535,65 @@ mod tests {
         assert_eq!(lim(&cfg((false, false), 0), 24), (16, 8), "SMALL_JOB=0");
     }
 
+    /// The slots of MAX_FP whole rings go to up to MAX_RC peers, none shallower than
+    /// FP_RING_MIN; nothing is shared out where MAX_FP already covers MAX_RC, without RC-FP,
+    /// in a small job (which lifts MAX_FP) or with spreading off.
+    #[test]
+    fn rc_fp_slots_are_shared_out_among_the_rc_peers() {
+        let l = |max_rc, max_fp| Limits {
+            max_rc,
+            max_fp,
+            ..Limits::default()
+        };
+        assert_eq!(
+            spread(&l(16, 8), 63, 16),
+            Some((16, 8)),
+            "paper 001's limits"
+        );
+        assert_eq!(spread(&l(9, 8), 63, 16), Some((9, 14)));
+        assert_eq!(
+            spread(&l(64, 8), 63, 16),
+            Some((32, 4)),
+            "never below 4 slots"
+        );
+        assert_eq!(spread(&l(64, 8), 20, 16), Some((20, 6)));
+        assert_eq!(spread(&l(16, 16), 63, 16), None);
+        assert_eq!(spread(&l(16, 0), 63, 16), None);
+        assert_eq!(spread(&l(16, 8), 63, 4), None, "rings already at the least");
+        assert_eq!(spread(&l(0, 8), 63, 16), None);
+        assert_eq!(
+            spread(&l(16, 8), 8, 16),
+            None,
+            "8 peers in the job: all have whole rings"
+        );
+        assert_eq!(
+            spread(&l(16, 8), 10, 16),
+            Some((10, 12)),
+            "10 peers can connect"
+        );
+        let cfg = |fp_ring| Config {
+            chain: Chain::default(),
+            auto: false,
+            limits: Limits::default(),
+            max_rc_set: false,
+            max_fp_set: false,
+            small_job: 32,
+            fp_ring,
+            stats: false,
+        };
+        let got = |c: &Config, n: u32| {
+            let (l, slots) = c.in_force(n);
+            (l.max_rc, l.max_fp, slots)
+        };
+        assert_eq!(got(&cfg(Some(16)), 64), (16, 16, 8));
+        assert_eq!(
+            got(&cfg(Some(16)), 16),
+            (16, 15, 0),
+            "a small job: whole rings"
+        );
+        assert_eq!(got(&cfg(None), 64), (16, 8, 0), "spreading off");
+    }
+
     #[test]
     fn chains_this_version_cannot_carry_are_refused_at_init() {
         let cfg = |rules: &str| Config {
@@ -1475,6 +1603,7 @@ mod tests {
             max_rc_set: false,
             max_fp_set: false,
             small_job: 32,
+            fp_ring: None,
             stats: false,
         };
         assert_eq!(cfg("{true: UD-SR}").job(4).unwrap().1, u64::MAX);

@@ -232,4 +232,27 @@ mod tests {
         assert_eq!(kv.get("nodot").unwrap(), None);
         assert_eq!(phantom_address("nonsense"), None);
     }
+
+    /// From SMALL_JOB ranks on the hybrid gives RC-FP to as many peers as it may connect,
+    /// each ring half as deep as a small job's: the same slots as paper 001's 8 whole rings.
+    #[test]
+    fn a_large_job_shares_the_rc_fp_slots_of_eight_rings_among_sixteen_peers() {
+        let open = |n| Hybrid::open(&mut Phantom::new(n)).expect("open hybrid");
+        let (small, large) = (open(16), open(64));
+        let (ls, ll) = (small.limits(), large.limits());
+        assert_eq!((ls.max_rc, ls.max_fp), (16, 15), "a small job: every peer");
+        assert_eq!((ll.max_rc, ll.max_fp), (16, 16));
+        let (fs, fl) = (small.fp_bytes_per_peer(), large.fp_bytes_per_peer());
+        let (fs, fl) = (fs.expect("RC-FP"), fl.expect("RC-FP"));
+        // Half the slots; each ring keeps a few words of its own besides them.
+        assert!(
+            fl < fs && (fl * 2).abs_diff(fs) <= 64,
+            "{fl} B a peer against {fs}"
+        );
+        let (shared, whole) = (fl * ll.max_fp as u64, fs * 8);
+        assert!(
+            shared <= whole + 64 * 16,
+            "{shared} B of slots against {whole}"
+        );
+    }
 }

@@ -98,7 +98,7 @@ weft_provider::param!(RING: Size = "verbs", "RC_RING", "256K",
     "verbs-rc basic/piggyback/pipeline: bytes of each per-peer eager ring (in the receiver's memory, mirrored by the sender); 4K to 8M");
 weft_provider::param!(CHUNK: Size = "verbs", "RC_CHUNK", "16K",
     "verbs-rc pipeline design: bytes per RDMA write when a record is written piece by piece (paper 000: 16 KiB); 64 bytes or more");
-weft_provider::param!(FP_BUFS: Uint = "verbs", "RC_FP_BUFS", "16",
+weft_provider::param!(pub FP_BUFS: Uint = "verbs", "RC_FP_BUFS", "16",
     "verbs-rc fastpath: RDMA eager slots per peer (MVAPICH MV2_NUM_RDMA_BUFFER); 2 to 1024");
 weft_provider::param!(FP_SIZE: Size = "verbs", "RC_FP_SIZE", "4K",
     "verbs-rc fastpath: bytes of one slot, head and tail flags included (MVAPICH MV2_RDMA_FAST_PATH_BUF_SIZE); 256 to 1M; unset, hybrid sizes its slots to its chain's RC-FP reach");
@@ -656,6 +656,9 @@ impl VerbsRc {
         }
         if sizing.sges > 0 {
             cfg.sges = sizing.sges.min(16);
+        }
+        if !FP_BUFS.is_set() && sizing.fp_bufs > 0 {
+            cfg.fp_bufs = sizing.fp_bufs.clamp(2, 1024);
         }
         if !FP_SIZE.is_set() && sizing.fp_payload > 0 {
             // A frame (its header, the largest active-message header, the payload) per slot.
@@ -2433,6 +2436,10 @@ pub struct Sizing {
     /// ([`eager::Shape::fastpath_slot_for`]; `WEFT_VERBS_RC_FP_SIZE` instead when set). 0:
     /// that parameter's slots.
     pub fp_payload: usize,
+    /// Slots of each RC-FP ring (`WEFT_VERBS_RC_FP_BUFS` instead when set; 0: that
+    /// parameter's default): a composition may spread a memory budget over more peers with
+    /// shallower rings.
+    pub fp_bufs: usize,
     /// Send-queue depth of each RC queue pair (`WEFT_VERBS_RC_SQ` when set; 0: that
     /// parameter's default).
     pub sq: u32,

@@ -23,6 +23,7 @@ const ONE_PEER: Sizing = Sizing {
     pool: 16,
     conns: 1,
     fp_payload: 0,
+    fp_bufs: 0,
     sq: 0,
     sges: 0,
 };

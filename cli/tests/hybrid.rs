@@ -173,6 +173,23 @@ fn conformance_with_an_rc_limit_of_one() {
     assert!(b.iter().any(|&(_, _, opened)| opened == 1), "{stats:#?}");
 }
 
+/// One ring's slots (16) shared among the 3 peers a rank of 4 can connect: rings of 5 slots,
+/// an odd depth (credits go back at half), to every peer.
+#[test]
+fn conformance_with_rc_fp_slots_shared_out() {
+    let stats = conformance(&["WEFT_HYBRID_MAX_FP=1", "WEFT_HYBRID_RC_THRESHOLD=2"]);
+    let sums: Vec<&String> = stats.iter().filter(|l| l.contains(" RC asked ")).collect();
+    assert_eq!(sums.len(), 4, "{stats:#?}");
+    for l in &sums {
+        assert!(l.contains("limits: RC 16, RC-FP 3,"), "{l}");
+    }
+    assert!(
+        sums.iter().any(|l| num(l, "RC-FP opened ") > 1),
+        "more peers than MAX_FP have RC-FP slots: {stats:#?}"
+    );
+    assert!(sent_over(&stats, "RC-FP") > 0, "{stats:#?}");
+}
+
 #[test]
 fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
     // One RC connection per process and a threshold of 3: every time a busier peer appears
@@ -336,11 +353,25 @@ fn small_jobs_lift_unset_limits() {
     let ring = example("weft-cli", "ring");
     for (env, want) in [
         (vec![], "limits: RC 16, RC-FP 9,"),
+        // Paper 001's limits: the slots of 8 rings shared among the 9 peers (14 each)...
         (
             vec![("WEFT_HYBRID_SMALL_JOB", "0")],
+            "limits: RC 16, RC-FP 9,",
+        ),
+        // ... or 8 whole rings.
+        (
+            vec![
+                ("WEFT_HYBRID_SMALL_JOB", "0"),
+                ("WEFT_HYBRID_FP_SPREAD", "0"),
+            ],
             "limits: RC 16, RC-FP 8,",
         ),
-        (vec![("WEFT_HYBRID_MAX_FP", "2")], "limits: RC 16, RC-FP 2,"),
+        (
+            vec![("WEFT_HYBRID_MAX_FP", "2"), ("WEFT_HYBRID_FP_SPREAD", "0")],
+            "limits: RC 16, RC-FP 2,",
+        ),
+        // Two rings' slots, 32, among 9 peers: rings of 4 (the least), 8 peers.
+        (vec![("WEFT_HYBRID_MAX_FP", "2")], "limits: RC 16, RC-FP 8,"),
         (
             vec![("WEFT_HYBRID_SMALL_JOB", "8"), ("WEFT_HYBRID_MAX_RC", "3")],
             "limits: RC 3, RC-FP 8,",

@@ -1154,6 +1154,9 @@ impl Provider for Hybrid {
             ("ud_packets_sent", "packets_sent"),
             ("ud_pure_acks", "pure_acks"),
             ("ud_resent", "resent"),
+            ("ud_duplicates", "duplicates"),
+            ("ud_timeouts", "timeouts"),
+            ("hca_ud_dropped", "hca_ud_dropped"),
         ] {
             v.push((key, get(&u, from)));
         }

@@ -1,6 +1,8 @@
 //! Memory per process against job size without the processes (see `weft_hybrid::scale`):
 //! `scale [SIZES] [PROVIDERS]`, e.g. `scale 2,1024,16384 verbs-ud,hybrid`. Prints one line per
-//! (provider, size): `provider size hca buffers tables total` in bytes.
+//! (provider, size): `provider size hca buffers tables total` in bytes, then one line per
+//! (provider, size) of what an idle progress call costs once every rank has been contacted:
+//! `provider size idle_progress_ns`.
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -17,6 +19,21 @@ fn main() {
             };
             match weft_hybrid::scale::measure(p, n) {
                 Ok(f) => println!("{p} {n} {} {} {} {}", f.hca, f.buffers, f.tables, f.total()),
+                Err(e) => {
+                    eprintln!("scale: {p} at {n} ranks: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+    // The phantoms never answer a keepalive probe, whose link would stay busy: no probes.
+    // (Set before any thread reads the environment: this one is the only thread.)
+    std::env::set_var("WEFT_VERBS_UD_KEEPALIVE", "0");
+    println!("provider size idle_progress_ns");
+    for p in provs.split(',') {
+        for n in sizes.split(',').filter_map(|s| s.parse::<u32>().ok()) {
+            match weft_hybrid::scale::idle_progress_ns(p, n, 20_000) {
+                Ok(ns) => println!("{p} {n} {ns:.1}"),
                 Err(e) => {
                     eprintln!("scale: {p} at {n} ranks: {e}");
                     std::process::exit(1);

@@ -211,6 +211,37 @@ pub fn measure(provider: &str, size: u32) -> Result<Footprint> {
     }
 }
 
+/// Nanoseconds an idle progress call of `provider` takes on average (over `calls`), in a
+/// process of a job of `size` ranks that has made first contact with every other rank: what a
+/// waiting rank pays per poll for the peers it has talked to. Phantoms never answer, so
+/// set `WEFT_VERBS_UD_KEEPALIVE=0` first (the example `scale` does): an unanswered keepalive
+/// probe would keep its link busy.
+pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
+    static TURN: Mutex<()> = Mutex::new(());
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut boot = Phantom::new(size);
+    let mut p: Box<dyn Provider> = match provider {
+        "verbs-ud" => Box::new(VerbsUd::open(&mut boot)?),
+        "hybrid" => Box::new(Hybrid::open(&mut boot)?),
+        "verbs-rc" => Box::new(VerbsRc::open(&mut boot)?),
+        other => {
+            return Err(Error::invalid(format!(
+                "synthetic run: {other} is not one of verbs-ud, verbs-rc, hybrid"
+            )))
+        }
+    };
+    touch_all(&mut *p, 1..size)?;
+    // Past the first calls, which still find the contacts' work.
+    for _ in 0..64 {
+        p.progress(&mut Discard::default())?;
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..calls.max(1) {
+        p.progress(&mut Discard::default())?;
+    }
+    Ok(t0.elapsed().as_nanos() as f64 / f64::from(calls.max(1)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,6 +262,15 @@ mod tests {
         assert_eq!(kv.get("verbs-rc.5").unwrap(), None);
         assert_eq!(kv.get("nodot").unwrap(), None);
         assert_eq!(phantom_address("nonsense"), None);
+    }
+
+    #[test]
+    fn idle_progress_is_measured_for_each_provider() {
+        for p in ["verbs-ud", "hybrid", "verbs-rc"] {
+            let ns = idle_progress_ns(p, 64, 100).expect("measured");
+            assert!(ns.is_finite() && ns > 0.0, "{p}: {ns}");
+        }
+        assert!(idle_progress_ns("tcp-sim", 4, 1).is_err());
     }
 
     /// From SMALL_JOB ranks on the hybrid gives RC-FP to as many peers as it may connect,

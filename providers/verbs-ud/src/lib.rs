@@ -255,6 +255,8 @@ struct Peer {
     link: Option<Link<u32, Vec<u8>>>,
     rx: Rx,
     failed: bool,
+    /// In `VerbsUd::busy`: its link has work (see there).
+    busy: bool,
     /// Zero-copy control messages waiting for room in the link.
     ctl_out: VecDeque<Vec<u8>>,
 }
@@ -329,6 +331,12 @@ pub struct VerbsUd {
     peers: Vec<Peer>,
     /// Peers with a link, in the order they got one.
     active: Vec<Rank>,
+    /// The links with work: something to send, to deliver or to acknowledge, or a timer
+    /// running. Progress walks these, not every link ever made: a link joins when it is used
+    /// (`link`, a keepalive probe) and leaves once idle after a progress call
+    /// ([`Link::idle`]), so a progress call costs what the busy peers need however many peers
+    /// the process has talked to.
+    busy: Vec<Rank>,
     kv: Option<std::sync::Arc<dyn KvSpace>>,
     addrs: Vec<Option<Endpoint>>,
     failures: VecDeque<(Rank, String)>,
@@ -422,6 +430,7 @@ impl VerbsUd {
             sq_used: 0,
             peers: (0..size).map(|_| Peer::default()).collect(),
             active: Vec::new(),
+            busy: Vec::new(),
             kv: None,
             addrs: vec![None; size as usize],
             failures: VecDeque::new(),
@@ -539,7 +548,18 @@ impl VerbsUd {
             self.peers[i].link = Some(Link::new(self.cfg.link(), Instant::now(), 0, 0));
             self.active.push(r);
         }
+        self.mark_busy(r);
         self.peers[i].link.as_mut().expect("made above")
+    }
+
+    /// Progress looks at `r`'s link until it is idle again.
+    #[inline]
+    fn mark_busy(&mut self, r: Rank) {
+        let p = &mut self.peers[r as usize];
+        if !p.busy {
+            p.busy = true;
+            self.busy.push(r);
+        }
     }
 
     /// Memory this process holds for communication, in bytes: the HCA's structures (queue
@@ -665,6 +685,8 @@ impl VerbsUd {
             let link = self.peers[r as usize].link.as_mut().expect("checked above");
             if link.send(slot).is_err() {
                 self.send.free.push(slot);
+            } else {
+                self.mark_busy(r);
             }
         }
     }
@@ -1390,10 +1412,10 @@ impl Provider for VerbsUd {
                 self.keepalives();
             }
         }
-        let active = std::mem::take(&mut self.active);
-        for &r in &active {
+        let busy = std::mem::take(&mut self.busy);
+        for &r in &busy {
             events += self.drain(r, sink);
-            let link = self.peers[r as usize].link.as_mut().expect("active");
+            let link = self.peers[r as usize].link.as_mut().expect("busy");
             // Checks its own timers (cheaper than asking for the next one first).
             link.on_timeout(now);
             if link.failed() && !self.peers[r as usize].failed {
@@ -1409,18 +1431,28 @@ impl Provider for VerbsUd {
         }
         self.zpump()?;
         events += self.zcomplete(sink);
-        // Links made while draining (a first packet from a new peer) joined `self.active`.
-        let mut active = active;
-        let old = active.len();
-        active.append(&mut self.active);
-        self.active = active;
+        // Links that became busy meanwhile (a first packet from a new peer) joined
+        // `self.busy`; they transmit on the next call.
+        let mut busy = busy;
+        let old = busy.len();
+        busy.append(&mut self.busy);
+        self.busy = busy;
         for k in 0..old {
-            let r = self.active[k];
+            let r = self.busy[k];
             if !self.peers[r as usize].ctl_out.is_empty() {
                 self.flush_ctl(r);
             }
             self.transmit(r, now)?;
         }
+        // Idle links leave (a failed peer's too: it was failed above and sends nothing more).
+        let peers = &mut self.peers;
+        self.busy.retain(|&r| {
+            let p = &mut peers[r as usize];
+            let keep =
+                !p.failed && (!p.ctl_out.is_empty() || p.link.as_ref().is_some_and(|l| !l.idle()));
+            p.busy = keep;
+            keep
+        });
         while let Some((r, why)) = self.failures.pop_front() {
             sink.peer_failed(r, &why);
             events += 1;
@@ -1585,6 +1617,7 @@ impl Provider for VerbsUd {
             ("out_of_order_kept", st.kept),
             ("malformed", s.malformed),
             ("links", self.active.len() as u64),
+            ("busy_links", self.busy.len() as u64),
             ("zcopy_sends", s.zsends),
             ("zcopy_recvs", s.zrecvs),
             ("zcopy_pieces", s.zpieces),

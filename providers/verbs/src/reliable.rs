@@ -480,6 +480,19 @@ impl<S, R> Link<S, R> {
         }
     }
 
+    /// Nothing for the caller to do on this link until a packet arrives from the peer or it
+    /// sends: nothing unacknowledged or kept out of order, no acknowledgement owed, nothing to
+    /// deliver or to give back, no timer running (a failed link is idle too).
+    pub fn idle(&self) -> bool {
+        self.failed
+            || (self.unacked.is_empty()
+                && self.acked.is_empty()
+                && self.deliver.is_empty()
+                && self.early.is_empty()
+                && !self.owes_ack()
+                && self.next_timeout().is_none())
+    }
+
     /// When `on_timeout` must be called next (a retransmission, a delayed acknowledgement,
     /// or the peer's silence running out).
     pub fn next_timeout(&self) -> Option<Instant> {

@@ -841,6 +841,34 @@ mod tests {
         assert!(!b.failed() && b.next_timeout().is_none());
     }
 
+    /// A link is idle only when nothing is left for its caller: not while a packet is
+    /// unacknowledged or not given back, delivered data waits, or an acknowledgement is owed.
+    #[test]
+    fn a_link_is_idle_once_its_packets_are_acknowledged_delivered_and_acknowledged() {
+        let cfg = Config::default();
+        let t0 = Instant::now();
+        let (mut a, mut b): (L, L) = (Link::new(cfg, t0, 0, 0), Link::new(cfg, t0, 0, 0));
+        assert!(a.idle() && b.idle(), "new links");
+        a.send(vec![7]).unwrap();
+        assert!(!a.idle(), "a packet to transmit");
+        let (h, p) = {
+            let t = a.poll_transmit(t0).expect("the packet");
+            (t.header, t.payload.cloned())
+        };
+        assert!(!a.idle(), "unacknowledged");
+        b.on_packet(t0, h, p);
+        assert!(!b.idle(), "data to deliver");
+        assert_eq!(b.poll_deliver(), Some(vec![7]));
+        assert!(!b.idle() && b.owes_ack(), "an acknowledgement owed");
+        let later = t0 + cfg.ack_delay;
+        let ack = b.poll_transmit(later).expect("the acknowledgement").header;
+        assert!(b.idle(), "acknowledged");
+        a.on_packet(later, ack, None);
+        assert!(!a.idle(), "the acknowledged buffer not yet given back");
+        assert_eq!(a.poll_acked(), Some(vec![7]));
+        assert!(a.idle(), "all done");
+    }
+
     /// Acknowledgements without data: one per quarter window, or after the delay.
     #[test]
     fn pure_acknowledgements_are_coalesced() {

@@ -1239,10 +1239,10 @@ pub fn limits_in_force() -> std::result::Result<String, String> {
         "RC connections {}, RC-FP peers {}{}, after {} messages{}{}",
         l.max_rc,
         l.max_fp,
-        match (slots, cfg.fp_ring) {
-            (0, _) | (_, None) => String::new(),
-            (n, Some(ring)) => format!(
-                " ({n} slots each: the slots of {} rings of {ring} shared out, \
+        match cfg.fp_ring.filter(|_| slots > 0) {
+            None => String::new(),
+            Some(ring) => format!(
+                " ({slots} slots each: the slots of {} rings of {ring} shared out, \
                  WEFT_HYBRID_FP_SPREAD)",
                 cfg.limits.max_fp
             ),

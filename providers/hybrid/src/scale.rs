@@ -176,49 +176,16 @@ fn touch_all(p: &mut dyn Provider, peers: std::ops::Range<u32>) -> Result<()> {
     Ok(())
 }
 
-/// Memory of `provider` (verbs-ud, verbs-rc or hybrid) in a process of a job of `size` ranks
-/// that has sent to (verbs-rc: asked to connect to) every other rank.
-///
-/// The HCA's accounting covers the whole process, so measurements take turns (a lock), and
-/// nothing else in the process should open the HCA meanwhile.
-pub fn measure(provider: &str, size: u32) -> Result<Footprint> {
-    static TURN: Mutex<()> = Mutex::new(());
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+/// Measurements take turns: the HCA's accounting covers the whole process, so nothing else in
+/// it should open the HCA meanwhile.
+static TURN: Mutex<()> = Mutex::new(());
+
+/// `provider` (verbs-ud, verbs-rc or hybrid) opened as rank 0 of a phantom job of `size` ranks,
+/// after first contact with every other rank.
+fn opened(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
     if size < 2 {
         return Err(Error::invalid("synthetic run: a job of at least 2 ranks"));
     }
-    let mut boot = Phantom::new(size);
-    let touched = size - 1;
-    match provider {
-        "verbs-ud" => {
-            let mut p = VerbsUd::open(&mut boot)?;
-            touch_all(&mut p, 1..size)?;
-            footprint(&p, size, touched)
-        }
-        "hybrid" => {
-            let mut p = Hybrid::open(&mut boot)?;
-            touch_all(&mut p, 1..size)?;
-            footprint(&p, size, touched)
-        }
-        "verbs-rc" => {
-            let mut p = VerbsRc::open(&mut boot)?;
-            touch_all(&mut p, 1..size)?;
-            footprint(&p, size, touched)
-        }
-        other => Err(Error::invalid(format!(
-            "synthetic run: {other} is not one of verbs-ud, verbs-rc, hybrid"
-        ))),
-    }
-}
-
-/// Nanoseconds an idle progress call of `provider` takes on average (over `calls`), in a
-/// process of a job of `size` ranks that has made first contact with every other rank: what a
-/// waiting rank pays per poll for the peers it has talked to. Phantoms never answer, so
-/// set `WEFT_VERBS_UD_KEEPALIVE=0` first (the example `scale` does): an unanswered keepalive
-/// probe would keep its link busy.
-pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
-    static TURN: Mutex<()> = Mutex::new(());
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let mut boot = Phantom::new(size);
     let mut p: Box<dyn Provider> = match provider {
         "verbs-ud" => Box::new(VerbsUd::open(&mut boot)?),
@@ -231,6 +198,25 @@ pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
         }
     };
     touch_all(&mut *p, 1..size)?;
+    Ok(p)
+}
+
+/// Memory of `provider` (verbs-ud, verbs-rc or hybrid) in a process of a job of `size` ranks
+/// that has sent to (verbs-rc: asked to connect to) every other rank.
+pub fn measure(provider: &str, size: u32) -> Result<Footprint> {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let p = opened(provider, size)?;
+    footprint(&*p, size, size - 1)
+}
+
+/// Nanoseconds an idle progress call of `provider` takes on average (over `calls`), in a
+/// process of a job of `size` ranks that has made first contact with every other rank: what a
+/// waiting rank pays per poll for the peers it has talked to. Phantoms never answer, so
+/// set `WEFT_VERBS_UD_KEEPALIVE=0` first (the example `scale` does): an unanswered keepalive
+/// probe would keep its link busy.
+pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut p = opened(provider, size)?;
     // Past the first calls, which still find the contacts' work.
     for _ in 0..64 {
         p.progress(&mut Discard::default())?;

@@ -2,7 +2,8 @@
 //! `scale [SIZES] [PROVIDERS]`, e.g. `scale 2,1024,16384 verbs-ud,hybrid`. Prints one line per
 //! (provider, size): `provider size hca buffers tables total` in bytes, then one line per
 //! (provider, size) of what an idle progress call costs once every rank has been contacted:
-//! `provider size idle_progress_ns`.
+//! `provider size idle_progress_ns`; before those, per (provider, size) for verbs-ud and the
+//! hybrid, the links the first keepalive round probes: `provider size keepalive_probes`.
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -19,6 +20,19 @@ fn main() {
             };
             match weft_hybrid::scale::measure(p, n) {
                 Ok(f) => println!("{p} {n} {} {} {} {}", f.hca, f.buffers, f.tables, f.total()),
+                Err(e) => {
+                    eprintln!("scale: {p} at {n} ranks: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+    // Keepalive probes (on by default): the links the first round probes.
+    println!("provider size keepalive_probes");
+    for p in provs.split(',').filter(|p| *p != "verbs-rc") {
+        for n in sizes.split(',').filter_map(|s| s.parse::<u32>().ok()) {
+            match weft_hybrid::scale::keepalive_probes(p, n) {
+                Ok(probes) => println!("{p} {n} {probes}"),
                 Err(e) => {
                     eprintln!("scale: {p} at {n} ranks: {e}");
                     std::process::exit(1);

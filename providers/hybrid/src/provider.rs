@@ -1157,6 +1157,7 @@ impl Provider for Hybrid {
             ("ud_duplicates", "duplicates"),
             ("ud_timeouts", "timeouts"),
             ("hca_ud_dropped", "hca_ud_dropped"),
+            ("ud_busy_links", "busy_links"),
         ] {
             v.push((key, get(&u, from)));
         }

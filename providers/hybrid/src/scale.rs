@@ -166,23 +166,21 @@ fn footprint(p: &dyn Provider, size: u32, touched: u32) -> Result<Footprint> {
     }
 }
 
-/// First contact with each of `peers` (what the core does before the first operation towards
-/// a peer): the providers make the peer's address handle, link or queue pair and records.
-fn touch_all(p: &mut dyn Provider, peers: std::ops::Range<u32>) -> Result<()> {
-    for r in peers {
-        p.connect(r)?;
-    }
-    p.progress(&mut Discard::default())?;
-    Ok(())
-}
-
 /// Measurements take turns: the HCA's accounting covers the whole process, so nothing else in
 /// it should open the HCA meanwhile.
 static TURN: Mutex<()> = Mutex::new(());
 
 /// `provider` (verbs-ud, verbs-rc or hybrid) opened as rank 0 of a phantom job of `size` ranks,
-/// after first contact with every other rank.
+/// after first contact with every other rank and one progress call.
 fn opened(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
+    let mut p = contacted(provider, size)?;
+    p.progress(&mut Discard::default())?;
+    Ok(p)
+}
+
+/// `provider` opened as rank 0 of a phantom job of `size` ranks, after first contact with every
+/// other rank, not progressed yet.
+fn contacted(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
     if size < 2 {
         return Err(Error::invalid("synthetic run: a job of at least 2 ranks"));
     }
@@ -197,7 +195,9 @@ fn opened(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
             )))
         }
     };
-    touch_all(&mut *p, 1..size)?;
+    for r in 1..size {
+        p.connect(r)?;
+    }
     Ok(p)
 }
 
@@ -226,6 +226,25 @@ pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
         p.progress(&mut Discard::default())?;
     }
     Ok(t0.elapsed().as_nanos() as f64 / f64::from(calls.max(1)))
+}
+
+/// The links the first keepalive round of `provider` (verbs-ud or hybrid) probes in a process
+/// of a job of `size` ranks that has made first contact with every other rank. A round is due
+/// at once after opening (with `WEFT_VERBS_UD_KEEPALIVE` above 0, as by default); a phantom
+/// never acknowledges, so each probed link stays busy and counts.
+pub fn keepalive_probes(provider: &str, size: u32) -> Result<u64> {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut p = contacted(provider, size)?;
+    // An idle call only polls; the timers (the keepalive round among them) run on every
+    // 16th. Links that were busy only with first contact leave the list on that call.
+    for _ in 0..32 {
+        p.progress(&mut Discard::default())?;
+    }
+    p.counters()
+        .iter()
+        .find(|(k, _)| *k == "busy_links" || *k == "ud_busy_links")
+        .map(|(_, v)| *v)
+        .ok_or_else(|| Error::invalid(format!("synthetic run: {provider} has no UD links")))
 }
 
 #[cfg(test)]
@@ -257,6 +276,17 @@ mod tests {
             assert!(ns.is_finite() && ns > 0.0, "{p}: {ns}");
         }
         assert!(idle_progress_ns("tcp-sim", 4, 1).is_err());
+    }
+
+    /// A keepalive round probes `WEFT_VERBS_UD_KEEPALIVE_PEERS` (128) links at most, whatever
+    /// the peers talked to (it probed every link until the send buffers ran out).
+    #[test]
+    fn a_keepalive_round_probes_a_bounded_number_of_links() {
+        for p in ["verbs-ud", "hybrid"] {
+            assert_eq!(keepalive_probes(p, 3).expect("measured"), 2, "{p}");
+            assert_eq!(keepalive_probes(p, 300).expect("measured"), 128, "{p}");
+        }
+        assert!(keepalive_probes("verbs-rc", 3).is_err());
     }
 
     /// From SMALL_JOB ranks on the hybrid gives RC-FP to as many peers as it may connect,

@@ -64,6 +64,8 @@ weft_provider::param!(ACK_DELAY: Float = "verbs", "UD_ACK_DELAY_US", "100",
     "verbs-ud: µs at most a received packet waits for data going back to carry its acknowledgement before one goes alone; retransmission timeouts include it (raise it for lossless runs with more ranks than cores)");
 weft_provider::param!(KEEPALIVE: Float = "verbs", "UD_KEEPALIVE", "2",
     "verbs-ud: seconds between probes of peers we talk to that have nothing unacknowledged, so that a dead one is noticed (0: never)");
+weft_provider::param!(KEEPALIVE_PEERS: Uint = "verbs", "UD_KEEPALIVE_PEERS", "128",
+    "verbs-ud: peers looked at per keepalive round at most, in turn from where the last round stopped, so that a round costs the same at any job size; a dead peer among N we talk to is probed within N/this rounds (UCX: UCX_KEEPALIVE_NUM_EPS, 128; 1 to 1048576)");
 
 /// Largest active-message header.
 const MAX_HDR: usize = 128;
@@ -115,6 +117,8 @@ struct Config {
     send_bufs: usize,
     timeout: Duration,
     keepalive: Option<Duration>,
+    /// Peers looked at per keepalive round at most.
+    keepalive_peers: usize,
     ack_delay: Duration,
     zcopy_min: usize,
     zcopy_qps: usize,
@@ -158,6 +162,7 @@ impl Config {
         }
         Ok(Config {
             keepalive: (ka > 0.0).then(|| Duration::from_secs_f64(ka)),
+            keepalive_peers: range(&KEEPALIVE_PEERS, 1, 1 << 20)? as usize,
             ack_delay: Duration::from_secs_f64(ack_us / 1e6),
             mtu,
             mtu_set: MTU.is_set(),
@@ -344,6 +349,8 @@ pub struct VerbsUd {
     gone: std::collections::HashMap<Rank, String>,
     wcs: Vec<verbs::Wc>,
     next_keepalive: Instant,
+    /// Where the next keepalive round starts in `active`.
+    ka_next: usize,
     stats: Stats,
     zqps: Vec<ZQp>,
     zrecvs: Vec<Option<ZRecv>>,
@@ -449,6 +456,7 @@ impl VerbsUd {
                 POLL
             ],
             next_keepalive: Instant::now(),
+            ka_next: 0,
             stats: Stats::default(),
             cfg,
             zqps,
@@ -663,19 +671,32 @@ impl VerbsUd {
         Ok(())
     }
 
-    /// Probe every peer we have a link to and nothing unacknowledged with: a dead one then
+    /// Probe the peers we have a link to and nothing unacknowledged with: a dead one then
     /// owes an acknowledgement and is failed after `WEFT_VERBS_UD_TIMEOUT` (a rank that only
-    /// waits to receive would otherwise never notice).
+    /// waits to receive would otherwise never notice). A round looks at the next
+    /// `WEFT_VERBS_UD_KEEPALIVE_PEERS` links in turn, not at all of them, and probes hold at
+    /// most half the send buffers (a probe keeps its buffer until acknowledged): a process that
+    /// had talked to 16K peers probed until no send buffer was left, every 2 s, and its own
+    /// messages waited for the acknowledgements of a thousand probes.
     fn keepalives(&mut self) {
-        for k in 0..self.active.len() {
+        let n = self.active.len();
+        for _ in 0..self.cfg.keepalive_peers.min(n) {
+            let k = self.ka_next % n;
             let r = self.active[k];
             let p = &mut self.peers[r as usize];
             if r == self.rank || p.failed || p.link.as_ref().is_none_or(|l| l.in_flight() > 0) {
+                self.ka_next = k + 1;
                 continue;
+            }
+            // The other half of the send buffers stays for data: this peer is the first of the
+            // next round.
+            if self.send.free.len() <= self.cfg.send_bufs / 2 {
+                return;
             }
             let Some(slot) = self.send.free.pop() else {
                 return;
             };
+            self.ka_next = k + 1;
             let b = self.send.buf(slot);
             b[..PKT].fill(0);
             b[0] = KIND_DATA;
@@ -1918,6 +1939,79 @@ mod tests {
                 "rank 1 left without acknowledging rank 0's message"
             );
             a.progress(&mut Discard::default()).unwrap();
+        }
+    }
+
+    /// A keepalive round looks at the next `WEFT_VERBS_UD_KEEPALIVE_PEERS` links, starting
+    /// where the last one stopped, so that every peer is probed in turn at a cost per round
+    /// that does not grow with the peers talked to; probes leave half the send buffers to
+    /// data. Every round used to probe every link, until no send buffer was left.
+    #[test]
+    fn keepalive_rounds_take_the_linked_peers_in_turn() {
+        const N: u32 = 13;
+        let job = InProcessJob::new(N, Duration::from_secs(20));
+        // The other ranks never progress: a probe stays unacknowledged, so a probed link is
+        // one with something in flight. They stay open until rank 0 is done.
+        let done = std::sync::Arc::new(std::sync::Barrier::new(N as usize));
+        let others: Vec<_> = (1..N)
+            .map(|r| {
+                let (job, done) = (job.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let p = VerbsUd::open(&mut job.rank(r)).unwrap();
+                    done.wait();
+                    drop(p);
+                })
+            })
+            .collect();
+        let mut cfg = Config::from_env().unwrap();
+        // Rounds run only when the test calls them.
+        cfg.keepalive = None;
+        cfg.keepalive_peers = 5;
+        // Probes may hold 8 of them.
+        cfg.send_bufs = 16;
+        let mut a =
+            VerbsUd::open_with(&mut job.rank(0), cfg, verbs::open_default().unwrap()).unwrap();
+        for r in 1..N {
+            a.connect(r).unwrap();
+        }
+        let probed = |a: &VerbsUd| -> Vec<Rank> {
+            (1..N)
+                .filter(|&r| a.peers[r as usize].link.as_ref().unwrap().in_flight() > 0)
+                .collect()
+        };
+        assert!(probed(&a).is_empty(), "in flight before any round");
+        // Progress sends what the links queued (on its timers' turn: an idle call only polls).
+        let flush = |a: &mut VerbsUd| {
+            for _ in 0..IDLE_CHECK {
+                a.progress(&mut Discard::default()).unwrap();
+            }
+        };
+        let sent = a.stats.packets_sent;
+        a.keepalives();
+        assert_eq!(probed(&a), [1, 2, 3, 4, 5], "the first round");
+        flush(&mut a);
+        assert_eq!(
+            a.stats.packets_sent - sent,
+            5,
+            "probes sent by the first round"
+        );
+        // Three more probes, and half the send buffers are taken: the round stops there.
+        a.keepalives();
+        assert_eq!(probed(&a), (1..=8).collect::<Vec<_>>(), "the second round");
+        a.keepalives();
+        assert_eq!(
+            probed(&a),
+            (1..=8).collect::<Vec<_>>(),
+            "no buffer to spare"
+        );
+        flush(&mut a);
+        assert_eq!(a.stats.packets_sent - sent, 8, "one probe a peer");
+        assert_eq!(a.send.free.len(), 8, "the data's half of the send buffers");
+        // Data still goes out.
+        assert_eq!(a.am_send(12, &[1], &[]).unwrap(), SendOutcome::Sent);
+        done.wait();
+        for h in others {
+            h.join().unwrap();
         }
     }
 

@@ -69,9 +69,9 @@ struct Buckets<K> {
     empty: usize,
 }
 
-/// Empty buckets kept before a purge. Under Miri 64: its tests then reach the same purges in
-/// a fiftieth of the messages (the purge test took 400 s of CI there, its wildcard takes being
-/// quadratic in the keys).
+/// Empty buckets kept before a purge. Under Miri 64: its tests then reach the same purges
+/// with a sixty-fourth of the keys (the purge test took 400 s of CI there, its wildcard takes
+/// being quadratic in the keys).
 const PURGE_AT: usize = if cfg!(miri) { 64 } else { 4096 };
 
 impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {

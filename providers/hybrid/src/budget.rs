@@ -119,19 +119,41 @@ pub enum RcState {
     Closing { drained: bool, closed: bool },
 }
 
-/// 24 bytes: a job has one per peer talked to (counts saturate at 2^32 − 1, far past any
-/// threshold that means something).
-#[derive(Debug, Default, Clone)]
-struct Peer {
-    rc: RcState,
-    /// Messages exchanged since the peer last went to UD.
+/// The budget's part of a peer's record, 8 bytes: a job has one per peer talked to. The
+/// time of last use is kept only for the few peers holding an RC slot ([`Budget`]'s list).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Link {
+    /// Messages exchanged since the peer last went to UD or was refused (saturating: far past
+    /// any threshold that means something).
     msgs: u32,
-    /// Ask again only from this many messages on (after a `No`).
-    retry_at: u32,
-    refusals: u32,
-    /// The budget's message clock at the last message with this peer.
-    last_use: u64,
+    rc: RcState,
+    /// `No`s since the last connection (the wait before asking again doubles with each).
+    refusals: u8,
     fp: bool,
+}
+
+/// A per-peer record that holds the budget's [`Link`]: a provider widens it with its own
+/// per-peer fields, so that one table and one lookup serve both.
+pub trait Record: Default {
+    fn link(&self) -> &Link;
+    fn link_mut(&mut self) -> &mut Link;
+}
+
+impl Record for Link {
+    fn link(&self) -> &Link {
+        self
+    }
+    fn link_mut(&mut self) -> &mut Link {
+        self
+    }
+}
+
+/// A peer holding an RC slot (asked, up or closing).
+#[derive(Debug, Clone, Copy)]
+struct Conn {
+    peer: Rank,
+    /// The budget's message clock at the last message with the peer (rebalancing).
+    last_use: u64,
 }
 
 /// Counts for `WEFT_HYBRID_STATS`.
@@ -145,32 +167,52 @@ pub struct BudgetStats {
     pub fp_closed: u64,
 }
 
-/// One process's RC and RC-FP budget.
+/// One process's RC and RC-FP budget, and the per-peer records (`R`) it keeps.
 #[derive(Debug)]
-pub struct Budget {
+pub struct Budget<R: Record = Link> {
     me: Rank,
     limits: Limits,
     /// Per-peer records (four bytes per rank of the job, a record per peer talked to).
-    peers: PeerTable<Peer>,
+    peers: PeerTable<R>,
+    /// The peers holding an RC slot: at most `max_rc` (each side counts a connection once).
+    conns: Vec<Conn>,
     clock: u64,
     stats: BudgetStats,
 }
 
-impl Budget {
+impl<R: Record> Budget<R> {
     /// The budget of rank `me` in a job of `size` ranks.
     pub fn new(me: Rank, size: u32, limits: Limits) -> Self {
         Budget {
             me,
             limits,
             peers: PeerTable::new(size as usize),
+            conns: Vec::new(),
             clock: 0,
             stats: BudgetStats::default(),
         }
     }
 
-    /// Bytes of per-peer state (every peer that exchanged a message counted towards RC).
+    /// Bytes of per-peer state (every peer talked to) and of the RC list.
     pub fn bytes(&self) -> usize {
-        self.peers.bytes()
+        self.peers.bytes() + self.conns.capacity() * std::mem::size_of::<Conn>()
+    }
+
+    /// `peer`'s record (the idle one if never touched); `None` past the end.
+    #[inline]
+    pub fn peer(&self, peer: Rank) -> Option<&R> {
+        self.peers.get(peer as usize)
+    }
+
+    /// `peer`'s record, made at first touch; `None` past the end.
+    #[inline]
+    pub fn peer_mut(&mut self, peer: Rank) -> Option<&mut R> {
+        self.peers.get_mut(peer as usize)
+    }
+
+    /// `peer`'s record only if it was touched (no allocation).
+    pub fn touched_mut(&mut self, peer: Rank) -> Option<&mut R> {
+        self.peers.touched_mut(peer as usize)
     }
 
     /// Make `peer`'s record (first contact), counting nothing.
@@ -188,9 +230,18 @@ impl Budget {
         self.stats
     }
 
+    fn link(&self, peer: Rank) -> Option<&Link> {
+        self.peers.get(peer as usize).map(Record::link)
+    }
+
+    fn link_mut(&mut self, peer: Rank) -> Option<&mut Link> {
+        self.peers.touched_mut(peer as usize).map(Record::link_mut)
+    }
+
     /// The RC state towards `peer`.
+    #[inline]
     pub fn state(&self, peer: Rank) -> RcState {
-        self.peers.get(peer as usize).map_or(RcState::Ud, |p| p.rc)
+        self.link(peer).map_or(RcState::Ud, |p| p.rc)
     }
 
     /// Sends to `peer` may use RC (and RC-FP where [`Budget::has_fp`]).
@@ -200,20 +251,46 @@ impl Budget {
 
     /// This process offered `peer` an RC-FP ring.
     pub fn has_fp(&self, peer: Rank) -> bool {
-        self.peers.get(peer as usize).is_some_and(|p| p.fp)
+        self.link(peer).is_some_and(|p| p.fp)
     }
 
     /// RC slots in use: asked, up or closing.
     pub fn rc_used(&self) -> usize {
-        self.peers
-            .iter()
-            .filter(|(_, p)| p.rc != RcState::Ud)
-            .count()
+        self.conns.len()
     }
 
     /// RC-FP rings offered.
     pub fn fp_used(&self) -> usize {
-        self.peers.iter().filter(|(_, p)| p.fp).count()
+        self.conns.iter().filter(|c| self.has_fp(c.peer)).count()
+    }
+
+    /// The message count from which `p` asks for RC: the threshold, doubled for each refusal
+    /// (saturating).
+    fn ask_at(&self, p: &Link) -> u32 {
+        let t = self.limits.threshold.max(1);
+        let wait = t.saturating_mul(1 << p.refusals.min(16));
+        u32::try_from(wait).unwrap_or(u32::MAX)
+    }
+
+    /// Give `peer` an RC slot (it had none), in state `rc`.
+    fn hold(&mut self, peer: Rank, rc: RcState) {
+        let clock = self.clock;
+        if let Some(p) = self.link_mut(peer) {
+            p.rc = rc;
+        }
+        self.conns.push(Conn {
+            peer,
+            last_use: clock,
+        });
+    }
+
+    /// `peer` goes back to UD: its slot is free.
+    fn release(&mut self, peer: Rank) {
+        if let Some(p) = self.link_mut(peer) {
+            p.rc = RcState::Ud;
+            p.msgs = 0;
+        }
+        self.conns.retain(|c| c.peer != peer);
     }
 
     /// A message was sent to or received from `peer`.
@@ -229,24 +306,27 @@ impl Budget {
             return;
         }
         let rebalance = self.limits.rebalance;
-        let p = &mut self.peers[peer as usize];
+        let p = self.peers[peer as usize].link_mut();
         // Past `Ud` the count decides nothing, and the time of last use only picks what
         // rebalancing closes: without it, a connected peer's messages need no bookkeeping.
         if (!rebalance && p.rc != RcState::Ud) || !counts() {
             return;
         }
         self.clock += 1;
-        let clock = self.clock;
+        if p.rc != RcState::Ud {
+            let clock = self.clock;
+            if let Some(c) = self.conns.iter_mut().find(|c| c.peer == peer) {
+                c.last_use = clock;
+            }
+            return;
+        }
         p.msgs = p.msgs.saturating_add(1);
-        p.last_use = clock;
-        let t = self.limits.threshold;
-        if p.rc != RcState::Ud || u64::from(p.msgs) < t.max(1) || p.msgs < p.retry_at {
+        let p = *p;
+        if p.msgs < self.ask_at(&p) {
             return;
         }
         if self.rc_used() < self.limits.max_rc {
-            if let Some(p) = self.peers.touched_mut(peer as usize) {
-                p.rc = RcState::Asked;
-            }
+            self.hold(peer, RcState::Asked);
             self.stats.asked += 1;
             out.push(Action::Send(peer, Ctrl::Ask));
         } else {
@@ -262,13 +342,15 @@ impl Budget {
         }
         let idle = self.limits.threshold.max(1);
         let victim = self
-            .peers
+            .conns
             .iter()
-            .filter(|&(r, p)| {
-                r as Rank != busier && p.rc == RcState::Up && self.clock - p.last_use >= idle
+            .filter(|c| {
+                c.peer != busier
+                    && self.state(c.peer) == RcState::Up
+                    && self.clock - c.last_use >= idle
             })
-            .min_by_key(|&(r, p)| (p.last_use, r))
-            .map(|(r, _)| r as Rank);
+            .min_by_key(|c| (c.last_use, c.peer))
+            .map(|c| c.peer);
         if let Some(v) = victim {
             self.start_close(v, out);
             out.push(Action::Send(v, Ctrl::Close));
@@ -276,28 +358,35 @@ impl Budget {
     }
 
     fn start_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
-        let p = &mut self.peers[peer as usize];
+        let Some(p) = self.link_mut(peer) else {
+            return;
+        };
         p.rc = RcState::Closing {
             drained: false,
             closed: false,
         };
-        if p.fp {
-            p.fp = false;
+        if std::mem::take(&mut p.fp) {
             self.stats.fp_closed += 1;
             out.push(Action::CloseFp(peer));
         }
         out.push(Action::Drain(peer));
     }
 
+    /// `peer` (asked, or asking with a slot free) is up.
     fn go_up(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        if self.state(peer) == RcState::Ud {
+            self.hold(peer, RcState::Up);
+        }
         let fp_free = self.fp_used() < self.limits.max_fp;
-        let p = &mut self.peers[peer as usize];
+        let Some(p) = self.link_mut(peer) else {
+            return;
+        };
         p.rc = RcState::Up;
         p.refusals = 0;
+        p.fp = fp_free;
         self.stats.opened += 1;
         out.push(Action::Connect(peer));
         if fp_free {
-            p.fp = true;
             self.stats.fp_opened += 1;
             out.push(Action::OpenFp(peer));
         }
@@ -308,6 +397,8 @@ impl Budget {
         if peer == self.me || peer as usize >= self.peers.len() {
             return;
         }
+        // A control message is the first contact with a peer that never sent data.
+        self.touch(peer);
         let state = self.state(peer);
         match (msg, state) {
             (Ctrl::Ask, RcState::Up) => out.push(Action::Send(peer, Ctrl::Yes)),
@@ -333,17 +424,14 @@ impl Budget {
             }
             (Ctrl::Yes, RcState::Asked) => self.go_up(peer, out),
             (Ctrl::No, RcState::Asked) => {
-                let t = self.limits.threshold.max(1);
-                let p = &mut self.peers[peer as usize];
-                p.rc = RcState::Ud;
-                p.refusals += 1;
-                let wait = t.saturating_mul(1 << p.refusals.min(16));
-                p.retry_at =
-                    u32::try_from(u64::from(p.msgs).saturating_add(wait)).unwrap_or(u32::MAX);
+                self.release(peer);
+                if let Some(p) = self.link_mut(peer) {
+                    p.refusals = p.refusals.saturating_add(1);
+                }
             }
             (Ctrl::Close, RcState::Up) => self.start_close(peer, out),
             (Ctrl::Closed, RcState::Closing { drained, .. }) => {
-                if let Some(p) = self.peers.touched_mut(peer as usize) {
+                if let Some(p) = self.link_mut(peer) {
                     p.rc = RcState::Closing {
                         drained,
                         closed: true,
@@ -364,7 +452,7 @@ impl Budget {
             closed,
         } = self.state(peer)
         {
-            if let Some(p) = self.peers.touched_mut(peer as usize) {
+            if let Some(p) = self.link_mut(peer) {
                 p.rc = RcState::Closing {
                     drained: true,
                     closed,
@@ -376,35 +464,30 @@ impl Budget {
     }
 
     fn finish_close(&mut self, peer: Rank, out: &mut Vec<Action>) {
-        let Some(p) = self.peers.touched_mut(peer as usize) else {
-            return;
+        let both = RcState::Closing {
+            drained: true,
+            closed: true,
         };
-        if p.rc
-            == (RcState::Closing {
-                drained: true,
-                closed: true,
-            })
-        {
-            p.rc = RcState::Ud;
-            p.msgs = 0;
-            p.retry_at = 0;
-            self.stats.closed += 1;
-            out.push(Action::Teardown(peer));
-            // A freed RC-FP ring goes to the most recently used connection without one.
-            if self.fp_used() < self.limits.max_fp {
-                let next = self
-                    .peers
-                    .iter()
-                    .filter(|(_, p)| p.rc == RcState::Up && !p.fp)
-                    .max_by_key(|&(r, p)| (p.last_use, std::cmp::Reverse(r)))
-                    .map(|(r, _)| r as Rank);
-                if let Some(r) = next {
-                    if let Some(p) = self.peers.touched_mut(r as usize) {
-                        p.fp = true;
-                    }
-                    self.stats.fp_opened += 1;
-                    out.push(Action::OpenFp(r));
+        if self.state(peer) != both {
+            return;
+        }
+        self.release(peer);
+        self.stats.closed += 1;
+        out.push(Action::Teardown(peer));
+        // A freed RC-FP ring goes to the most recently used connection without one.
+        if self.fp_used() < self.limits.max_fp {
+            let next = self
+                .conns
+                .iter()
+                .filter(|c| self.state(c.peer) == RcState::Up && !self.has_fp(c.peer))
+                .max_by_key(|c| (c.last_use, std::cmp::Reverse(c.peer)))
+                .map(|c| c.peer);
+            if let Some(r) = next {
+                if let Some(p) = self.link_mut(r) {
+                    p.fp = true;
                 }
+                self.stats.fp_opened += 1;
+                out.push(Action::OpenFp(r));
             }
         }
     }
@@ -418,8 +501,8 @@ mod tests {
 
     /// A job of 16K ranks holds one of these per peer talked to.
     #[test]
-    fn a_peers_record_takes_24_bytes() {
-        assert_eq!(std::mem::size_of::<Peer>(), 24);
+    fn a_peers_link_takes_8_bytes() {
+        assert_eq!(std::mem::size_of::<Link>(), 8);
     }
 
     /// A refused peer asks again after twice as many messages each time, however large the
@@ -430,12 +513,15 @@ mod tests {
             threshold: u64::MAX / 2,
             ..Limits::default()
         };
-        let mut b = Budget::new(0, 2, limits);
+        let mut b: Budget = Budget::new(0, 2, limits);
         let mut out = vec![];
-        b.peers[1].rc = RcState::Asked;
+        b.touch(1);
+        b.hold(1, RcState::Asked);
         b.on_ctrl(1, Ctrl::No, &mut out);
-        assert_eq!(b.peers[1].retry_at, u32::MAX);
+        let link = *b.link(1).unwrap();
+        assert_eq!(b.ask_at(&link), u32::MAX);
         assert_eq!(b.state(1), RcState::Ud);
+        assert_eq!(b.rc_used(), 0);
     }
 
     /// `note_if` counts only the messages it is told count, and does not ask about a
@@ -446,7 +532,7 @@ mod tests {
             threshold: 3,
             ..Limits::default()
         };
-        let mut b = Budget::new(0, 2, limits);
+        let mut b: Budget = Budget::new(0, 2, limits);
         let mut out = vec![];
         for _ in 0..5 {
             b.note_if(1, || false, &mut out);
@@ -459,7 +545,7 @@ mod tests {
         b.note_if(1, || true, &mut out);
         assert_eq!(out, vec![Action::Send(1, Ctrl::Ask)]);
         b.note_if(1, || panic!("asked about an RC peer's message"), &mut out);
-        let mut r = Budget::new(
+        let mut r: Budget = Budget::new(
             0,
             2,
             Limits {
@@ -467,7 +553,8 @@ mod tests {
                 ..limits
             },
         );
-        r.peers[1].rc = RcState::Up;
+        r.touch(1);
+        r.hold(1, RcState::Up);
         let mut asked = false;
         r.note_if(
             1,
@@ -483,7 +570,7 @@ mod tests {
     /// Processes whose control messages travel in order per (from, to) pair, delivered in an
     /// order the test chooses; RC sends drain when the test says so.
     struct Job {
-        b: Vec<Budget>,
+        b: Vec<Budget<Link>>,
         links: HashMap<(Rank, Rank), VecDeque<Ctrl>>,
         draining: Vec<(Rank, Rank)>,
         connected: HashMap<(Rank, Rank), bool>,
@@ -526,6 +613,19 @@ mod tests {
             let b = &self.b[me as usize];
             assert!(b.rc_used() <= b.limits.max_rc, "{me} over its RC limit");
             assert!(b.fp_used() <= b.limits.max_fp, "{me} over its FP limit");
+            // The list of slot holders is exactly the peers not on UD.
+            let mut holders: Vec<Rank> = b
+                .peers
+                .iter()
+                .filter(|(_, p)| p.rc != RcState::Ud)
+                .map(|(r, _)| r as Rank)
+                .collect();
+            let mut listed: Vec<Rank> = b.conns.iter().map(|c| c.peer).collect();
+            holders.sort_unstable();
+            listed.sort_unstable();
+            assert_eq!(holders, listed, "{me}'s RC list");
+            let fp = b.peers.iter().filter(|(_, p)| p.fp).count();
+            assert_eq!(fp, b.fp_used(), "{me}'s RC-FP count");
         }
 
         /// A message between `a` and `b` (both note it).

@@ -14,7 +14,7 @@
 //! expected one, or behind it (a duplicate: every channel below is reliable and delivers once),
 //! is a protocol violation by the peer.
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::{Entry, HashMap};
 
 /// How far ahead of the next expected message one may arrive. A sender never has more than
 /// this many messages to one peer in flight across its channels (each channel's own window is
@@ -73,39 +73,61 @@ impl std::fmt::Display for OrderError {
     }
 }
 
-/// The receiving side towards one peer: the next expected number and the messages held.
-#[derive(Debug)]
-pub struct Reorder<T> {
+/// The receiving side towards one peer: the next expected number, 4 bytes (a job has one of
+/// these per peer). The messages that overtook others wait in the process's [`Holding`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Reorder {
     expected: u32,
-    /// Made at the first message that overtakes, so that a peer whose messages always come
-    /// in order costs 16 bytes here (a job has one of these per peer).
-    held: Option<Box<Holding<T>>>,
 }
 
-/// A peer's messages that overtook others, and what sorts them.
+/// The messages that overtook others, of every peer, by (peer, number): messages are held only
+/// around a change of channel, so a peer whose messages always come in order costs nothing here.
 #[derive(Debug)]
-struct Holding<T> {
-    /// `expected` counted without wrapping since this was made, so that `map` sorts across a
-    /// wrap.
-    base: u64,
+pub struct Holding<T> {
+    map: HashMap<(u32, u32), T>,
     /// The most messages held at once (statistics).
-    max: u32,
-    /// Held messages by their number counted without wrapping (`base` + distance ahead).
-    map: BTreeMap<u64, (u32, T)>,
+    max: usize,
 }
 
-impl<T> Default for Reorder<T> {
+impl<T> Default for Holding<T> {
     fn default() -> Self {
-        Reorder {
-            expected: 0,
-            held: None,
+        Holding {
+            map: HashMap::new(),
+            max: 0,
         }
     }
 }
 
-impl<T> Reorder<T> {
+impl<T> Holding<T> {
+    /// Messages held now.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Nothing held.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The most messages held at once so far, all peers together (statistics).
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Drop what is held from `src` (a failed peer: the gap will never be filled).
+    pub fn forget(&mut self, src: u32) {
+        self.map.retain(|&(r, _), _| r != src);
+    }
+
+    /// Bytes of the map's table (the messages' own copies not counted).
+    pub fn bytes(&self) -> usize {
+        self.map.capacity() * std::mem::size_of::<((u32, u32), T)>()
+    }
+}
+
+impl Reorder {
     /// Distance of `seq` ahead of the next expected number (0: it is the one), or an error.
-    fn ahead(&self, seq: u32) -> Result<u64, OrderError> {
+    fn ahead(&self, seq: u32) -> Result<u32, OrderError> {
         let d = seq.wrapping_sub(self.expected);
         if d >= u32::MAX / 2 {
             return Err(OrderError::Duplicate {
@@ -119,60 +141,45 @@ impl<T> Reorder<T> {
                 expected: self.expected,
             });
         }
-        Ok(u64::from(d))
+        Ok(d)
     }
 
-    /// A message numbered `seq` arrived. `hold` makes the owned copy kept when it overtook
-    /// others (called only then).
-    pub fn arrive(&mut self, seq: u32, hold: impl FnOnce() -> T) -> Result<Arrival, OrderError> {
-        let d = self.ahead(seq)?;
-        if d == 0 {
+    /// A message numbered `seq` arrived from `src` (whose record this is). `hold` makes the
+    /// owned copy kept in `held` when it overtook others (called only then).
+    #[inline]
+    pub fn arrive<T>(
+        &mut self,
+        held: &mut Holding<T>,
+        src: u32,
+        seq: u32,
+        hold: impl FnOnce() -> T,
+    ) -> Result<Arrival, OrderError> {
+        if self.ahead(seq)? == 0 {
             self.expected = self.expected.wrapping_add(1);
-            if let Some(h) = self.held.as_mut() {
-                h.base += 1;
-            }
             return Ok(Arrival::Deliver);
         }
-        let h = self.held.get_or_insert_with(|| {
-            Box::new(Holding {
-                base: 0,
-                max: 0,
-                map: BTreeMap::new(),
-            })
-        });
-        let abs = h.base + d;
-        if h.map.contains_key(&abs) {
-            return Err(OrderError::Duplicate {
+        match held.map.entry((src, seq)) {
+            Entry::Occupied(_) => Err(OrderError::Duplicate {
                 seq,
                 expected: self.expected,
-            });
+            }),
+            Entry::Vacant(v) => {
+                v.insert(hold());
+                held.max = held.max.max(held.map.len());
+                Ok(Arrival::Held)
+            }
         }
-        h.map.insert(abs, (seq, hold()));
-        h.max = h.max.max(h.map.len() as u32);
-        Ok(Arrival::Held)
     }
 
-    /// The next held message, if it is now the expected one.
-    pub fn pop(&mut self) -> Option<T> {
-        let h = self.held.as_mut()?;
-        let (&abs, _) = h.map.first_key_value()?;
-        if abs != h.base {
+    /// `src`'s next held message, if it is now the expected one.
+    #[inline]
+    pub fn pop<T>(&mut self, held: &mut Holding<T>, src: u32) -> Option<T> {
+        if held.map.is_empty() {
             return None;
         }
-        let (_, (_, m)) = h.map.pop_first()?;
+        let m = held.map.remove(&(src, self.expected))?;
         self.expected = self.expected.wrapping_add(1);
-        h.base += 1;
         Some(m)
-    }
-
-    /// Messages held now.
-    pub fn held(&self) -> usize {
-        self.held.as_ref().map_or(0, |h| h.map.len())
-    }
-
-    /// The most messages held at once so far (statistics).
-    pub fn held_max(&self) -> usize {
-        self.held.as_ref().map_or(0, |h| h.max as usize)
     }
 
     /// The next expected number.
@@ -183,10 +190,7 @@ impl<T> Reorder<T> {
     /// Start from `seq` (tests: the behaviour across a wrap).
     #[cfg(test)]
     fn starting_at(seq: u32) -> Self {
-        Reorder {
-            expected: seq,
-            ..Default::default()
-        }
+        Reorder { expected: seq }
     }
 }
 
@@ -199,35 +203,60 @@ mod tests {
     /// receiver handed on, in order.
     fn run(start: u32, order: &[u32]) -> Vec<u32> {
         let mut r = Reorder::starting_at(start);
+        let mut held = Holding::default();
         let mut out = vec![];
         for &s in order {
-            match r.arrive(s, || s).unwrap() {
+            match r.arrive(&mut held, 3, s, || s).unwrap() {
                 Arrival::Deliver => {
                     out.push(s);
-                    while let Some(m) = r.pop() {
+                    while let Some(m) = r.pop(&mut held, 3) {
                         out.push(m);
                     }
                 }
                 Arrival::Held => {}
             }
         }
-        assert_eq!(r.held(), 0);
+        assert!(held.is_empty());
         out
     }
 
     #[test]
-    fn a_peer_whose_messages_come_in_order_costs_16_bytes() {
-        assert_eq!(std::mem::size_of::<Reorder<(Vec<u8>, Vec<u8>)>>(), 16);
+    fn a_peer_costs_4_bytes() {
+        assert_eq!(std::mem::size_of::<Reorder>(), 4);
     }
 
     #[test]
     fn in_order_is_delivered_in_place() {
-        let mut r = Reorder::<u32>::default();
+        let mut r = Reorder::default();
+        let mut held = Holding::<u32>::default();
         for s in 0..100 {
-            assert_eq!(r.arrive(s, || unreachable!()).unwrap(), Arrival::Deliver);
-            assert_eq!(r.pop(), None);
+            assert_eq!(
+                r.arrive(&mut held, 0, s, || unreachable!()).unwrap(),
+                Arrival::Deliver
+            );
+            assert_eq!(r.pop(&mut held, 0), None);
         }
-        assert_eq!(r.held_max(), 0);
+        assert_eq!(held.max(), 0);
+        assert_eq!(held.bytes(), 0);
+    }
+
+    /// Peers' held messages do not mix: each waits for its own peer's gap.
+    #[test]
+    fn peers_hold_apart() {
+        let (mut a, mut b) = (Reorder::default(), Reorder::default());
+        let mut held = Holding::default();
+        assert_eq!(a.arrive(&mut held, 1, 1, || "a1"), Ok(Arrival::Held));
+        assert_eq!(b.arrive(&mut held, 2, 1, || "b1"), Ok(Arrival::Held));
+        assert_eq!(b.arrive(&mut held, 2, 2, || "b2"), Ok(Arrival::Held));
+        assert_eq!(held.max(), 3);
+        assert_eq!(a.arrive(&mut held, 1, 0, || "a0"), Ok(Arrival::Deliver));
+        assert_eq!(a.pop(&mut held, 1), Some("a1"));
+        assert_eq!(a.pop(&mut held, 1), None);
+        assert_eq!(held.len(), 2);
+        held.forget(2);
+        assert!(held.is_empty());
+        assert_eq!(b.arrive(&mut held, 2, 0, || "b0"), Ok(Arrival::Deliver));
+        assert_eq!(b.pop(&mut held, 2), None);
     }
 
     #[test]
@@ -247,25 +276,26 @@ mod tests {
 
     #[test]
     fn duplicates_and_runaways_are_errors() {
-        let mut r = Reorder::<()>::default();
-        r.arrive(0, || ()).unwrap();
+        let mut r = Reorder::default();
+        let mut h = Holding::default();
+        r.arrive(&mut h, 0, 0, || ()).unwrap();
         assert_eq!(
-            r.arrive(0, || ()),
+            r.arrive(&mut h, 0, 0, || ()),
             Err(OrderError::Duplicate {
                 seq: 0,
                 expected: 1
             })
         );
-        assert_eq!(r.arrive(5, || ()), Ok(Arrival::Held));
+        assert_eq!(r.arrive(&mut h, 0, 5, || ()), Ok(Arrival::Held));
         assert!(matches!(
-            r.arrive(5, || ()),
+            r.arrive(&mut h, 0, 5, || ()),
             Err(OrderError::Duplicate { .. })
         ));
         assert!(matches!(
-            r.arrive(1 + WINDOW, || ()),
+            r.arrive(&mut h, 0, 1 + WINDOW, || ()),
             Err(OrderError::TooFarAhead { .. })
         ));
-        assert!(r.arrive(WINDOW, || ()).is_ok());
+        assert!(r.arrive(&mut h, 0, WINDOW, || ()).is_ok());
     }
 
     #[test]

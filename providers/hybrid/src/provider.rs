@@ -23,8 +23,8 @@
 //! (verbs-rc `disconnect`) once every message the peer numbered below its own `Closed` has
 //! been delivered here.
 
-use crate::budget::{Action, Budget, Ctrl, Limits, RcState};
-use crate::order::{Arrival, Reorder, Sequencer};
+use crate::budget::{Action, Budget, Ctrl, Limits, Link, RcState, Record};
+use crate::order::{Arrival, Holding, Reorder, Sequencer};
 use crate::rules::{Chain, Channel, JobChain, Open};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
@@ -257,7 +257,7 @@ fn rc_worthy(chain: &JobChain, size: u64) -> bool {
 /// pair up and verbs-rc is connected; RC-FP once verbs-rc has set up its slots too. (A free
 /// function so that the send path can hold its peer's record meanwhile.)
 #[inline]
-fn open_to(rc: &VerbsRc, budget: &Budget, peer: Rank) -> Open {
+fn open_to(rc: &VerbsRc, budget: &Budget<PeerState>, peer: Rank) -> Open {
     match rc.route(peer) {
         Some(fp) if budget.state(peer) == RcState::Up => {
             let o = Open::UD.with(Channel::RcSr).with(Channel::RcRdma);
@@ -277,11 +277,24 @@ struct Held {
     payload: Vec<u8>,
 }
 
+/// One peer's record: the order state both ways, the budget's link and whether the peer
+/// failed, in one table so that a message looks at one record (20 bytes; a job has one per
+/// peer talked to).
 #[derive(Default)]
 struct PeerState {
     seq: Sequencer,
-    reorder: Reorder<Held>,
+    reorder: Reorder,
+    link: Link,
     failed: bool,
+}
+
+impl Record for PeerState {
+    fn link(&self) -> &Link {
+        &self.link
+    }
+    fn link_mut(&mut self) -> &mut Link {
+        &mut self.link
+    }
 }
 
 /// Totals for `counters()`.
@@ -303,9 +316,11 @@ pub struct Hybrid {
     /// The one device both channels use (its accounting is read once, not once per channel).
     hca: Arc<dyn Hca>,
     chain: JobChain,
-    budget: Budget,
-    /// Per-peer order state (four bytes per rank, a record per peer talked to).
-    peers: PeerTable<PeerState>,
+    /// The RC budget, and every peer's record (four bytes per rank, a record per peer talked
+    /// to).
+    budget: Budget<PeerState>,
+    /// Messages that overtook others, until their turn.
+    holding: Holding<Held>,
     /// Messages and bytes sent per peer and channel: kept only for `WEFT_HYBRID_STATS=1`
     /// (the totals always are), so that the per-peer cost stays small in large jobs.
     sent_by_peer: Option<PeerTable<Sent>>,
@@ -465,7 +480,7 @@ impl Hybrid {
             hca,
             chain,
             budget: Budget::new(rank, size, cfg.limits),
-            peers: PeerTable::new(size as usize),
+            holding: Holding::default(),
             sent_by_peer: cfg.stats.then(|| PeerTable::new(size as usize)),
             mrs: std::collections::HashMap::new(),
             next_mr: 0,
@@ -499,6 +514,11 @@ impl Hybrid {
     /// and `WEFT_HYBRID_FP_SPREAD` make them).
     pub fn limits(&self) -> Limits {
         self.budget.limits()
+    }
+
+    /// `peer` failed (an untouched peer has not).
+    fn failed(&self, peer: Rank) -> bool {
+        self.budget.peer(peer).is_some_and(|s| s.failed)
     }
 
     fn check_rank(&self, r: Rank) -> Result<usize> {
@@ -540,7 +560,7 @@ impl Hybrid {
             match a {
                 Action::Send(p, c) => self.ctrl_out.push_back((p, c)),
                 Action::Connect(p) => {
-                    if !self.peers[p as usize].failed {
+                    if !self.failed(p) {
                         self.rc_active = true;
                         self.rc.connect(p)?;
                     }
@@ -600,15 +620,17 @@ impl Hybrid {
         let mut k = 0;
         while k < self.teardown.len() {
             let (p, upto) = self.teardown[k];
-            let delivered = self.peers[p as usize].reorder.expected();
-            let failed = self.peers[p as usize].failed;
+            let (delivered, failed) = self
+                .budget
+                .peer(p)
+                .map_or((0, true), |s| (s.reorder.expected(), s.failed));
             // Every number before `upto` delivered (wrap-safe), and nothing of ours in flight.
             if failed || (upto.wrapping_sub(delivered) as i32 <= 0 && self.rc.quiet(p)) {
                 self.teardown.swap_remove(k);
                 self.rc.disconnect(p)?;
                 // The budget may have agreed on a new connection meanwhile (verbs-rc ignored
                 // the connect while the old one stood): make it now.
-                if self.budget.state(p) == RcState::Up && !self.peers[p as usize].failed {
+                if self.budget.state(p) == RcState::Up && !self.failed(p) {
                     self.rc.connect(p)?;
                 }
             } else {
@@ -624,7 +646,7 @@ impl Hybrid {
     /// Send the control messages waiting, in order, until UD has no room.
     fn flush_ctrl(&mut self) -> Result<()> {
         while let Some(&(p, c)) = self.ctrl_out.front() {
-            if self.peers[p as usize].failed {
+            if self.failed(p) {
                 self.ctrl_out.pop_front();
                 continue;
             }
@@ -634,7 +656,8 @@ impl Hybrid {
             let len = if c == Ctrl::Closed {
                 // Our next sequence number: every message to the peer before it (over RC
                 // too: drained, so completed) is numbered below it.
-                m[2..6].copy_from_slice(&self.peers[p as usize].seq.peek().to_le_bytes());
+                let next = self.budget.peer(p).map_or(0, |s| s.seq.peek());
+                m[2..6].copy_from_slice(&next.to_le_bytes());
                 6
             } else {
                 2
@@ -699,7 +722,7 @@ impl Hybrid {
             s.fp_opened,
             s.fp_closed,
             self.totals.held,
-            self.peers.iter().map(|(_, p)| p.reorder.held_max()).max().unwrap_or(0),
+            self.holding.max(),
             l.max_rc,
             l.max_fp,
             l.threshold
@@ -713,8 +736,8 @@ impl Hybrid {
 struct Recv<'a> {
     core: &'a mut dyn Sink,
     chain: &'a JobChain,
-    peers: &'a mut PeerTable<PeerState>,
-    budget: &'a mut Budget,
+    budget: &'a mut Budget<PeerState>,
+    holding: &'a mut Holding<Held>,
     actions: &'a mut Vec<Action>,
     ctrl_in: &'a mut Vec<(Rank, Ctrl, u32)>,
     held: &'a mut u64,
@@ -722,12 +745,7 @@ struct Recv<'a> {
 
 impl Recv<'_> {
     fn malformed(&mut self, src: Rank, why: &str) {
-        let p = &mut self.peers[src as usize];
-        if !p.failed {
-            p.failed = true;
-            self.core
-                .peer_failed(src, &format!("malformed hybrid message: {why}"));
-        }
+        self.peer_failed(src, &format!("malformed hybrid message: {why}"));
     }
 }
 
@@ -735,20 +753,20 @@ impl Sink for Recv<'_> {
     fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
         if let [K_DATA, a, b, c, d, h @ ..] = header {
             // Data, on every message: one look at the peer's record.
-            let Some(p) = self.peers.get_mut(src as usize) else {
+            let Some(p) = self.budget.peer_mut(src) else {
                 return;
             };
             if p.failed {
                 return;
             }
             let seq = u32::from_le_bytes([*a, *b, *c, *d]);
-            match p.reorder.arrive(seq, || Held {
+            match p.reorder.arrive(self.holding, src, seq, || Held {
                 header: h.to_vec(),
                 payload: payload.to_vec(),
             }) {
                 Ok(Arrival::Deliver) => {
                     self.core.am(src, h, payload);
-                    while let Some(m) = p.reorder.pop() {
+                    while let Some(m) = p.reorder.pop(self.holding, src) {
                         self.core.am(src, &m.header, &m.payload);
                     }
                 }
@@ -764,7 +782,7 @@ impl Sink for Recv<'_> {
                 .note_if(src, || rc_worthy(chain, payload.len() as u64), self.actions);
             return;
         }
-        if self.peers.get(src as usize).is_none_or(|p| p.failed) {
+        if self.budget.peer(src).is_none_or(|p| p.failed) {
             return;
         }
         match header {
@@ -792,9 +810,10 @@ impl Sink for Recv<'_> {
 
     fn peer_failed(&mut self, rank: Rank, reason: &str) {
         // Both channels may report the same peer: once is enough.
-        if let Some(p) = self.peers.get_mut(rank as usize) {
+        if let Some(p) = self.budget.peer_mut(rank) {
             if !p.failed {
                 p.failed = true;
+                self.holding.forget(rank);
                 self.core.peer_failed(rank, reason);
             }
         }
@@ -828,7 +847,7 @@ impl Provider for Hybrid {
         header: &[u8],
         payload: &[IoSlice<'_>],
     ) -> Result<SendOutcome> {
-        let i = self.check_rank(dest)?;
+        self.check_rank(dest)?;
         let plen: usize = payload.iter().map(|p| p.len()).sum();
         if header.len() > self.caps.max_am_header || plen > self.caps.max_am_payload {
             return Err(Error::invalid(format!(
@@ -841,7 +860,9 @@ impl Provider for Hybrid {
         // One look at each table on the way: the channels open (verbs-rc's record, then the
         // budget's only if connected), and our own record, held while the channels send.
         let open = open_to(&self.rc, &self.budget, dest);
-        let st = &mut self.peers[i];
+        let Some(st) = self.budget.peer_mut(dest) else {
+            return Err(Error::invalid("hybrid: rank past the job"));
+        };
         if st.failed {
             return Err(Error::peer_failed(dest, "failed earlier"));
         }
@@ -897,8 +918,8 @@ impl Provider for Hybrid {
             let mut up = Recv {
                 core: sink,
                 chain: &self.chain,
-                peers: &mut self.peers,
                 budget: &mut self.budget,
+                holding: &mut self.holding,
                 actions: &mut self.actions,
                 ctrl_in: &mut self.ctrl_in,
                 held: &mut held,
@@ -1100,10 +1121,9 @@ impl Provider for Hybrid {
     /// First contact: UD's address handle and link, our order record and the budget's count
     /// (what the first message would make).
     fn connect(&mut self, peer: Rank) -> Result<()> {
-        let i = self.check_rank(peer)?;
+        self.check_rank(peer)?;
         self.ud.connect(peer)?;
         self.ud_quiet = 0;
-        self.peers.get_mut(i);
         self.budget.touch(peer);
         Ok(())
     }
@@ -1162,7 +1182,7 @@ impl Provider for Hybrid {
             v.push((key, get(&u, from)));
         }
         let a = self.hca.accounting();
-        let own = self.peers.bytes()
+        let own = self.holding.bytes()
             + self.sent_by_peer.as_ref().map_or(0, |t| t.bytes())
             + self.budget.bytes();
         let buffers = get(&u, "mem_buffer_bytes") + get(&r, "mem_buffer_bytes");
@@ -1308,8 +1328,8 @@ mod tests {
 
     /// The order state of one peer: a job of 16K ranks holds one per peer talked to.
     #[test]
-    fn a_peers_order_state_takes_24_bytes() {
-        assert_eq!(std::mem::size_of::<PeerState>(), 24);
+    fn a_peers_record_takes_20_bytes() {
+        assert_eq!(std::mem::size_of::<PeerState>(), 20);
     }
 
     /// However long RC alone has carried the traffic, a quiet UD is still polled on one call
@@ -1356,8 +1376,8 @@ mod tests {
 
     struct Rig {
         core: Core,
-        peers: PeerTable<PeerState>,
-        budget: Budget,
+        budget: Budget<PeerState>,
+        holding: Holding<Held>,
         chain: JobChain,
         actions: Vec<Action>,
         ctrl_in: Vec<(Rank, Ctrl, u32)>,
@@ -1368,7 +1388,7 @@ mod tests {
         fn new(threshold: u64) -> Rig {
             Rig {
                 core: Core::default(),
-                peers: PeerTable::new(3),
+                holding: Holding::default(),
                 budget: Budget::new(
                     0,
                     3,
@@ -1388,8 +1408,8 @@ mod tests {
             let mut r = Recv {
                 core: &mut self.core,
                 chain: &self.chain,
-                peers: &mut self.peers,
                 budget: &mut self.budget,
+                holding: &mut self.holding,
                 actions: &mut self.actions,
                 ctrl_in: &mut self.ctrl_in,
                 held: &mut self.held,

@@ -8,7 +8,7 @@
 //! exist). First contact with every phantom (`Provider::connect`, which the core calls before
 //! the first operation towards a peer) makes each provider create what it holds per peer:
 //! verbs-ud the address handle and the reliability engine's link, the hybrid that and its
-//! order and budget records, verbs-rc its RC queue pair, address handle and records (its
+//! one record per peer (order and budget), verbs-rc its RC queue pair, address handle and records (its
 //! connection requests go unanswered). The memory counters are read right after. Messages in
 //! flight are not part of the figure: a real peer acknowledges them, a phantom cannot.
 //!

@@ -231,9 +231,10 @@ pub fn verbs_report() -> String {
     match weft_verbs_ud::footprint() {
         Ok(f) => writeln!(
             s,
-            "  verbs-ud memory: {} B per peer of the job (address book and link table), no HCA \
-             memory per peer; per process {} B of HCA memory (CQ, UD QP, zero-copy QPs) and {} \
-             KiB of registered buffers",
+            "  verbs-ud memory: {} B per rank of the job (address book and a slot), {} B more per \
+             peer talked to (its record and link), no HCA memory per peer; per process {} B of \
+             HCA memory (CQ, UD QP, zero-copy QPs) and {} KiB of registered buffers",
+            f.per_rank,
             f.per_peer,
             f.hca,
             f.buffers >> 10

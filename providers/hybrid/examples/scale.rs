@@ -2,8 +2,9 @@
 //! `scale [SIZES] [PROVIDERS]`, e.g. `scale 2,1024,16384 verbs-ud,hybrid`. Prints one line per
 //! (provider, size): `provider size hca buffers tables total` in bytes, then one line per
 //! (provider, size) of what an idle progress call costs once every rank has been contacted:
-//! `provider size idle_progress_ns`; before those, per (provider, size) for verbs-ud and the
-//! hybrid, the links the first keepalive round probes: `provider size keepalive_probes`.
+//! `provider size idle_progress_ns`; before those, per (provider, size), the memory of a process
+//! that talks to 16 peers only, `provider size peers_talked_to total`, and for verbs-ud and the
+//! hybrid the links the first keepalive round probes: `provider size keepalive_probes`.
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -20,6 +21,19 @@ fn main() {
             };
             match weft_hybrid::scale::measure(p, n) {
                 Ok(f) => println!("{p} {n} {} {} {} {}", f.hca, f.buffers, f.tables, f.total()),
+                Err(e) => {
+                    eprintln!("scale: {p} at {n} ranks: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+    // A process that talks to 16 peers of the job (a stencil's neighbourhood).
+    println!("provider size peers_talked_to total");
+    for p in provs.split(',') {
+        for n in sizes.split(',').filter_map(|s| s.parse::<u32>().ok()) {
+            match weft_hybrid::scale::measure_talking_to(p, n, 16) {
+                Ok(f) => println!("{p} {n} {} {}", f.touched, f.total()),
                 Err(e) => {
                     eprintln!("scale: {p} at {n} ranks: {e}");
                     std::process::exit(1);

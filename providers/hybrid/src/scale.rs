@@ -173,14 +173,14 @@ static TURN: Mutex<()> = Mutex::new(());
 /// `provider` (verbs-ud, verbs-rc or hybrid) opened as rank 0 of a phantom job of `size` ranks,
 /// after first contact with every other rank and one progress call.
 fn opened(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
-    let mut p = contacted(provider, size)?;
+    let mut p = contacted(provider, size, size)?;
     p.progress(&mut Discard::default())?;
     Ok(p)
 }
 
-/// `provider` opened as rank 0 of a phantom job of `size` ranks, after first contact with every
-/// other rank, not progressed yet.
-fn contacted(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
+/// `provider` opened as rank 0 of a phantom job of `size` ranks, after first contact with ranks
+/// 1 to `peers` (every other rank at most), not progressed yet.
+fn contacted(provider: &str, size: u32, peers: u32) -> Result<Box<dyn Provider>> {
     if size < 2 {
         return Err(Error::invalid("synthetic run: a job of at least 2 ranks"));
     }
@@ -195,7 +195,7 @@ fn contacted(provider: &str, size: u32) -> Result<Box<dyn Provider>> {
             )))
         }
     };
-    for r in 1..size {
+    for r in 1..=peers.min(size - 1) {
         p.connect(r)?;
     }
     Ok(p)
@@ -207,6 +207,16 @@ pub fn measure(provider: &str, size: u32) -> Result<Footprint> {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let p = opened(provider, size)?;
     footprint(&*p, size, size - 1)
+}
+
+/// Memory of `provider` in a process of a job of `size` ranks that has talked to `peers` of
+/// them (ranks 1 to `peers`: a neighbourhood, as a stencil code's): what the job's size costs a
+/// process that does not talk to everyone.
+pub fn measure_talking_to(provider: &str, size: u32, peers: u32) -> Result<Footprint> {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut p = contacted(provider, size, peers)?;
+    p.progress(&mut Discard::default())?;
+    footprint(&*p, size, peers.min(size - 1))
 }
 
 /// Nanoseconds an idle progress call of `provider` takes on average (over `calls`), in a
@@ -234,7 +244,7 @@ pub fn idle_progress_ns(provider: &str, size: u32, calls: u32) -> Result<f64> {
 /// never acknowledges, so each probed link stays busy and counts.
 pub fn keepalive_probes(provider: &str, size: u32) -> Result<u64> {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
-    let mut p = contacted(provider, size)?;
+    let mut p = contacted(provider, size, size)?;
     // An idle call only polls; the timers (the keepalive round among them) run on every
     // 16th. Links that were busy only with first contact leave the list on that call.
     for _ in 0..32 {
@@ -267,6 +277,29 @@ mod tests {
         assert_eq!(kv.get("verbs-rc.5").unwrap(), None);
         assert_eq!(kv.get("nodot").unwrap(), None);
         assert_eq!(phantom_address("nonsense"), None);
+    }
+
+    /// verbs-ud's memory counters agree with what `weft info` prints per peer: an address
+    /// book entry and a slot per rank, a record per peer talked to. (The counters added the
+    /// link's size a second time, though it sits inside the record: 912 bytes a peer against
+    /// 520.)
+    #[test]
+    fn ud_counters_count_each_peer_once() {
+        let f = {
+            let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+            weft_verbs_ud::footprint().expect("footprint")
+        };
+        let (a, b) = (
+            measure("verbs-ud", 2).expect("measured"),
+            measure("verbs-ud", 1025).expect("measured"),
+        );
+        // 1,024 peers: the lists' capacities are exact (they double).
+        let per_peer = (b.tables - a.tables) as f64 / 1023.0;
+        let want = (f.per_rank + f.per_peer) as f64;
+        assert!(
+            (per_peer - want).abs() <= 8.0,
+            "counters {per_peer} B a peer, footprint {want}"
+        );
     }
 
     #[test]

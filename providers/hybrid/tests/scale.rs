@@ -43,6 +43,25 @@ fn hybrid_adds_little_per_peer_over_ud() {
     );
 }
 
+/// A process of verbs-ud or the hybrid that talks to a few peers pays for the ranks it never
+/// talks to only a slot and an address-book entry each (verbs-ud kept a whole peer record, its
+/// reliability link among it, for every rank of the job: 520 bytes a rank). verbs-rc sizes its
+/// completion queue for a keepalive per rank of the job, as an RC-only provider connects to
+/// anyone it talks to.
+#[test]
+fn ranks_never_talked_to_cost_a_few_bytes() {
+    for p in ["verbs-ud", "hybrid"] {
+        let few = |n| {
+            weft_hybrid::scale::measure_talking_to(p, n, 16)
+                .unwrap_or_else(|e| panic!("{p} at {n} ranks: {e}"))
+        };
+        let (small, big) = (few(64), few(4096));
+        assert_eq!((small.touched, big.touched), (16, 16));
+        let per_rank = (big.total() - small.total()) / (4096 - 64);
+        assert!(per_rank <= 48, "{p}: {per_rank} B per rank never talked to");
+    }
+}
+
 #[test]
 fn rc_holds_a_queue_pair_per_peer_and_sparse_tables() {
     let (a, b) = (at("verbs-rc", 2), at("verbs-rc", 258));

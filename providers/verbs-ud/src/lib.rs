@@ -37,6 +37,7 @@ use std::io::IoSlice;
 use std::time::Duration;
 use weft_provider::backoff::Backoff;
 use weft_provider::bootstrap::{Bootstrap, KvSpace};
+use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Access, Caps, Completed, Completion, CompletionLevel, Discard, MemRegion, PeerCaps,
     ProbeContext, Provider, RawIov, RemoteAddr, RmaCaps, SendOutcome, Sink, StaticProvider, Token,
@@ -333,7 +334,8 @@ pub struct VerbsUd {
     send_refs: Vec<u16>,
     send_acked: Vec<bool>,
     sq_used: u32,
-    peers: Vec<Peer>,
+    /// Per-peer records, made at first touch (four bytes per rank of the job otherwise).
+    peers: PeerTable<Peer>,
     /// Peers with a link, in the order they got one.
     active: Vec<Rank>,
     /// The links with work: something to send, to deliver or to acknowledge, or a timer
@@ -435,7 +437,7 @@ impl VerbsUd {
             send_refs: vec![0; n],
             send_acked: vec![false; n],
             sq_used: 0,
-            peers: (0..size).map(|_| Peer::default()).collect(),
+            peers: PeerTable::new(size as usize),
             active: Vec::new(),
             busy: Vec::new(),
             kv: None,
@@ -551,13 +553,28 @@ impl VerbsUd {
 
     /// The link to `r`, made on first use (both sides start their sequences at 0).
     fn link(&mut self, r: Rank) -> &mut Link<u32, Vec<u8>> {
-        let i = r as usize;
-        if self.peers[i].link.is_none() {
-            self.peers[i].link = Some(Link::new(self.cfg.link(), Instant::now(), 0, 0));
-            self.active.push(r);
+        let p = &mut self.peers[r as usize];
+        Self::link_of(p, r, &self.cfg, &mut self.active, &mut self.busy)
+    }
+
+    /// [`VerbsUd::link`] on `r`'s record `p`, already looked up (one look at the table per
+    /// packet: each look is a slot, a chunk and the record).
+    #[inline]
+    fn link_of<'a>(
+        p: &'a mut Peer,
+        r: Rank,
+        cfg: &Config,
+        active: &mut Vec<Rank>,
+        busy: &mut Vec<Rank>,
+    ) -> &'a mut Link<u32, Vec<u8>> {
+        if !p.busy {
+            p.busy = true;
+            busy.push(r);
         }
-        self.mark_busy(r);
-        self.peers[i].link.as_mut().expect("made above")
+        p.link.get_or_insert_with(|| {
+            active.push(r);
+            Link::new(cfg.link(), Instant::now(), 0, 0)
+        })
     }
 
     /// Progress looks at `r`'s link until it is idle again.
@@ -577,9 +594,22 @@ impl VerbsUd {
         let a = self.hca.accounting();
         let pools = [&self.recv, &self.send, &self.ctl, &self.scratch];
         let host: usize = pools.iter().map(|p| p.host_bytes()).sum();
-        let peers = self.peers.len() * std::mem::size_of::<Peer>()
+        // The records (each link inline in its peer's), the address book, the list of links,
+        // and what links, assemblies and queued control messages hold on the heap.
+        let heap: usize = self
+            .peers
+            .iter()
+            .map(|(_, p)| {
+                p.link.as_ref().map_or(0, |l| l.heap_bytes(Vec::capacity))
+                    + p.rx.data.capacity()
+                    + p.ctl_out.capacity() * std::mem::size_of::<Vec<u8>>()
+                    + p.ctl_out.iter().map(Vec::capacity).sum::<usize>()
+            })
+            .sum();
+        let peers = self.peers.bytes()
             + self.addrs.len() * std::mem::size_of::<Option<Endpoint>>()
-            + self.active.len() * std::mem::size_of::<Link<u32, Vec<u8>>>();
+            + self.active.capacity() * std::mem::size_of::<Rank>()
+            + heap;
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
 
@@ -624,7 +654,8 @@ impl VerbsUd {
     /// Post what `r`'s link has to send, while the send queue has room.
     fn transmit(&mut self, r: Rank, now: Instant) -> Result<()> {
         let i = r as usize;
-        if self.peers[i].link.is_none() || self.peers[i].failed {
+        let p = &self.peers[i];
+        if p.link.is_none() || p.failed {
             return Ok(());
         }
         let Some((ah, qpn)) = self.reach(r)? else {
@@ -747,7 +778,8 @@ impl VerbsUd {
             self.stats.malformed += 1;
             return 0;
         }
-        if self.peers[src as usize].failed {
+        let p = &mut self.peers[src as usize];
+        if p.failed {
             return 0;
         }
         self.stats.packets_recv += 1;
@@ -755,13 +787,23 @@ impl VerbsUd {
             psn: (kind == KIND_DATA).then_some(psn),
             ack,
         };
-        if kind == KIND_DATA && self.link(src).on_next_in_order(now, header) {
+        if kind == KIND_DATA
+            && Self::link_of(p, src, &self.cfg, &mut self.active, &mut self.busy)
+                .on_next_in_order(now, header)
+        {
             // Next in order with nothing waiting: straight from the receive buffer (what
             // `drain` does with a packet the link kept).
             let body = &self.recv.buf(i)[GRH + PKT..GRH + n.min(mtu)];
             let head = Head { flags, hlen, total };
-            let rx = &mut self.peers[src as usize].rx;
-            return Self::take(rx, &mut self.zin, &mut self.stats, src, head, body, sink);
+            return Self::take(
+                &mut p.rx,
+                &mut self.zin,
+                &mut self.stats,
+                src,
+                head,
+                body,
+                sink,
+            );
         }
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
         let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
@@ -784,8 +826,9 @@ impl VerbsUd {
     fn drain(&mut self, r: Rank, sink: &mut dyn Sink) -> usize {
         let i = r as usize;
         let mut n = 0;
+        let peer = &mut self.peers[i];
         loop {
-            let Some(link) = self.peers[i].link.as_mut() else {
+            let Some(link) = peer.link.as_mut() else {
                 return n;
             };
             let Some(p) = link.poll_deliver() else {
@@ -796,7 +839,7 @@ impl VerbsUd {
                 hlen: get_u16(&p[1..3]) as usize,
                 total: get_u32(&p[3..7]),
             };
-            let rx = &mut self.peers[i].rx;
+            let rx = &mut peer.rx;
             n += Self::take(rx, &mut self.zin, &mut self.stats, r, head, &p[7..], sink);
             // The packet's buffer serves a later arrival (no allocation per packet).
             if self.spare.len() < SPARE {
@@ -1612,7 +1655,7 @@ impl Provider for VerbsUd {
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let s = &self.stats;
         let mut st = reliable::Stats::default();
-        for p in &self.peers {
+        for (_, p) in self.peers.iter() {
             if let Some(l) = &p.link {
                 let x = l.stats();
                 st.resent += x.resent;
@@ -1667,7 +1710,8 @@ impl Provider for VerbsUd {
             // would send them, and the peer's own close would wait for them in vain.
             let now = Instant::now();
             let mut waiting = false;
-            for r in 0..self.peers.len() {
+            for k in 0..self.peers.touched() {
+                let r = self.peers.touched_rank(k);
                 let p = &mut self.peers[r];
                 let Some(l) = p.link.as_mut().filter(|_| !p.failed) else {
                     continue;
@@ -1706,7 +1750,7 @@ impl Drop for VerbsUd {
             let _ = self.hca.dereg_mr(*m);
         }
         self.scratch.release(&*self.hca);
-        for p in &self.peers {
+        for (_, p) in self.peers.iter() {
             if let Some((ah, _)) = p.ah {
                 let _ = self.hca.destroy_ah(ah);
             }
@@ -1788,7 +1832,10 @@ pub struct Footprint {
     pub hca: u64,
     /// ... and the receive, send and control buffers.
     pub buffers: u64,
-    /// Per peer of the job: its entry in the address book and link table (provider side).
+    /// Per rank of the job: its entry in the address book and its slot in the peer table
+    /// (provider side) ...
+    pub per_rank: u64,
+    /// ... and per peer talked to, its record (the reliability link among it) and list entries.
     pub per_peer: u64,
 }
 
@@ -1821,7 +1868,8 @@ pub fn footprint() -> Result<Footprint> {
     Ok(Footprint {
         hca: a1.queues() - a0.queues(),
         buffers: a2.dm_bytes - a1.dm_bytes + host as u64,
-        per_peer: (std::mem::size_of::<Peer>() + std::mem::size_of::<Option<Endpoint>>()) as u64,
+        per_rank: (4 + std::mem::size_of::<Option<Endpoint>>()) as u64,
+        per_peer: (std::mem::size_of::<Peer>() + 4 + std::mem::size_of::<Rank>()) as u64,
     })
 }
 

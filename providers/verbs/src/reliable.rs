@@ -216,6 +216,22 @@ impl<S, R> Link<S, R> {
         self.stats
     }
 
+    /// Heap bytes the link holds beyond its own size: its queues' storage, and what `held`
+    /// says each received packet it holds owns.
+    pub fn heap_bytes(&self, held: impl Fn(&R) -> usize) -> usize {
+        self.unacked.capacity() * std::mem::size_of::<Unacked<S>>()
+            + self.acked.capacity() * std::mem::size_of::<S>()
+            + self.early.capacity() * std::mem::size_of::<Option<R>>()
+            + self.deliver.capacity() * std::mem::size_of::<R>()
+            + self
+                .early
+                .iter()
+                .flatten()
+                .chain(&self.deliver)
+                .map(held)
+                .sum::<usize>()
+    }
+
     /// The peer owed acknowledgements and stayed silent for `peer_timeout`.
     pub fn failed(&self) -> bool {
         self.failed

@@ -658,11 +658,17 @@ impl VerbsUd {
         if p.link.is_none() || p.failed {
             return Ok(());
         }
-        let Some((ah, qpn)) = self.reach(r)? else {
+        let (ah, qpn) = match p.ah {
+            Some(a) => a,
+            None => match self.reach(r)? {
+                Some(a) => a,
+                None => return Ok(()),
+            },
+        };
+        let Some(link) = self.peers[i].link.as_mut() else {
             return Ok(());
         };
         while self.sq_used < SQ {
-            let link = self.peers[i].link.as_mut().expect("checked above");
             let Some(tx) = link.poll_transmit(now) else {
                 break;
             };
@@ -1318,7 +1324,14 @@ impl Provider for VerbsUd {
         let room = self.cfg.mtu - PKT;
         let bytes = header.len() + total;
         let packets = bytes.div_ceil(room).max(1);
-        if self.link(dest).room() < packets || self.send.free.len() < packets {
+        let link = Self::link_of(
+            &mut self.peers[i],
+            dest,
+            &self.cfg,
+            &mut self.active,
+            &mut self.busy,
+        );
+        if link.room() < packets || self.send.free.len() < packets {
             return Ok(SendOutcome::Busy);
         }
         // Header and payload, cut into packets: slices copied whole (not byte by byte).
@@ -1349,7 +1362,7 @@ impl Provider for VerbsUd {
                 }
             }
             self.send_len[slot as usize] = (PKT + n) as u32;
-            if self.link(dest).send(slot).is_err() {
+            if link.send(slot).is_err() {
                 // Counted above: the window had room.
                 self.send.free.push(slot);
                 return Err(Error::invalid("verbs-ud: send window accounting"));

@@ -139,6 +139,14 @@ pub trait Record: Default {
     fn link_mut(&mut self) -> &mut Link;
 }
 
+impl Link {
+    /// The RC state this link records.
+    #[inline]
+    pub fn state(&self) -> RcState {
+        self.rc
+    }
+}
+
 impl Record for Link {
     fn link(&self) -> &Link {
         self

@@ -258,8 +258,14 @@ fn rc_worthy(chain: &JobChain, size: u64) -> bool {
 /// function so that the send path can hold its peer's record meanwhile.)
 #[inline]
 fn open_to(rc: &VerbsRc, budget: &Budget<PeerState>, peer: Rank) -> Open {
+    open_with(rc, budget.state(peer), peer)
+}
+
+/// [`open_to`] with the budget's state towards `peer` already read from its record.
+#[inline]
+fn open_with(rc: &VerbsRc, state: RcState, peer: Rank) -> Open {
     match rc.route(peer) {
-        Some(fp) if budget.state(peer) == RcState::Up => {
+        Some(fp) if state == RcState::Up => {
             let o = Open::UD.with(Channel::RcSr).with(Channel::RcRdma);
             if fp {
                 o.with(Channel::RcFp)
@@ -857,12 +863,12 @@ impl Provider for Hybrid {
                 self.caps.max_am_payload
             )));
         }
-        // One look at each table on the way: the channels open (verbs-rc's record, then the
-        // budget's only if connected), and our own record, held while the channels send.
-        let open = open_to(&self.rc, &self.budget, dest);
+        // One look at each table on the way: our record (order and budget), held while the
+        // channels send, and verbs-rc's for the channels open.
         let Some(st) = self.budget.peer_mut(dest) else {
             return Err(Error::invalid("hybrid: rank past the job"));
         };
+        let open = open_with(&self.rc, st.link.state(), dest);
         if st.failed {
             return Err(Error::peer_failed(dest, "failed earlier"));
         }

@@ -45,7 +45,9 @@ pub mod wire;
 use eager::{Design, Peek, RingMem, Shape};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
+use std::collections::BinaryHeap;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -135,6 +137,9 @@ const OPS_IN_FLIGHT: usize = 4096;
 const RING_IN_FLIGHT: usize = 2048;
 /// Completions polled at once.
 const POLL: usize = 32;
+/// Keepalive probes in flight at most, over all peers (verbs-rc on its own; a composition's
+/// budget of connections bounds them instead).
+const KA_ROOM: usize = 256;
 /// Send buffers a composition's send pool starts with, and grows by ([`VerbsRc::open_sized`]).
 const SEND_CHUNK: usize = 16;
 /// First resend of an unanswered connection request; doubled each time, up to 1 s.
@@ -336,6 +341,10 @@ pub struct VerbsRc {
     ka_room: usize,
     /// Where the next keepalive round starts among the touched peers.
     ka_next: usize,
+    /// Unanswered connection requests by the time of their next resend: the timers look at
+    /// the due ones only, not at every peer touched. An entry whose peer is no longer
+    /// requesting, or whose time is no longer the peer's, is stale and skipped.
+    cm_due: BinaryHeap<Reverse<(Instant, Rank)>>,
     polls: u32,
     mrs: HashMap<u64, verbs::Mr>,
     /// The second QP of the connection to ourselves (its receives come from us).
@@ -374,6 +383,10 @@ struct Stats {
     /// Connection-manager messages of an earlier connection, ignored.
     cm_stale: u64,
     cm_resends: u64,
+    /// Connection requests the timers looked at (each due one once, stale ones included).
+    cm_checked: u64,
+    /// Keepalive probes posted.
+    keepalives: u64,
     busy: u64,
     eager_ring: u64,
     eager_sr: u64,
@@ -546,16 +559,17 @@ impl Config {
         ring_pair_bytes(self.shape())
     }
 
-    /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
-    /// connection manager's, the RMA requests and ring writes in flight and one keepalive per
-    /// peer.
-    /// Keepalive probes in flight at most: one per connection we may hold.
+    /// Keepalive probes in flight at most: one per connection a composition may hold, else
+    /// [`KA_ROOM`] (never more than the job has peers). A process connected to more peers
+    /// probes them in turns ([`VerbsRc::keepalives`]), so the completion queue does not grow
+    /// with the job.
     fn ka_room(&self, size: u32) -> usize {
-        self.conns
-            .map_or(size as usize, |c| c.min(size as usize))
-            .max(1)
+        self.conns.unwrap_or(KA_ROOM).min(size as usize).max(1)
     }
 
+    /// Completion-queue entries for a job of `size` ranks: every receive and send buffer, the
+    /// connection manager's, the RMA requests and ring writes in flight and the keepalive
+    /// probes.
     fn cqe(&self, size: u32, attr: &verbs::DeviceAttr) -> u32 {
         let n = self.srq
             + self.send_bufs
@@ -613,7 +627,8 @@ impl VerbsRc {
         }
         let peers = self.peers.bytes()
             + self.ud_addrs.capacity() * (std::mem::size_of::<(Rank, Endpoint)>() + 1)
-            + self.by_qpn.len() * 8;
+            + self.by_qpn.len() * 8
+            + self.cm_due.capacity() * std::mem::size_of::<Reverse<(Instant, Rank)>>();
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
     }
 
@@ -887,6 +902,7 @@ impl VerbsRc {
             ka_posted: 0,
             ka_room: cfg.ka_room(size),
             ka_next: 0,
+            cm_due: BinaryHeap::new(),
             polls: 0,
             mrs: HashMap::new(),
             self_back: None,
@@ -1102,6 +1118,7 @@ impl VerbsRc {
             next: now + REQ_RESEND,
             wait: REQ_RESEND,
         };
+        self.cm_due.push(Reverse((now + REQ_RESEND, r)));
         let m = self.req(r);
         self.send_cm(r, &m)
     }
@@ -1993,10 +2010,14 @@ impl VerbsRc {
         }
         self.next_keepalive = now + every;
         // Probes in flight stay within the completion queue's room for them, starting where
-        // the last round stopped, so that every connection is probed in turn.
+        // the last round stopped, so that every connection is probed in turn. A round the room
+        // cut short is followed sooner, so that each of `n` peers is still probed about once
+        // per interval (a probe completes in microseconds, freeing its room).
         let n = self.peers.touched();
         for j in 0..n {
             if self.ka_posted >= self.ka_room {
+                let share = self.ka_room as f64 / n as f64;
+                self.next_keepalive = now + every.mul_f64(share).max(Duration::from_millis(1));
                 break;
             }
             let k = (self.ka_next + j) % n;
@@ -2010,20 +2031,27 @@ impl VerbsRc {
                 .post_send(qp, &[SendWr::write(K_KA | r as u64, &[], 0, 0)])?;
             self.peers[r as usize].inflight += 1;
             self.ka_posted += 1;
+            self.stats.keepalives += 1;
             self.ka_next = k + 1;
         }
         Ok(())
     }
 
-    /// Resend unanswered connection requests; fail peers that never answer.
+    /// Resend unanswered connection requests whose time has come; fail peers that never
+    /// answer. Only the due requests are looked at (a heap by time): a process that has
+    /// touched thousands of peers pays nothing here for those already connected.
     fn cm_timers(&mut self) -> Result<()> {
         let now = Instant::now();
-        for k in 0..self.peers.touched() {
-            let r = self.peers.touched_rank(k) as Rank;
+        while let Some(&Reverse((at, r))) = self.cm_due.peek() {
+            if at > now {
+                break;
+            }
+            self.cm_due.pop();
+            self.stats.cm_checked += 1;
             let Conn::Requesting { first, next, wait } = self.peers[r as usize].conn else {
                 continue;
             };
-            if now < next {
+            if next != at {
                 continue;
             }
             if now - first > self.connect_timeout {
@@ -2036,6 +2064,7 @@ impl VerbsRc {
                 next: now + wait,
                 wait,
             };
+            self.cm_due.push(Reverse((now + wait, r)));
             self.stats.cm_resends += 1;
             let m = self.req(r);
             self.send_cm(r, &m)?;
@@ -2175,6 +2204,8 @@ impl Provider for VerbsRc {
             ("cm_stale", s.cm_stale),
             ("connections_up", up),
             ("cm_resends", s.cm_resends),
+            ("cm_checked", s.cm_checked),
+            ("keepalives", s.keepalives),
             ("busy", s.busy),
             ("eager_ring", s.eager_ring),
             ("eager_send_recv", s.eager_sr),

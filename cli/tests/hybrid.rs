@@ -346,8 +346,10 @@ fn refused_settings_say_why() {
     }
 }
 
-/// In a job of fewer than `WEFT_HYBRID_SMALL_JOB` (32) ranks the RC and RC-FP limits left
-/// unset allow every peer; set ones, or `WEFT_HYBRID_SMALL_JOB=0`, keep paper 001's.
+/// In a job of fewer than `WEFT_HYBRID_LIMITS_FROM` (512) ranks the RC and RC-FP limits left
+/// unset are lifted (below `WEFT_HYBRID_SMALL_JOB`, 32: every peer, whole rings; from it, every
+/// peer may connect and up to 64 have half rings); set ones, or `WEFT_HYBRID_LIMITS_FROM=0`,
+/// keep paper 001's.
 #[test]
 fn small_jobs_lift_unset_limits() {
     let ring = example("weft-cli", "ring");
@@ -355,13 +357,13 @@ fn small_jobs_lift_unset_limits() {
         (vec![], "limits: RC 16, RC-FP 9,"),
         // Paper 001's limits: the slots of 8 rings shared among the 9 peers (14 each)...
         (
-            vec![("WEFT_HYBRID_SMALL_JOB", "0")],
+            vec![("WEFT_HYBRID_LIMITS_FROM", "0")],
             "limits: RC 16, RC-FP 9,",
         ),
         // ... or 8 whole rings.
         (
             vec![
-                ("WEFT_HYBRID_SMALL_JOB", "0"),
+                ("WEFT_HYBRID_LIMITS_FROM", "0"),
                 ("WEFT_HYBRID_FP_SPREAD", "0"),
             ],
             "limits: RC 16, RC-FP 8,",
@@ -372,8 +374,16 @@ fn small_jobs_lift_unset_limits() {
         ),
         // Two rings' slots, 32, among 9 peers: rings of 4 (the least), 8 peers.
         (vec![("WEFT_HYBRID_MAX_FP", "2")], "limits: RC 16, RC-FP 8,"),
+        // A mid-sized job (from SMALL_JOB): every peer, half rings.
         (
-            vec![("WEFT_HYBRID_SMALL_JOB", "8"), ("WEFT_HYBRID_MAX_RC", "3")],
+            vec![("WEFT_HYBRID_SMALL_JOB", "8")],
+            "limits: RC 16, RC-FP 9,",
+        ),
+        (
+            vec![
+                ("WEFT_HYBRID_LIMITS_FROM", "8"),
+                ("WEFT_HYBRID_MAX_RC", "3"),
+            ],
             "limits: RC 3, RC-FP 8,",
         ),
     ] {

@@ -48,11 +48,13 @@ weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
 weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
     "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
 weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
-    "hybrid: RC connections per process at most (paper 001: 16; unset, every peer in a job of fewer than SMALL_JOB ranks); 0: UD only");
+    "hybrid: RC connections per process at most (paper 001: 16; unset, every peer in a job of fewer than LIMITS_FROM ranks); 0: UD only");
 weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
-    "hybrid: RC-FP rings per process (paper 001: 8 peers; FP_SPREAD shares their slots among up to MAX_RC peers; unset, every peer in a job of fewer than SMALL_JOB ranks)");
+    "hybrid: RC-FP rings per process (paper 001: 8 peers; FP_SPREAD shares their slots among up to MAX_RC peers; unset, every peer in a job of fewer than SMALL_JOB ranks, up to 64 peers with half rings below LIMITS_FROM)");
 weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
-    "hybrid: in a job of fewer ranks, MAX_RC and MAX_FP left unset allow every peer (MVAPICH2 gives RC-FP to every peer below 32 processes); 0: paper 001's limits at any size");
+    "hybrid: in a job of fewer ranks (and of fewer than LIMITS_FROM), MAX_FP left unset gives every peer a whole RC-FP ring (MVAPICH2 gives RC-FP to every peer below 32 processes)");
+weft_provider::param!(LIMITS_FROM: Uint = "hybrid", "LIMITS_FROM", "512",
+    "hybrid: paper 001's limits (MAX_RC, MAX_FP left unset) hold in jobs of this many ranks and more (MVAPICH2 2.3.7 turns its hybrid on from 512 processes); below, an unset MAX_RC allows every peer and an unset MAX_FP up to 64 peers (MVAPICH2's polling set) with rings of half depth, whole rings for every peer below SMALL_JOB; 0: paper 001's limits at any size");
 weft_provider::param!(FP_SPREAD: Bool = "hybrid", "FP_SPREAD", "1",
     "hybrid: where MAX_FP is below MAX_RC, share the RC-FP slots of MAX_FP rings of WEFT_VERBS_RC_FP_BUFS among up to MAX_RC peers with shallower rings (at least 4 slots; the same memory); 0: MAX_FP peers with whole rings, as paper 001 (also when WEFT_VERBS_RC_FP_BUFS is set)");
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
@@ -137,11 +139,35 @@ struct Config {
     max_rc_set: bool,
     max_fp_set: bool,
     small_job: u64,
+    /// `WEFT_HYBRID_LIMITS_FROM`: the job size from which the paper's limits hold.
+    limits_from: u64,
     /// Slots of a whole RC-FP ring when `WEFT_HYBRID_FP_SPREAD` may share them among more
     /// peers (`None`: spreading off, or `WEFT_VERBS_RC_FP_BUFS` set).
     fp_ring: Option<usize>,
     stats: bool,
 }
+
+/// The limits a job's size gives where `WEFT_HYBRID_MAX_RC` and `_MAX_FP` are left unset.
+///
+/// - `Small` (fewer than `WEFT_HYBRID_SMALL_JOB` ranks, 32, and fewer than `LIMITS_FROM`):
+///   every peer may connect and have a whole RC-FP ring, as MVAPICH2 gives RC-FP to every
+///   peer below 32 processes.
+/// - `Mid` (from `SMALL_JOB` to fewer than `WEFT_HYBRID_LIMITS_FROM`, 512): every peer may
+///   connect; RC-FP for up to [`MID_FP_PEERS`], with rings of half depth. MVAPICH2 2.3.7 does
+///   not turn its hybrid on below 512 processes (RC to every peer it talks to, RC-FP within
+///   its polling set of 64); half rings keep the memory a ring sweeps small where many ranks
+///   share a core (docs/benchmarks.md, "Thirty-two ranks without the paper's limits").
+/// - `Paper`: paper 001's 16 connections and 8 rings (shared out by `WEFT_HYBRID_FP_SPREAD`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    Small,
+    Mid,
+    Paper,
+}
+
+/// RC-FP peers at most in a mid-sized job (MVAPICH2's polling set, verbs-rc's
+/// `WEFT_VERBS_RC_FP_PEERS`).
+const MID_FP_PEERS: usize = 64;
 
 /// Fewest slots a shared-out RC-FP ring keeps (4: streaming 2 KiB messages through 8 slots
 /// kept within 3 % of 16 on the soft HCA, through 4 it lost 5 %; docs/benchmarks.md).
@@ -182,6 +208,7 @@ impl Config {
             max_rc_set: MAX_RC.is_set(),
             max_fp_set: MAX_FP.is_set(),
             small_job: SMALL_JOB.get_u64()?,
+            limits_from: LIMITS_FROM.get_u64()?,
             fp_ring: if FP_SPREAD.get_bool()? && !weft_verbs_rc::FP_BUFS.is_set() {
                 Some(weft_verbs_rc::FP_BUFS.get_u64()? as usize)
             } else {
@@ -191,30 +218,51 @@ impl Config {
         })
     }
 
+    /// Which limits a job of `size` ranks takes where `WEFT_HYBRID_MAX_RC` and `_MAX_FP` are
+    /// left unset ([`Tier`]).
+    fn tier(&self, size: u32) -> Tier {
+        let n = u64::from(size);
+        if n >= self.limits_from {
+            Tier::Paper
+        } else if n < self.small_job {
+            Tier::Small
+        } else {
+            Tier::Mid
+        }
+    }
+
     /// The limits for a job of `size` ranks. Paper 001's limits bound memory and the HCA's
-    /// context cache at scale; in a job of fewer than `WEFT_HYBRID_SMALL_JOB` ranks (32,
-    /// MVAPICH2's cut-off below which every peer gets RC-FP at once) a limit left unset allows
-    /// every peer, as MVAPICH2 does: there the limits only cost speed (UD-SR to the peers past
-    /// them) and save a few MiB at most.
+    /// context cache at scale (its evaluation: 512 processes); in a smaller job a limit left
+    /// unset is lifted ([`Tier`]), as MVAPICH2 lifts them: there they only cost speed (small
+    /// messages to the peers past them go by UD-SR, and a process whose peers filled their
+    /// slots first keeps most of its peers on UD) and save a few MiB at most.
     fn limits_for(&self, size: u32) -> Limits {
         let mut l = self.limits;
-        if u64::from(size) < self.small_job {
-            let peers = size.saturating_sub(1) as usize;
-            if !self.max_rc_set {
-                l.max_rc = l.max_rc.max(peers);
-            }
-            if !self.max_fp_set {
-                l.max_fp = l.max_fp.max(peers);
-            }
+        let peers = size.saturating_sub(1) as usize;
+        let fp_peers = match self.tier(size) {
+            Tier::Paper => return l,
+            Tier::Small => peers,
+            Tier::Mid => peers.min(MID_FP_PEERS),
+        };
+        if !self.max_rc_set {
+            l.max_rc = l.max_rc.max(peers);
+        }
+        if !self.max_fp_set {
+            l.max_fp = l.max_fp.max(fp_peers);
         }
         l
     }
 
     /// The limits for a job of `size` ranks with the RC-FP slots shared out
     /// (`WEFT_HYBRID_FP_SPREAD`), and the slots of each RC-FP ring (0: verbs-rc's
-    /// `WEFT_VERBS_RC_FP_BUFS`).
+    /// `WEFT_VERBS_RC_FP_BUFS`). A mid-sized job with `MAX_FP` unset gives its RC-FP peers rings
+    /// of half depth instead.
     fn in_force(&self, size: u32) -> (Limits, usize) {
         let mut l = self.limits_for(size);
+        if self.tier(size) == Tier::Mid && !self.max_fp_set {
+            let slots = self.fp_ring.map_or(0, |ring| (ring / 2).max(FP_RING_MIN));
+            return (l, slots);
+        }
         let peers = size.saturating_sub(1) as usize;
         match self.fp_ring.and_then(|ring| spread(&l, peers, ring)) {
             Some((peers, slots)) => {
@@ -1254,13 +1302,30 @@ weft_provider::register_provider!(
 pub fn limits_in_force() -> std::result::Result<String, String> {
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
     let (l, slots) = cfg.in_force(u32::MAX);
-    // What the largest job below SMALL_JOB ranks gets.
-    let small = cfg.limits_for(u32::try_from(cfg.small_job.saturating_sub(1)).unwrap_or(u32::MAX));
-    let lifted = match (small.max_rc > l.max_rc, small.max_fp > l.max_fp) {
-        (true, true) => Some("both"),
-        (true, false) => Some("RC connections"),
-        (false, true) => Some("RC-FP peers"),
-        (false, false) => None,
+    let lifted = match (cfg.limits_from, cfg.max_rc_set, cfg.max_fp_set) {
+        (0, ..) | (_, true, true) => String::new(),
+        (from, rc_set, fp_set) => {
+            let rc = if rc_set {
+                String::new()
+            } else {
+                "every peer may connect".to_string()
+            };
+            let fp = if fp_set {
+                String::new()
+            } else {
+                format!(
+                    "RC-FP for up to {MID_FP_PEERS} peers with half rings (every peer, whole \
+                     rings, below {} ranks: WEFT_HYBRID_SMALL_JOB)",
+                    cfg.small_job.min(from)
+                )
+            };
+            let both = if rc.is_empty() || fp.is_empty() {
+                ""
+            } else {
+                ", "
+            };
+            format!("; below {from} ranks (WEFT_HYBRID_LIMITS_FROM) {rc}{both}{fp}")
+        }
     };
     Ok(format!(
         "RC connections {}, RC-FP peers {}{}, after {} messages{}{}",
@@ -1275,10 +1340,7 @@ pub fn limits_in_force() -> std::result::Result<String, String> {
             ),
         },
         l.threshold,
-        lifted.map_or(String::new(), |w| format!(
-            "; {w}: every peer in a job of fewer than {} ranks (WEFT_HYBRID_SMALL_JOB)",
-            cfg.small_job
-        )),
+        lifted,
         if l.rebalance { "; rebalanced" } else { "" }
     ))
 }
@@ -1532,37 +1594,59 @@ mod tests {
         assert_eq!(caps.max_am_payload, 8192);
     }
 
-    /// Below `SMALL_JOB` ranks an unset limit allows every peer; a set one, or a job at or
-    /// above the cut-off, keeps its value.
+    /// Below `LIMITS_FROM` ranks an unset limit is lifted (every peer may connect; RC-FP for
+    /// every peer below `SMALL_JOB`, for up to 64 above); a set one, or a job at or above the
+    /// cut-off, keeps its value.
     #[test]
-    fn small_jobs_lift_the_limits_left_unset() {
-        let cfg = |(max_rc_set, max_fp_set): (bool, bool), small_job: u64| Config {
-            chain: Chain::default(),
-            auto: false,
-            limits: Limits::default(),
-            max_rc_set,
-            max_fp_set,
-            small_job,
-            fp_ring: None,
-            stats: false,
-        };
+    fn smaller_jobs_lift_the_limits_left_unset() {
+        let cfg =
+            |(max_rc_set, max_fp_set): (bool, bool), small_job: u64, limits_from: u64| Config {
+                chain: Chain::default(),
+                auto: false,
+                limits: Limits::default(),
+                max_rc_set,
+                max_fp_set,
+                small_job,
+                limits_from,
+                fp_ring: None,
+                stats: false,
+            };
         let lim = |c: &Config, n: u32| {
             let l = c.limits_for(n);
             (l.max_rc, l.max_fp)
         };
-        let unset = cfg((false, false), 32);
+        let unset = cfg((false, false), 32, 512);
         assert_eq!(lim(&unset, 2), (16, 8), "never below the paper's limits");
         assert_eq!(lim(&unset, 16), (16, 15));
         assert_eq!(lim(&unset, 31), (30, 30));
         assert_eq!(
             lim(&unset, 32),
+            (31, 31),
+            "from SMALL_JOB: RC-FP for up to 64"
+        );
+        assert_eq!(lim(&unset, 100), (99, 64));
+        assert_eq!(lim(&unset, 511), (510, 64));
+        assert_eq!(
+            lim(&unset, 512),
             (16, 8),
-            "the paper's limits from SMALL_JOB on"
+            "the paper's limits from LIMITS_FROM on"
         );
         assert_eq!(lim(&unset, 16384), (16, 8));
-        assert_eq!(lim(&cfg((true, false), 32), 24), (16, 23));
-        assert_eq!(lim(&cfg((false, true), 32), 24), (23, 8));
-        assert_eq!(lim(&cfg((false, false), 0), 24), (16, 8), "SMALL_JOB=0");
+        assert_eq!(lim(&cfg((true, false), 32, 512), 24), (16, 23));
+        assert_eq!(lim(&cfg((false, true), 32, 512), 24), (23, 8));
+        assert_eq!(lim(&cfg((true, true), 32, 512), 100), (16, 8));
+        assert_eq!(
+            lim(&cfg((false, false), 0, 512), 24),
+            (23, 23),
+            "SMALL_JOB=0"
+        );
+        assert_eq!(
+            lim(&cfg((false, false), 32, 0), 24),
+            (16, 8),
+            "LIMITS_FROM=0: the paper's limits at any size"
+        );
+        assert_eq!(lim(&cfg((false, false), 32, 24), 24), (16, 8));
+        assert_eq!(lim(&cfg((false, false), 32, 24), 23), (22, 22));
     }
 
     /// The slots of MAX_FP whole rings go to up to MAX_RC peers, none shallower than
@@ -1608,6 +1692,7 @@ mod tests {
             max_rc_set: false,
             max_fp_set: false,
             small_job: 32,
+            limits_from: 512,
             fp_ring,
             stats: false,
         };
@@ -1615,13 +1700,24 @@ mod tests {
             let (l, slots) = c.in_force(n);
             (l.max_rc, l.max_fp, slots)
         };
-        assert_eq!(got(&cfg(Some(16)), 64), (16, 16, 8));
+        assert_eq!(got(&cfg(Some(16)), 1024), (16, 16, 8), "paper 001's limits");
         assert_eq!(
             got(&cfg(Some(16)), 16),
             (16, 15, 0),
             "a small job: whole rings"
         );
-        assert_eq!(got(&cfg(None), 64), (16, 8, 0), "spreading off");
+        assert_eq!(
+            got(&cfg(Some(16)), 64),
+            (63, 63, 8),
+            "a mid-sized job: every peer, half rings"
+        );
+        assert_eq!(got(&cfg(Some(16)), 200), (199, 64, 8), "at most 64 rings");
+        assert_eq!(got(&cfg(None), 1024), (16, 8, 0), "spreading off");
+        assert_eq!(
+            got(&cfg(None), 64),
+            (63, 63, 0),
+            "WEFT_VERBS_RC_FP_BUFS set: its rings"
+        );
     }
 
     #[test]
@@ -1633,6 +1729,7 @@ mod tests {
             max_rc_set: false,
             max_fp_set: false,
             small_job: 32,
+            limits_from: 512,
             fp_ring: None,
             stats: false,
         };

@@ -322,15 +322,26 @@ mod tests {
         assert!(keepalive_probes("verbs-rc", 3).is_err());
     }
 
-    /// From SMALL_JOB ranks on the hybrid gives RC-FP to as many peers as it may connect,
+    /// From LIMITS_FROM ranks on the hybrid gives RC-FP to as many peers as it may connect,
     /// each ring half as deep as a small job's: the same slots as paper 001's 8 whole rings.
+    /// A mid-sized job gives every peer RC and up to 64 of them rings of the same half depth.
     #[test]
     fn a_large_job_shares_the_rc_fp_slots_of_eight_rings_among_sixteen_peers() {
         let open = |n| Hybrid::open(&mut Phantom::new(n)).expect("open hybrid");
-        let (small, large) = (open(16), open(64));
-        let (ls, ll) = (small.limits(), large.limits());
+        let (small, mid, large) = (open(16), open(64), open(512));
+        let (ls, lm, ll) = (small.limits(), mid.limits(), large.limits());
         assert_eq!((ls.max_rc, ls.max_fp), (16, 15), "a small job: every peer");
+        assert_eq!(
+            (lm.max_rc, lm.max_fp),
+            (63, 63),
+            "a mid-sized job: every peer"
+        );
         assert_eq!((ll.max_rc, ll.max_fp), (16, 16));
+        assert_eq!(
+            mid.fp_bytes_per_peer(),
+            large.fp_bytes_per_peer(),
+            "half rings in both"
+        );
         let (fs, fl) = (small.fp_bytes_per_peer(), large.fp_bytes_per_peer());
         let (fs, fl) = (fs.expect("RC-FP"), fl.expect("RC-FP"));
         // Half the slots; each ring keeps a few words of its own besides them.

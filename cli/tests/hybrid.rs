@@ -100,6 +100,22 @@ fn conformance_with_rc_opening_mid_suite() {
 }
 
 #[test]
+fn conformance_in_a_mid_sized_job() {
+    // A job from SMALL_JOB ranks to below LIMITS_FROM (here 4 ranks, SMALL_JOB=2): every peer
+    // may connect and each gets an RC-FP ring of half depth; the suite passes with the rings
+    // half as deep and every pair connected.
+    let stats = conformance(&["WEFT_HYBRID_SMALL_JOB=2", "WEFT_HYBRID_RC_THRESHOLD=2"]);
+    assert!(
+        stats.iter().any(|l| l.contains("limits: RC 16, RC-FP 8,")),
+        "{stats:#?}"
+    );
+    let b = budgets(&stats);
+    assert_eq!(b.len(), 4, "{stats:#?}");
+    assert!(b.iter().all(|&(_, _, opened)| opened >= 1), "{stats:#?}");
+    assert!(sent_over(&stats, "RC-FP") > 0, "{stats:#?}");
+}
+
+#[test]
 fn conformance_with_zero_copy_over_ud() {
     // No RC at all: large messages go by UD-ZCOPY, written into the receiver's buffer posted
     // on one of verbs-ud's zero-copy QPs (a window of receives into one buffer included, and

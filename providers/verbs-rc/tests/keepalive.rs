@@ -7,30 +7,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::InProcessJob;
-use weft_provider::provider::{Provider, Sink};
-use weft_provider::Rank;
+use weft_provider::provider::{Provider, SendOutcome};
 use weft_verbs_rc::{Sizing, VerbsRc};
 
-#[derive(Default)]
-struct Seen {
-    am: usize,
-    failed: Vec<Rank>,
-}
-
-impl Sink for Seen {
-    fn am(&mut self, _: Rank, _: &[u8], _: &[u8]) {
-        self.am += 1;
-    }
-    fn complete(
-        &mut self,
-        _: weft_provider::provider::Token,
-        _: weft_provider::Result<weft_provider::provider::Completed>,
-    ) {
-    }
-    fn peer_failed(&mut self, rank: Rank, _: &str) {
-        self.failed.push(rank);
-    }
-}
+mod common;
+use common::Events;
 
 #[test]
 fn probes_take_turns_and_find_the_last_peer_dead() {
@@ -63,19 +44,17 @@ fn probes_take_turns_and_find_the_last_peer_dead() {
                 };
                 let hca = weft_verbs::open_default().unwrap();
                 let mut p = VerbsRc::open_sized(&mut job.rank(r), sizing, hca).unwrap();
-                let mut seen = Seen::default();
+                let mut seen = Events::default();
                 let t0 = Instant::now();
                 if r == 0 {
                     for d in 1..n {
-                        while p.am_send(d, b"hi", &[]).unwrap()
-                            != weft_provider::provider::SendOutcome::Sent
-                        {
+                        while p.am_send(d, b"hi", &[]).unwrap() != SendOutcome::Sent {
                             p.progress(&mut seen).unwrap();
                             assert!(t0.elapsed() < t, "send to {d} stayed busy");
                         }
                     }
                 } else {
-                    while seen.am == 0 {
+                    while seen.am.is_empty() {
                         p.progress(&mut seen).unwrap();
                         assert!(t0.elapsed() < t, "rank {r}: no message");
                     }
@@ -96,7 +75,7 @@ fn probes_take_turns_and_find_the_last_peer_dead() {
                 let t0 = Instant::now();
                 while !found.load(Ordering::Acquire) {
                     p.progress(&mut seen).unwrap();
-                    if r == 0 && seen.failed.contains(&(n - 1)) {
+                    if r == 0 && seen.failed.iter().any(|(f, _)| *f == n - 1) {
                         found.store(true, Ordering::Release);
                     }
                     assert!(
@@ -110,7 +89,7 @@ fn probes_take_turns_and_find_the_last_peer_dead() {
                         .iter()
                         .find(|(k, _)| *k == "keepalives")
                         .map_or(0, |(_, v)| *v),
-                    seen.failed,
+                    seen.failed.iter().map(|(f, _)| *f).collect(),
                 )
             })
         })

@@ -10,6 +10,15 @@
 //!   off: it asks again after twice as many messages). Two processes that ask each other at
 //!   once both answer `Yes` to the other's `Ask` and end with one connection, counted once on
 //!   each side — Aptus allowed up to two extra connections in that race; here there are none.
+//! - With `fair`, a process at its limit that refuses an asker holding fewer connections than
+//!   one of its own RC peers asks that peer to yield: `Ask` carries the asker's count of
+//!   connections to others, `Yield` passes it on, and the peer compares it with its own. If the
+//!   peer holds more, it closes the connection (`Close`, as below) and the process, its slot
+//!   free, asks the starved asker itself; otherwise the peer answers `Keep` with its count,
+//!   which the process remembers when picking the next peer to ask. Each swap moves a
+//!   connection from a process to one with fewer, so the sum of the squares of the counts
+//!   falls and the swaps end; a greedy agreement can instead leave a process that asked late
+//!   with most of its peers on UD while theirs are all taken (docs/benchmarks.md).
 //! - With `rebalance`, a process at its limit that sees a busier peer closes its least-recently
 //!   used connection, if that one has been idle for `threshold` messages: `Close`, each side
 //!   stops sending on RC to the other and waits until what it sent there has completed
@@ -38,6 +47,9 @@ pub struct Limits {
     pub max_fp: usize,
     /// Give the least-recently-used connection to a busier peer when at the limit.
     pub rebalance: bool,
+    /// At the limit, ask a peer holding more connections than a refused asker to yield its
+    /// connection to it.
+    pub fair: bool,
 }
 
 impl Default for Limits {
@@ -47,40 +59,72 @@ impl Default for Limits {
             max_rc: 16,
             max_fp: 8,
             rebalance: false,
+            fair: true,
         }
     }
 }
 
-/// A control message between the budgets of two processes.
+/// A count of RC connections on the wire (saturating).
+pub type Count = u16;
+
+/// A control message between the budgets of two processes. The counts are of RC slots held
+/// towards processes other than the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Ctrl {
-    Ask,
+    /// May we connect? With the asker's count.
+    Ask(Count),
     Yes,
     No,
     Close,
     Closed,
+    /// Would you give our connection to a process that holds this many?
+    Yield(Count),
+    /// No: I hold this many.
+    Keep(Count),
 }
 
 impl Ctrl {
-    /// One byte on the wire.
+    /// The kind's byte on the wire.
     pub fn code(self) -> u8 {
         match self {
-            Ctrl::Ask => 1,
+            Ctrl::Ask(_) => 1,
             Ctrl::Yes => 2,
             Ctrl::No => 3,
             Ctrl::Close => 4,
             Ctrl::Closed => 5,
+            Ctrl::Yield(_) => 6,
+            Ctrl::Keep(_) => 7,
         }
     }
 
-    /// Undo [`Ctrl::code`].
-    pub fn from_code(b: u8) -> Option<Ctrl> {
-        Some(match b {
-            1 => Ctrl::Ask,
-            2 => Ctrl::Yes,
-            3 => Ctrl::No,
-            4 => Ctrl::Close,
-            5 => Ctrl::Closed,
+    /// The count it carries, if its kind carries one (two bytes after the code).
+    pub fn count(self) -> Option<Count> {
+        match self {
+            Ctrl::Ask(n) | Ctrl::Yield(n) | Ctrl::Keep(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// Whether the kind `code` carries a count; `None` for no kind.
+    pub fn takes_count(code: u8) -> Option<bool> {
+        match code {
+            1 | 6 | 7 => Some(true),
+            2..=5 => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Undo [`Ctrl::code`] and [`Ctrl::count`]: `None` for no kind, or a count where the kind
+    /// takes none or none where it takes one.
+    pub fn from_parts(code: u8, count: Option<Count>) -> Option<Ctrl> {
+        Some(match (code, count) {
+            (1, Some(n)) => Ctrl::Ask(n),
+            (2, None) => Ctrl::Yes,
+            (3, None) => Ctrl::No,
+            (4, None) => Ctrl::Close,
+            (5, None) => Ctrl::Closed,
+            (6, Some(n)) => Ctrl::Yield(n),
+            (7, Some(n)) => Ctrl::Keep(n),
             _ => return None,
         })
     }
@@ -162,7 +206,13 @@ struct Conn {
     peer: Rank,
     /// The budget's message clock at the last message with the peer (rebalancing).
     last_use: u64,
+    /// The connections the peer holds to others, as its last `Keep` said (`UNKNOWN` before):
+    /// whom to ask to yield first.
+    others: Count,
 }
+
+/// A peer's count of connections not yet heard.
+const UNKNOWN: Count = Count::MAX;
 
 /// Counts for `WEFT_HYBRID_STATS`.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +223,9 @@ pub struct BudgetStats {
     pub closed: u64,
     pub fp_opened: u64,
     pub fp_closed: u64,
+    /// `Yield`s sent for a refused asker, and connections given up when asked.
+    pub yields_asked: u64,
+    pub yielded: u64,
 }
 
 /// One process's RC and RC-FP budget, and the per-peer records (`R`) it keeps.
@@ -186,6 +239,9 @@ pub struct Budget<R: Record = Link> {
     conns: Vec<Conn>,
     clock: u64,
     stats: BudgetStats,
+    /// The `Yield` awaiting an answer: (the peer asked to yield, the refused asker its slot
+    /// goes to). One at a time.
+    yielding: Option<(Rank, Rank)>,
 }
 
 impl<R: Record> Budget<R> {
@@ -198,6 +254,7 @@ impl<R: Record> Budget<R> {
             conns: Vec::new(),
             clock: 0,
             stats: BudgetStats::default(),
+            yielding: None,
         }
     }
 
@@ -267,6 +324,12 @@ impl<R: Record> Budget<R> {
         self.conns.len()
     }
 
+    /// RC slots held towards others than `peer` (saturating to the wire's count).
+    fn others_than(&self, peer: Rank) -> Count {
+        let n = self.conns.iter().filter(|c| c.peer != peer).count();
+        Count::try_from(n).unwrap_or(Count::MAX - 1)
+    }
+
     /// RC-FP rings offered.
     pub fn fp_used(&self) -> usize {
         self.conns.iter().filter(|c| self.has_fp(c.peer)).count()
@@ -289,6 +352,7 @@ impl<R: Record> Budget<R> {
         self.conns.push(Conn {
             peer,
             last_use: clock,
+            others: UNKNOWN,
         });
     }
 
@@ -334,11 +398,45 @@ impl<R: Record> Budget<R> {
             return;
         }
         if self.rc_used() < self.limits.max_rc {
-            self.hold(peer, RcState::Asked);
-            self.stats.asked += 1;
-            out.push(Action::Send(peer, Ctrl::Ask));
+            self.ask(peer, out);
         } else {
             self.evict_for(peer, out);
+        }
+    }
+
+    /// Hold a slot for `peer` (on UD, a slot free) and ask it.
+    fn ask(&mut self, peer: Rank, out: &mut Vec<Action>) {
+        self.hold(peer, RcState::Asked);
+        self.stats.asked += 1;
+        out.push(Action::Send(peer, Ctrl::Ask(self.others_than(peer))));
+    }
+
+    /// With `fair` on, at the limit, `asker` (holding `held` connections to others) was
+    /// refused: ask the RC peer most likely to hold more than it to yield. Whether it does is
+    /// its call, on its own count; `false` if none was asked.
+    fn ask_to_yield(&mut self, asker: Rank, held: Count, out: &mut Vec<Action>) -> bool {
+        if !self.limits.fair || self.yielding.is_some() {
+            return false;
+        }
+        let victim = self
+            .conns
+            .iter()
+            .filter(|c| c.peer != asker && c.others > held && self.state(c.peer) == RcState::Up)
+            .max_by_key(|c| (c.others, std::cmp::Reverse(c.last_use), c.peer))
+            .map(|c| c.peer);
+        let Some(v) = victim else {
+            return false;
+        };
+        self.yielding = Some((v, asker));
+        self.stats.yields_asked += 1;
+        out.push(Action::Send(v, Ctrl::Yield(held)));
+        true
+    }
+
+    /// `peer` failed: a `Yield` sent to it or for it will not be answered.
+    pub fn peer_failed(&mut self, peer: Rank) {
+        if self.yielding.is_some_and(|(v, a)| v == peer || a == peer) {
+            self.yielding = None;
         }
     }
 
@@ -409,24 +507,27 @@ impl<R: Record> Budget<R> {
         self.touch(peer);
         let state = self.state(peer);
         match (msg, state) {
-            (Ctrl::Ask, RcState::Up) => out.push(Action::Send(peer, Ctrl::Yes)),
+            (Ctrl::Ask(_), RcState::Up) => out.push(Action::Send(peer, Ctrl::Yes)),
             // Both asked at once: each says yes to the other; one connection, one slot each.
-            (Ctrl::Ask, RcState::Asked) => {
+            (Ctrl::Ask(_), RcState::Asked) => {
                 out.push(Action::Send(peer, Ctrl::Yes));
                 self.go_up(peer, out);
             }
-            (Ctrl::Ask, RcState::Ud) => {
+            (Ctrl::Ask(held), RcState::Ud) => {
                 if self.rc_used() < self.limits.max_rc {
                     out.push(Action::Send(peer, Ctrl::Yes));
                     self.go_up(peer, out);
                 } else {
                     self.stats.refused += 1;
                     out.push(Action::Send(peer, Ctrl::No));
-                    // Make room for next time if this asker is busier than an idle connection.
-                    self.evict_for(peer, out);
+                    // Make room: for this asker if a peer holds more connections than it, or
+                    // for next time if it is busier than an idle connection.
+                    if !self.ask_to_yield(peer, held, out) {
+                        self.evict_for(peer, out);
+                    }
                 }
             }
-            (Ctrl::Ask, RcState::Closing { .. }) => {
+            (Ctrl::Ask(_), RcState::Closing { .. }) => {
                 self.stats.refused += 1;
                 out.push(Action::Send(peer, Ctrl::No));
             }
@@ -438,6 +539,26 @@ impl<R: Record> Budget<R> {
                 }
             }
             (Ctrl::Close, RcState::Up) => self.start_close(peer, out),
+            // Give our connection to a process holding fewer than we do (counting neither
+            // this one nor the one it would gain), else say how many we hold.
+            (Ctrl::Yield(held), s) => {
+                let mine = self.others_than(peer);
+                if s == RcState::Up && mine > held {
+                    self.stats.yielded += 1;
+                    self.start_close(peer, out);
+                    out.push(Action::Send(peer, Ctrl::Close));
+                } else {
+                    out.push(Action::Send(peer, Ctrl::Keep(mine)));
+                }
+            }
+            (Ctrl::Keep(n), _) => {
+                if let Some(c) = self.conns.iter_mut().find(|c| c.peer == peer) {
+                    c.others = n;
+                }
+                if self.yielding.is_some_and(|(v, _)| v == peer) {
+                    self.yielding = None;
+                }
+            }
             (Ctrl::Closed, RcState::Closing { drained, .. }) => {
                 if let Some(p) = self.link_mut(peer) {
                     p.rc = RcState::Closing {
@@ -482,6 +603,16 @@ impl<R: Record> Budget<R> {
         self.release(peer);
         self.stats.closed += 1;
         out.push(Action::Teardown(peer));
+        // The slot a `Yield` freed (or any close while one was awaited) goes to the asker it
+        // was for, if that one is still on UD here.
+        if let Some((v, asker)) = self.yielding {
+            if v == peer {
+                self.yielding = None;
+                if self.state(asker) == RcState::Ud && self.rc_used() < self.limits.max_rc {
+                    self.ask(asker, out);
+                }
+            }
+        }
         // A freed RC-FP ring goes to the most recently used connection without one.
         if self.fp_used() < self.limits.max_fp {
             let next = self
@@ -551,7 +682,7 @@ mod tests {
         }
         assert!(out.is_empty(), "asked below the threshold");
         b.note_if(1, || true, &mut out);
-        assert_eq!(out, vec![Action::Send(1, Ctrl::Ask)]);
+        assert_eq!(out, vec![Action::Send(1, Ctrl::Ask(0))]);
         b.note_if(1, || panic!("asked about an RC peer's message"), &mut out);
         let mut r: Budget = Budget::new(
             0,
@@ -704,12 +835,14 @@ mod tests {
         }
     }
 
+    /// Limits without the fair agreement (first come, first served), unless a test turns it on.
     fn limits(threshold: u64, max_rc: usize, max_fp: usize, rebalance: bool) -> Limits {
         Limits {
             threshold,
             max_rc,
             max_fp,
             rebalance,
+            fair: false,
         }
     }
 
@@ -817,13 +950,155 @@ mod tests {
         assert_eq!(j.torn.len(), 2);
     }
 
+    /// A process at its limit that refuses an asker holding no connection asks a peer holding
+    /// more to yield; that peer gives up its connection and the asker gets the slot. Without
+    /// `fair` the asker stays on UD.
+    #[test]
+    fn a_refused_asker_gets_the_slot_of_a_peer_holding_more() {
+        for fair in [false, true] {
+            let mut j = Job::new(
+                4,
+                Limits {
+                    fair,
+                    ..limits(1, 2, 2, false)
+                },
+            );
+            // 0-1, 0-2, 1-2: ranks 0, 1 and 2 are full.
+            for (a, b) in [(0, 1), (0, 2), (1, 2)] {
+                j.traffic(a, b);
+                j.settle();
+            }
+            j.traffic(3, 0);
+            j.settle();
+            j.check_agreement();
+            assert_eq!(j.b[0].stats().refused, 1);
+            if fair {
+                assert!(j.b[0].rc_open(3), "the starved asker got rank 0's slot");
+                assert_eq!(j.b[0].stats().yields_asked, 1);
+                // Rank 0 asked the peer it knew least about, rank 1 (unknown, older); rank 1
+                // held one connection to others (to 2), more than rank 3's none.
+                assert_eq!(j.b[1].stats().yielded, 1);
+                assert!(!j.b[0].rc_open(1) && j.b[0].rc_open(2));
+                assert_eq!(j.b[3].rc_used(), 1);
+            } else {
+                assert_eq!(j.b[3].rc_used(), 0);
+                assert_eq!(j.b[0].stats().yields_asked, 0);
+            }
+        }
+    }
+
+    /// A peer holding no more connections than the asker keeps its own and says how many it
+    /// holds; the process remembers, and does not ask it again for an asker holding as many.
+    #[test]
+    fn a_peer_holding_no_more_keeps_its_connection() {
+        let mut j = Job::new(
+            4,
+            Limits {
+                fair: true,
+                ..limits(1, 1, 1, false)
+            },
+        );
+        // 0-1 (both full); then rank 2, holding no connection, asks 0.
+        j.traffic(0, 1);
+        j.settle();
+        let mut out = vec![];
+        j.b[0].on_ctrl(2, Ctrl::Ask(0), &mut out);
+        assert_eq!(
+            out,
+            vec![Action::Send(2, Ctrl::No), Action::Send(1, Ctrl::Yield(0))]
+        );
+        j.apply(0, out);
+        j.settle();
+        j.check_agreement();
+        assert!(j.b[0].rc_open(1), "rank 1 holds none to others: it keeps 0");
+        assert_eq!(j.b[1].stats().yielded, 0);
+        let mut out = vec![];
+        j.b[0].on_ctrl(2, Ctrl::Ask(0), &mut out);
+        assert_eq!(
+            out,
+            vec![Action::Send(2, Ctrl::No)],
+            "known to hold no more"
+        );
+    }
+
+    /// Ranks of a 32-rank job that each want 18 peers (a ring with 9 neighbours on each side)
+    /// and may hold 16, two of them late to talk (as the two of `mixed` at 32 ranks that asked
+    /// last, docs/benchmarks.md): first come, first served leaves those with a few while their
+    /// peers are full; the fair agreement leaves every rank with 15 or 16.
+    #[test]
+    fn the_fair_agreement_leaves_no_rank_starved() {
+        let n = 32u32;
+        let pairs: Vec<(Rank, Rank)> = (0..n)
+            .flat_map(|a| (1..=9).map(move |d| (a, (a + d) % n)))
+            .collect();
+        let run = |fair: bool| {
+            let mut j = Job::new(
+                n,
+                Limits {
+                    fair,
+                    ..limits(4, 16, 8, false)
+                },
+            );
+            // The order the pairs talk in: a fixed shuffle, settling now and then, as the
+            // control messages of a real job lag its traffic.
+            let mut x = 0x2545_f491_u64;
+            for round in 0..40 {
+                let mut order = pairs.clone();
+                for i in (1..order.len()).rev() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    order.swap(i, (x % (i as u64 + 1)) as usize);
+                }
+                let late = |r: Rank| round < 20 && (r == 0 || r == 16);
+                for (k, &(a, b)) in order.iter().enumerate() {
+                    if late(a) || late(b) {
+                        continue;
+                    }
+                    j.traffic(a, b);
+                    if (k + round) % 16 == 0 {
+                        j.settle();
+                    }
+                }
+            }
+            j.settle();
+            j.check_agreement();
+            let held: Vec<usize> = j.b.iter().map(|b| b.rc_used()).collect();
+            let yielded: u64 = j.b.iter().map(|b| b.stats().yielded).sum();
+            (held, yielded)
+        };
+        let (greedy, none) = run(false);
+        let (fair, yielded) = run(true);
+        assert_eq!(none, 0);
+        assert!(
+            greedy.iter().min() <= Some(&4),
+            "this schedule starves a rank first come, first served: {greedy:?}"
+        );
+        assert!(
+            fair.iter().all(|&h| h >= 15),
+            "every rank holds 15 or 16: {fair:?}"
+        );
+        assert!(yielded > 0);
+    }
+
     #[test]
     fn ctrl_codes_round_trip() {
-        for c in [Ctrl::Ask, Ctrl::Yes, Ctrl::No, Ctrl::Close, Ctrl::Closed] {
-            assert_eq!(Ctrl::from_code(c.code()), Some(c));
+        for c in [
+            Ctrl::Ask(3),
+            Ctrl::Yes,
+            Ctrl::No,
+            Ctrl::Close,
+            Ctrl::Closed,
+            Ctrl::Yield(0),
+            Ctrl::Keep(Count::MAX),
+        ] {
+            assert_eq!(Ctrl::takes_count(c.code()), Some(c.count().is_some()));
+            assert_eq!(Ctrl::from_parts(c.code(), c.count()), Some(c));
         }
-        assert_eq!(Ctrl::from_code(0), None);
-        assert_eq!(Ctrl::from_code(6), None);
+        assert_eq!(Ctrl::takes_count(0), None);
+        assert_eq!(Ctrl::takes_count(8), None);
+        assert_eq!(Ctrl::from_parts(1, None), None, "an Ask without its count");
+        assert_eq!(Ctrl::from_parts(2, Some(1)), None, "a Yes with a count");
     }
 
     proptest! {
@@ -835,8 +1110,9 @@ mod tests {
             steps in prop::collection::vec((0u8..4, 0u32..5, 0u32..5, any::<u8>()), 1..400),
             max_rc in 1usize..4,
             rebalance in any::<bool>(),
+            fair in any::<bool>(),
         ) {
-            let mut j = Job::new(5, limits(3, max_rc, 1, rebalance));
+            let mut j = Job::new(5, Limits { fair, ..limits(3, max_rc, 1, rebalance) });
             for (kind, a, b, k) in steps {
                 match kind {
                     0 | 1 if a != b => j.traffic(a, b),

@@ -17,7 +17,8 @@
 //! channel their access names; local ones to both. A chain without either channel streams
 //! large messages in active-message chunks of at most its UD-SR size.
 //!
-//! Rebalancing (`WEFT_HYBRID_REBALANCE=1`): the budget's `Drain` stops RC sends to the peer
+//! Closing a connection (rebalancing with `WEFT_HYBRID_REBALANCE=1`, or a peer yielding its
+//! slot to a starved process under `WEFT_HYBRID_FAIR`): the budget's `Drain` stops RC sends to the peer
 //! (verbs-rc `quiesce`); once verbs-rc is quiet towards it the budget hears `drained` and
 //! sends `Closed` with our next sequence number; its `Teardown` destroys the connection
 //! (verbs-rc `disconnect`) once every message the peer numbered below its own `Closed` has
@@ -59,6 +60,8 @@ weft_provider::param!(FP_SPREAD: Bool = "hybrid", "FP_SPREAD", "1",
     "hybrid: where MAX_FP is below MAX_RC, share the RC-FP slots of MAX_FP rings of WEFT_VERBS_RC_FP_BUFS among up to MAX_RC peers with shallower rings (at least 4 slots; the same memory); 0: MAX_FP peers with whole rings, as paper 001 (also when WEFT_VERBS_RC_FP_BUFS is set)");
 weft_provider::param!(REBALANCE: Bool = "hybrid", "REBALANCE", "0",
     "hybrid: at the RC limit, close the least-recently-used connection (idle for RC_THRESHOLD messages) for a busier peer, both sides draining first");
+weft_provider::param!(FAIR: Bool = "hybrid", "FAIR", "1",
+    "hybrid: at the RC limit, a process that refuses a peer holding fewer connections than one of its own RC peers asks that peer to give up its connection for the refused one (swaps only towards the process with fewer, so they end); 0: first come, first served");
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
     "hybrid: print messages and bytes per peer and channel, RC connections and RC-FP slots opened and closed, and the limits in force, at finalize (standard error)");
 
@@ -204,6 +207,7 @@ impl Config {
                 max_rc: MAX_RC.get_u64()? as usize,
                 max_fp: MAX_FP.get_u64()? as usize,
                 rebalance: REBALANCE.get_bool()?,
+                fair: FAIR.get_bool()?,
             },
             max_rc_set: MAX_RC.is_set(),
             max_fp_set: MAX_FP.is_set(),
@@ -713,6 +717,9 @@ impl Hybrid {
                 let next = self.budget.peer(p).map_or(0, |s| s.seq.peek());
                 m[2..6].copy_from_slice(&next.to_le_bytes());
                 6
+            } else if let Some(n) = c.count() {
+                m[2..4].copy_from_slice(&n.to_le_bytes());
+                4
             } else {
                 2
             };
@@ -767,12 +774,14 @@ impl Hybrid {
         let s = self.budget.stats();
         let l = self.budget.limits();
         lines.push(format!(
-            "hybrid: rank {} RC asked {} refused {} opened {} closed {}; RC-FP opened {} closed {}; held for order {} (at most {} at once); limits: RC {}, RC-FP {}, threshold {}",
+            "hybrid: rank {} RC asked {} refused {} opened {} closed {} (asked others to yield {}, yielded {}); RC-FP opened {} closed {}; held for order {} (at most {} at once); limits: RC {}, RC-FP {}, threshold {}",
             self.rank,
             s.asked,
             s.refused,
             s.opened,
             s.closed,
+            s.yields_asked,
+            s.yielded,
             s.fp_opened,
             s.fp_closed,
             self.totals.held,
@@ -842,18 +851,27 @@ impl Sink for Recv<'_> {
         match header {
             // `Closed` carries the sender's next sequence number: everything it sent before
             // (over RC too) must be delivered here before the connection goes.
-            [K_CTRL, code, rest @ ..] => match (Ctrl::from_code(*code), rest) {
-                (Some(Ctrl::Closed), &[a, b, c, d]) => {
-                    self.ctrl_in
-                        .push((src, Ctrl::Closed, u32::from_le_bytes([a, b, c, d])))
+            // The budget's counts take two bytes after the code.
+            [K_CTRL, code, rest @ ..] => {
+                let closed = *code == Ctrl::Closed.code();
+                let got = match (Ctrl::takes_count(*code), rest) {
+                    (Some(true), &[a, b]) => {
+                        Ctrl::from_parts(*code, Some(u16::from_le_bytes([a, b]))).map(|c| (c, 0))
+                    }
+                    (Some(false), &[a, b, c, d]) if closed => {
+                        Some((Ctrl::Closed, u32::from_le_bytes([a, b, c, d])))
+                    }
+                    (Some(false), []) if !closed => Ctrl::from_parts(*code, None).map(|c| (c, 0)),
+                    _ => None,
+                };
+                match got {
+                    Some((c, seq)) => self.ctrl_in.push((src, c, seq)),
+                    None => self.malformed(
+                        src,
+                        &format!("control code {code} with {} bytes after it", rest.len()),
+                    ),
                 }
-                (Some(c), []) if c != Ctrl::Closed => self.ctrl_in.push((src, c, 0)),
-                (Some(c), _) => self.malformed(
-                    src,
-                    &format!("control {c:?} with {} bytes after it", rest.len()),
-                ),
-                (None, _) => self.malformed(src, &format!("control code {code}")),
-            },
+            }
             _ => self.malformed(src, &format!("a header of {} bytes", header.len())),
         }
     }
@@ -867,6 +885,7 @@ impl Sink for Recv<'_> {
         if let Some(p) = self.budget.peer_mut(rank) {
             if !p.failed {
                 p.failed = true;
+                self.budget.peer_failed(rank);
                 self.holding.forget(rank);
                 self.core.peer_failed(rank, reason);
             }
@@ -1206,6 +1225,8 @@ impl Provider for Hybrid {
             ("rc_refused", s.refused),
             ("rc_opened", s.opened),
             ("rc_closed", s.closed),
+            ("rc_yields_asked", s.yields_asked),
+            ("rc_yielded", s.yielded),
             ("fp_opened", s.fp_opened),
             ("fp_closed", s.fp_closed),
             ("rc_fallback_ud", self.totals.rc_fallback),
@@ -1328,7 +1349,7 @@ pub fn limits_in_force() -> std::result::Result<String, String> {
         }
     };
     Ok(format!(
-        "RC connections {}, RC-FP peers {}{}, after {} messages{}{}",
+        "RC connections {}, RC-FP peers {}{}, after {} messages{}{}{}",
         l.max_rc,
         l.max_fp,
         match cfg.fp_ring.filter(|_| slots > 0) {
@@ -1341,7 +1362,13 @@ pub fn limits_in_force() -> std::result::Result<String, String> {
         },
         l.threshold,
         lifted,
-        if l.rebalance { "; rebalanced" } else { "" }
+        if l.rebalance { "; rebalanced" } else { "" },
+        if l.fair {
+            "; at the limit a refused peer holding fewer connections may take a slot from one \
+             holding more (WEFT_HYBRID_FAIR)"
+        } else {
+            ""
+        }
     ))
 }
 
@@ -1521,8 +1548,8 @@ mod tests {
     #[test]
     fn control_messages_reach_the_budget_and_bad_ones_fail_the_peer() {
         let mut rig = Rig::new(100);
-        rig.arrive(1, &[K_CTRL, Ctrl::Ask.code()], &[]);
-        assert_eq!(rig.ctrl_in, vec![(1, Ctrl::Ask, 0)]);
+        rig.arrive(1, &[K_CTRL, Ctrl::Ask(0).code(), 3, 1], &[]);
+        assert_eq!(rig.ctrl_in, vec![(1, Ctrl::Ask(259), 0)]);
         rig.arrive(1, &[K_CTRL, Ctrl::Closed.code(), 7, 0, 0, 0], &[]);
         assert_eq!(rig.ctrl_in[1], (1, Ctrl::Closed, 7));
         assert!(rig.core.failed.is_empty());
@@ -1532,7 +1559,8 @@ mod tests {
         assert!(rig.core.failed[0].1.contains("control code 99"));
         assert!(rig.core.ams.is_empty(), "nothing from a failed peer");
         let closed = Ctrl::Closed.code();
-        let ask = Ctrl::Ask.code();
+        let ask = Ctrl::Ask(0).code();
+        let yes = Ctrl::Yes.code();
         for bad in [
             &[][..],
             &[K_DATA, 0, 0][..],
@@ -1541,6 +1569,9 @@ mod tests {
             &[K_CTRL, closed][..],
             &[K_CTRL, closed, 1, 2][..],
             &[K_CTRL, ask, 0][..],
+            // An `Ask` without its count, a `Yes` with one.
+            &[K_CTRL, ask][..],
+            &[K_CTRL, yes, 0, 0][..],
         ] {
             let mut rig = Rig::new(100);
             rig.arrive(1, bad, b"");
@@ -1561,7 +1592,7 @@ mod tests {
         let mut rig = Rig::new(2);
         rig.arrive(1, &data(0, b"h"), &[0; 100]);
         rig.arrive(1, &data(1, b"h"), &[0; 5000]);
-        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask)]);
+        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask(0))]);
         // A chain that never uses RC never asks.
         let mut rig = Rig::new(1);
         rig.chain = Chain::parse("{true: UD-SR}").unwrap().for_job(3).unwrap();
@@ -1586,7 +1617,7 @@ mod tests {
             "101 payload bytes are past the rule"
         );
         rig.arrive(1, &data(1, &[7; 40]), &[0; 100]);
-        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask)]);
+        assert_eq!(rig.actions, vec![Action::Send(1, Ctrl::Ask(0))]);
         // The eager limit is the chain's UD-SR reach (paper 001: 8192), so a message of
         // 8 KiB goes eagerly rather than by a rendezvous for the header's sake.
         let caps = Hybrid::static_caps().unwrap();

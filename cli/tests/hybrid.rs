@@ -248,6 +248,25 @@ fn conformance_with_rebalancing_at_an_rc_limit_of_one() {
     }
 }
 
+/// Two connections per process among four, rebalanced every few messages, and the fair
+/// agreement swapping connections towards the processes holding fewer (dozens of `Yield`s
+/// granted per run), datagrams lost and duplicated: every swap drains both sides like a
+/// rebalance, and nothing may be lost, duplicated or reordered.
+#[test]
+fn conformance_with_fair_swaps_and_rebalancing_at_an_rc_limit_of_two() {
+    let stats = conformance(&[
+        "WEFT_HYBRID_MAX_RC=2",
+        "WEFT_HYBRID_REBALANCE=1",
+        "WEFT_HYBRID_RC_THRESHOLD=3",
+        "WEFT_VERBS_SOFT_UD_DROP=0.05",
+        "WEFT_VERBS_SOFT_UD_DUP=0.05",
+    ]);
+    let f = fairness(&stats);
+    assert_eq!(f.len(), 4, "{stats:#?}");
+    assert!(f.iter().all(|&(held, ..)| held <= 2), "{stats:#?}");
+    assert!(f.iter().map(|&(_, _, y)| y).sum::<u64>() > 0, "{stats:#?}");
+}
+
 /// The chain lines (`hybrid: rank N chain ...`) of the statistics, chains only.
 fn chains(stats: &[String]) -> Vec<String> {
     stats

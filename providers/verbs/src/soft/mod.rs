@@ -226,6 +226,8 @@ struct Inner {
     srqs: Vec<Option<SrqLocal>>,
     ahs: Vec<Option<(Arc<Target>, AhAttr)>>,
     dms: Vec<Option<(u64, usize)>>,
+    /// Where the search for a free entry of each table above starts.
+    free_from: FreeFrom,
     heap: Option<Heap>,
     peers: HashMap<Gid, Arc<Target>>,
     acct: Accounting,
@@ -264,14 +266,35 @@ pub struct SoftHca {
     host: u16,
 }
 
-fn slot<T>(v: &mut Vec<Option<T>>, max: usize) -> Option<usize> {
-    if let Some(i) = v.iter().position(|x| x.is_none()) {
-        return Some(i);
-    }
-    (v.len() < max).then(|| {
-        v.push(None);
-        v.len() - 1
-    })
+/// The lowest free entry of an object table (reused before the table grows), or a new one
+/// while it has fewer than `max`. `from` is where the search starts: no entry below it is free,
+/// as every destroy lowers it to the entry it frees ([`FreeFrom`]), so making thousands of QPs
+/// or address handles in a row does not look at the taken ones again each time (it did: the
+/// 16K-peer synthetic run spent two thirds of its time here).
+fn slot<T>(v: &mut Vec<Option<T>>, from: &mut usize, max: usize) -> Option<usize> {
+    let start = (*from).min(v.len());
+    let i = match v[start..].iter().position(Option::is_none) {
+        Some(k) => start + k,
+        None if v.len() < max => {
+            v.push(None);
+            v.len() - 1
+        }
+        // Full from `from` on: a free entry below it would be one a destroy did not report.
+        None => v.iter().position(Option::is_none)?,
+    };
+    *from = i + 1;
+    Some(i)
+}
+
+/// Where [`slot`] starts looking in each object table.
+#[derive(Debug, Default)]
+struct FreeFrom {
+    mr: usize,
+    dm: usize,
+    cq: usize,
+    srq: usize,
+    qp: usize,
+    ah: usize,
 }
 
 impl SoftHca {
@@ -1048,3 +1071,39 @@ impl Drop for SoftHca {
 }
 
 mod verbs;
+
+#[cfg(test)]
+mod tests {
+    use super::slot;
+
+    /// A table hands out its lowest free entry, grows only when none is free, and stops at
+    /// `max`; the search starts past the entries it knows are taken, so filling a table of
+    /// n entries looks at each once, not n²/2 times.
+    #[test]
+    fn slots_reuse_the_lowest_free_entry_and_look_at_each_taken_one_once() {
+        let mut v: Vec<Option<u32>> = Vec::new();
+        let mut from = 0;
+        for i in 0..5 {
+            let k = slot(&mut v, &mut from, 5).unwrap();
+            assert_eq!(k, i);
+            v[k] = Some(i as u32);
+        }
+        assert_eq!(from, 5, "the search starts past the taken entries");
+        assert_eq!(slot(&mut v, &mut from, 5), None, "full at max");
+        // Entries 3 and 1 freed (each destroy lowers `from` to the entry it frees).
+        for i in [3, 1] {
+            v[i] = None;
+            from = from.min(i);
+        }
+        assert_eq!(slot(&mut v, &mut from, 5), Some(1));
+        v[1] = Some(9);
+        assert_eq!(slot(&mut v, &mut from, 5), Some(3));
+        v[3] = Some(9);
+        // A free entry a destroy did not report is still found once the table is full.
+        v[0] = None;
+        assert_eq!(slot(&mut v, &mut from, 5), Some(0));
+        v[0] = Some(9);
+        // Below `max` a table without a free entry from `from` on grows.
+        assert_eq!(slot(&mut v, &mut from, 6), Some(5));
+    }
+}

@@ -282,7 +282,8 @@ fn slot<T>(v: &mut Vec<Option<T>>, from: &mut usize, max: usize) -> Option<usize
         // Full from `from` on: a free entry below it would be one a destroy did not report.
         None => v.iter().position(Option::is_none)?,
     };
-    *from = i + 1;
+    // Not past `i`: a creation that fails after taking the entry leaves it free.
+    *from = i;
     Some(i)
 }
 
@@ -1088,7 +1089,7 @@ mod tests {
             assert_eq!(k, i);
             v[k] = Some(i as u32);
         }
-        assert_eq!(from, 5, "the search starts past the taken entries");
+        assert_eq!(from, 4, "the search starts at the last entry handed out");
         assert_eq!(slot(&mut v, &mut from, 5), None, "full at max");
         // Entries 3 and 1 freed (each destroy lowers `from` to the entry it frees).
         for i in [3, 1] {
@@ -1103,7 +1104,9 @@ mod tests {
         v[0] = None;
         assert_eq!(slot(&mut v, &mut from, 5), Some(0));
         v[0] = Some(9);
-        // Below `max` a table without a free entry from `from` on grows.
+        // Below `max` a table without a free entry from `from` on grows; an entry handed out
+        // but left empty (its creation failed) is the next one handed out.
+        assert_eq!(slot(&mut v, &mut from, 6), Some(5));
         assert_eq!(slot(&mut v, &mut from, 6), Some(5));
     }
 }

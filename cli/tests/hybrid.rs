@@ -459,7 +459,7 @@ fn fairness(stats: &[String]) -> Vec<(u64, u64, u64)> {
 
 /// Eight ranks that each talk to the seven others (`weft bench mixed`) and may hold four
 /// connections: more wanted than the limits allow. Taken first come, first served, two ranks
-/// were left with one or two connections in most runs; with the fair agreement (the default)
+/// were left with none, one or two connections (five runs of five); with the fair agreement (the default)
 /// processes at the limit that refuse such a rank ask a peer holding more to yield, and every
 /// rank ends with three or four, none over the limit, the traffic of the swaps delivered.
 #[test]

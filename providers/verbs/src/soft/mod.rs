@@ -218,16 +218,14 @@ struct QpLocal {
 struct Inner {
     pds: Vec<u32>,
     next_pd: u32,
-    mrs: Vec<Option<MrLocal>>,
+    mrs: Table<MrLocal>,
     mr_gen: Vec<u16>,
-    qps: Vec<Option<Box<QpLocal>>>,
+    qps: Table<Box<QpLocal>>,
     qp_gen: Vec<u8>,
-    cqs: Vec<Option<CqLocal>>,
-    srqs: Vec<Option<SrqLocal>>,
-    ahs: Vec<Option<(Arc<Target>, AhAttr)>>,
-    dms: Vec<Option<(u64, usize)>>,
-    /// Where the search for a free entry of each table above starts.
-    free_from: FreeFrom,
+    cqs: Table<CqLocal>,
+    srqs: Table<SrqLocal>,
+    ahs: Table<(Arc<Target>, AhAttr)>,
+    dms: Table<(u64, usize)>,
     heap: Option<Heap>,
     peers: HashMap<Gid, Arc<Target>>,
     acct: Accounting,
@@ -266,36 +264,66 @@ pub struct SoftHca {
     host: u16,
 }
 
-/// The lowest free entry of an object table (reused before the table grows), or a new one
-/// while it has fewer than `max`. `from` is where the search starts: no entry below it is free,
-/// as every destroy lowers it to the entry it frees ([`FreeFrom`]), so making thousands of QPs
-/// or address handles in a row does not look at the taken ones again each time (it did: the
-/// 16K-peer synthetic run spent two thirds of its time here).
-fn slot<T>(v: &mut Vec<Option<T>>, from: &mut usize, max: usize) -> Option<usize> {
-    let start = (*from).min(v.len());
-    let i = match v[start..].iter().position(Option::is_none) {
-        Some(k) => start + k,
-        None if v.len() < max => {
-            v.push(None);
-            v.len() - 1
-        }
-        // Full from `from` on: a free entry below it would be one a destroy did not report.
-        None => v.iter().position(Option::is_none)?,
-    };
-    // Not past `i`: a creation that fails after taking the entry leaves it free.
-    *from = i;
-    Some(i)
+/// An object table (QPs, CQs, MRs...): entries by index, the lowest free one handed out before
+/// the table grows. It reads as its `Vec` of entries; [`Table::slot`] and [`Table::free`] keep
+/// where the search for a free entry starts, so that making thousands of QPs or address handles
+/// in a row does not look at the taken ones again each time (it did: the 16K-peer synthetic run
+/// spent two thirds of its time there).
+struct Table<T> {
+    v: Vec<Option<T>>,
+    /// No entry below it is free: every [`Table::free`] lowers it, and [`Table::slot`] stops at
+    /// the entry it hands out, so one whose creation failed is handed out again. An entry
+    /// emptied without `free` is still found, once the table is full.
+    from: usize,
 }
 
-/// Where [`slot`] starts looking in each object table.
-#[derive(Debug, Default)]
-struct FreeFrom {
-    mr: usize,
-    dm: usize,
-    cq: usize,
-    srq: usize,
-    qp: usize,
-    ah: usize,
+impl<T> Default for Table<T> {
+    fn default() -> Self {
+        Table {
+            v: Vec::new(),
+            from: 0,
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Table<T> {
+    type Target = Vec<Option<T>>;
+    fn deref(&self) -> &Self::Target {
+        &self.v
+    }
+}
+
+impl<T> std::ops::DerefMut for Table<T> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.v
+    }
+}
+
+impl<T> Table<T> {
+    /// The lowest free entry, or a new one while the table has fewer than `max`.
+    fn slot(&mut self, max: usize) -> Option<usize> {
+        let start = self.from.min(self.v.len());
+        let i = match self.v[start..].iter().position(Option::is_none) {
+            Some(k) => start + k,
+            None if self.v.len() < max => {
+                self.v.push(None);
+                self.v.len() - 1
+            }
+            // Full from `from` on: a free entry below it would be one emptied without `free`.
+            None => self.v.iter().position(Option::is_none)?,
+        };
+        self.from = i;
+        Some(i)
+    }
+
+    /// Take entry `i` out, freeing it.
+    fn free(&mut self, i: usize) -> Option<T> {
+        let t = self.v.get_mut(i)?.take();
+        if t.is_some() {
+            self.from = self.from.min(i);
+        }
+        t
+    }
 }
 
 impl SoftHca {
@@ -1075,38 +1103,36 @@ mod verbs;
 
 #[cfg(test)]
 mod tests {
-    use super::slot;
+    use super::Table;
 
     /// A table hands out its lowest free entry, grows only when none is free, and stops at
     /// `max`; the search starts past the entries it knows are taken, so filling a table of
     /// n entries looks at each once, not n²/2 times.
     #[test]
     fn slots_reuse_the_lowest_free_entry_and_look_at_each_taken_one_once() {
-        let mut v: Vec<Option<u32>> = Vec::new();
-        let mut from = 0;
+        let mut v: Table<u32> = Table::default();
         for i in 0..5 {
-            let k = slot(&mut v, &mut from, 5).unwrap();
+            let k = v.slot(5).unwrap();
             assert_eq!(k, i);
             v[k] = Some(i as u32);
         }
-        assert_eq!(from, 4, "the search starts at the last entry handed out");
-        assert_eq!(slot(&mut v, &mut from, 5), None, "full at max");
-        // Entries 3 and 1 freed (each destroy lowers `from` to the entry it frees).
+        assert_eq!(v.from, 4, "the search starts at the last entry handed out");
+        assert_eq!(v.slot(5), None, "full at max");
+        // Entries 3 and 1 freed (each free lowers `from` to the entry it frees).
         for i in [3, 1] {
-            v[i] = None;
-            from = from.min(i);
+            assert!(v.free(i).is_some());
         }
-        assert_eq!(slot(&mut v, &mut from, 5), Some(1));
+        assert_eq!(v.slot(5), Some(1));
         v[1] = Some(9);
-        assert_eq!(slot(&mut v, &mut from, 5), Some(3));
+        assert_eq!(v.slot(5), Some(3));
         v[3] = Some(9);
-        // A free entry a destroy did not report is still found once the table is full.
+        // An entry emptied without `free` is still found once the table is full.
         v[0] = None;
-        assert_eq!(slot(&mut v, &mut from, 5), Some(0));
+        assert_eq!(v.slot(5), Some(0));
         v[0] = Some(9);
         // Below `max` a table without a free entry from `from` on grows; an entry handed out
         // but left empty (its creation failed) is the next one handed out.
-        assert_eq!(slot(&mut v, &mut from, 6), Some(5));
-        assert_eq!(slot(&mut v, &mut from, 6), Some(5));
+        assert_eq!(v.slot(6), Some(5));
+        assert_eq!(v.slot(6), Some(5));
     }
 }

@@ -64,11 +64,10 @@ impl Hca for SoftHca {
                 (a >= b && a + len as u64 <= b + l as u64).then(|| (i as u32, off + (a - b)))
             })
         });
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.mrs, &mut g.free_from.mr, self.cfg.max_mr as usize)
-        }
-        .ok_or_else(|| exhausted("MRs"))?;
+        let i = g
+            .mrs
+            .slot(self.cfg.max_mr as usize)
+            .ok_or_else(|| exhausted("MRs"))?;
         if g.mr_gen.len() <= i {
             g.mr_gen.resize(i + 1, 0);
         }
@@ -120,8 +119,7 @@ impl Hca for SoftHca {
         }
         // Remote copies under way into the region finish before we return.
         self.wait_unused(mr.lkey as u64);
-        if let Some(m) = g.mrs[i].take() {
-            g.free_from.mr = g.free_from.mr.min(i);
+        if let Some(m) = g.mrs.free(i) {
             g.acct.mrs -= 1;
             g.acct.mr_bytes -= model::mr_bytes(m.addr, m.len);
         }
@@ -144,10 +142,7 @@ impl Hca for SoftHca {
             .ok_or_else(|| exhausted("device memory"))?;
         // SAFETY: fresh heap memory nobody else can reach yet (no MR covers it).
         unsafe { std::ptr::write_bytes(p, 0, len) };
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.dms, &mut g.free_from.dm, usize::MAX).unwrap_or(0)
-        };
+        let i = g.dms.slot(usize::MAX).unwrap_or(0);
         g.dms[i] = Some((off, len));
         g.acct.dm_bytes += len as u64;
         Ok(Dm {
@@ -164,10 +159,8 @@ impl Hca for SoftHca {
         }
         let (off, len) = g
             .dms
-            .get_mut(dm.handle as usize)
-            .and_then(|d| d.take())
+            .free(dm.handle as usize)
             .ok_or_else(|| inval("free_dm: no such device memory"))?;
-        g.free_from.dm = g.free_from.dm.min(dm.handle as usize);
         if let Some(h) = g.heap.as_mut() {
             h.free(off, len as u64);
         }
@@ -184,11 +177,10 @@ impl Hca for SoftHca {
             )));
         }
         let cap = (cqe + 1).next_power_of_two();
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.cqs, &mut g.free_from.cq, self.cfg.max_cq as usize)
-        }
-        .ok_or_else(|| exhausted("CQs"))?;
+        let i = g
+            .cqs
+            .slot(self.cfg.max_cq as usize)
+            .ok_or_else(|| exhausted("CQs"))?;
         let bytes = ring::ring_bytes::<CQE_WORDS>(cap as usize) as u64;
         let off = match g.spare_cqs.iter().position(|&(_, c)| c == cap) {
             Some(k) => g.spare_cqs.swap_remove(k).0,
@@ -239,8 +231,7 @@ impl Hca for SoftHca {
         }
         self.cq_at[cq.0 as usize].store(0, Ordering::Release);
         self.wait_unused(seg::TAG_CQ | cq.0 as u64);
-        if let Some(c) = g.cqs[cq.0 as usize].take() {
-            g.free_from.cq = g.free_from.cq.min(cq.0 as usize);
+        if let Some(c) = g.cqs.free(cq.0 as usize) {
             // Kept for the next CQ of this capacity, not given back to the heap: a poll that
             // read `cq_at` before the store above may still look at its sequence words.
             g.spare_cqs.push((c.off, c.cap));
@@ -303,11 +294,10 @@ impl Hca for SoftHca {
         // ring exactly as large as the limit could refuse a post the limit allows (a peer
         // between the two steps while the owner posts).
         let cap = (2 * max_wr).next_power_of_two();
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.srqs, &mut g.free_from.srq, self.cfg.max_srq as usize)
-        }
-        .ok_or_else(|| exhausted("SRQs"))?;
+        let i = g
+            .srqs
+            .slot(self.cfg.max_srq as usize)
+            .ok_or_else(|| exhausted("SRQs"))?;
         let bytes = ring::ring_bytes::<WQE_WORDS>(cap as usize) as u64;
         let off = g
             .heap
@@ -351,8 +341,7 @@ impl Hca for SoftHca {
             e.live.store(0, SC);
         }
         self.wait_unused(seg::TAG_SRQ | srq.0 as u64);
-        if let Some(s) = g.srqs[srq.0 as usize].take() {
-            g.free_from.srq = g.free_from.srq.min(srq.0 as usize);
+        if let Some(s) = g.srqs.free(srq.0 as usize) {
             let bytes = ring::ring_bytes::<WQE_WORDS>(s.cap as usize) as u64;
             if let Some(h) = g.heap.as_mut() {
                 h.free(s.off, bytes);
@@ -451,11 +440,10 @@ impl Hca for SoftHca {
                 a.max_qp_wr, a.max_sge, a.max_inline_data
             )));
         }
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.qps, &mut g.free_from.qp, self.cfg.max_qp as usize)
-        }
-        .ok_or_else(|| exhausted("QPs"))?;
+        let i = g
+            .qps
+            .slot(self.cfg.max_qp as usize)
+            .ok_or_else(|| exhausted("QPs"))?;
         if g.qp_gen.len() <= i {
             g.qp_gen.resize(i + 1, 0);
         }
@@ -698,8 +686,7 @@ impl Hca for SoftHca {
             e.qpn.store(0, SC);
         }
         self.wait_unused(seg::TAG_QP | qp.qpn as u64);
-        if let Some(q) = g.qps[qi].take() {
-            g.free_from.qp = g.free_from.qp.min(qi);
+        if let Some(q) = g.qps.free(qi) {
             if q.rq_cap > 0 {
                 let bytes = ring::ring_bytes::<WQE_WORDS>(q.rq_cap as usize) as u64;
                 if let Some(h) = g.heap.as_mut() {
@@ -724,10 +711,7 @@ impl Hca for SoftHca {
             return Err(inval("create_ah: no such PD"));
         }
         let peer = self.peer(&mut g, &attr.dgid)?;
-        let i = {
-            let g = &mut *g;
-            slot(&mut g.ahs, &mut g.free_from.ah, usize::MAX).unwrap_or(0)
-        };
+        let i = g.ahs.slot(usize::MAX).unwrap_or(0);
         g.ahs[i] = Some((peer, *attr));
         Ok(Ah(i as u32))
     }
@@ -735,11 +719,9 @@ impl Hca for SoftHca {
     fn destroy_ah(&self, ah: Ah) -> Result<()> {
         let mut g = self.lock();
         g.ahs
-            .get_mut(ah.0 as usize)
-            .and_then(|a| a.take())
-            .ok_or_else(|| inval("destroy_ah: no such AH"))?;
-        g.free_from.ah = g.free_from.ah.min(ah.0 as usize);
-        Ok(())
+            .free(ah.0 as usize)
+            .map(|_| ())
+            .ok_or_else(|| inval("destroy_ah: no such AH"))
     }
 
     fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> Result<()> {

@@ -107,10 +107,10 @@ impl Ctrl {
 
     /// Whether the kind `code` carries a count; `None` for no kind.
     pub fn takes_count(code: u8) -> Option<bool> {
-        match code {
-            1 | 6 | 7 => Some(true),
-            2..=5 => Some(false),
-            _ => None,
+        if Ctrl::from_parts(code, Some(0)).is_some() {
+            Some(true)
+        } else {
+            Ctrl::from_parts(code, None).map(|_| false)
         }
     }
 

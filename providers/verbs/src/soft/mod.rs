@@ -17,6 +17,7 @@ pub(crate) mod exec;
 pub mod model;
 pub(crate) mod ring;
 pub(crate) mod seg;
+pub mod service;
 pub mod wire;
 
 use crate::hca::{Accounting, Counters, Hca};
@@ -212,6 +213,23 @@ struct QpLocal {
     rnr_tries: u8,
     retries: u8,
     held: Option<Held>,
+    /// The request at the head of the send queue while it is under way to another host.
+    ex: Option<Box<InFlight>>,
+}
+
+/// A request under way to another host, and whether fault injection lost its
+/// acknowledgement; counted in [`SoftHca`]'s `remote` for as long as it lives (whatever ends
+/// it: an answer, a timeout, an error state, a reset or the QP's destruction).
+struct InFlight {
+    ex: wire::Exchange,
+    lost: bool,
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, RLX);
+    }
 }
 
 #[derive(Default)]
@@ -240,11 +258,23 @@ struct Inner {
     spare_cqs: Vec<(u64, u32)>,
 }
 
-/// One process's soft HCA.
-/// How often the engine thread of [`SoftHca::open_shared`] drives due requests.
+/// How often the engine thread drives due requests (with the timing model; with requests to
+/// other hosts under way it wakes at once when an answer arrives).
 pub const ENGINE_TICK: Duration = Duration::from_millis(1);
 
-pub struct SoftHca {
+/// One process's soft HCA: a handle on its [`Core`], which its engine thread may share.
+pub struct SoftHca(Arc<Core>);
+
+impl std::ops::Deref for SoftHca {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.0
+    }
+}
+
+/// The HCA's state, shared by the handle and the engine thread (which holds it only weakly,
+/// so the HCA ends with its last handle).
+pub struct Core {
     inner: Mutex<Inner>,
     /// Some QP may have work in its send queue (a request queued, a datagram held back): set
     /// with the lock held whenever that happens, cleared by `progress_all` when none is left.
@@ -258,10 +288,16 @@ pub struct SoftHca {
     cq_at: Box<[std::sync::atomic::AtomicU64]>,
     /// Dropped before the segment: the service thread maps it.
     wire: wire::Wire,
+    /// Requests under way to other hosts ([`InFlight`]): while there are none, the
+    /// requester does not look at the wire.
+    remote: Arc<std::sync::atomic::AtomicUsize>,
     seg: Seg,
     attr: DeviceAttr,
     cfg: Config,
     host: u16,
+    me: std::sync::Weak<Core>,
+    /// The engine thread, once started ([`Core::start_engine`]).
+    engine: std::sync::OnceLock<std::thread::Thread>,
 }
 
 /// An object table (QPs, CQs, MRs...): entries by index, the lowest free one handed out before
@@ -337,21 +373,13 @@ impl SoftHca {
     /// posted and then waits on something else (a barrier over another provider, its peer's
     /// write into memory) would keep them back forever, which hardware never does. So a
     /// background thread, like an HCA's own engine, drives due requests every
-    /// [`ENGINE_TICK`] for as long as the HCA lives.
+    /// [`ENGINE_TICK`] for as long as the HCA lives. It does so too when the wire to other
+    /// hosts is on: a request to another host moves on only when the requester runs, and a
+    /// real HCA's requester runs without being called.
     pub fn open_shared() -> Result<Arc<SoftHca>> {
         let h = Arc::new(SoftHca::open()?);
         if h.cfg.timing() {
-            let weak = Arc::downgrade(&h);
-            std::thread::Builder::new()
-                .name("weft-soft-hca".into())
-                .spawn(move || {
-                    while let Some(h) = weak.upgrade() {
-                        h.progress();
-                        drop(h);
-                        std::thread::sleep(ENGINE_TICK);
-                    }
-                })
-                .map_err(|e| Error::io("soft HCA: starting its engine thread", e))?;
+            h.start_engine()?;
         }
         Ok(h)
     }
@@ -388,18 +416,40 @@ impl SoftHca {
             next_pd: 1,
             ..Inner::default()
         };
-        Ok(SoftHca {
+        Ok(SoftHca(Arc::new_cyclic(|me| Core {
             inner: Mutex::new(inner),
             sq_work: std::sync::atomic::AtomicBool::new(false),
             cq_at: (0..cfg.max_cq)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
             wire,
+            remote: Arc::default(),
             seg,
             attr,
             cfg,
             host: net.host,
-        })
+            me: me.clone(),
+            engine: std::sync::OnceLock::new(),
+        })))
+    }
+}
+
+impl Core {
+    /// Start the engine thread (once): like an HCA's own engine, it drives requests without
+    /// being called — due requests of the timing model every [`ENGINE_TICK`], and requests
+    /// under way to other hosts as their answers arrive — and sleeps while there are none.
+    fn start_engine(&self) -> Result<()> {
+        if let Some(t) = self.engine.get() {
+            t.unpark();
+            return Ok(());
+        }
+        let me = self.me.clone();
+        let t = std::thread::Builder::new()
+            .name("weft-soft-hca".into())
+            .spawn(move || engine(me))
+            .map_err(|e| Error::io("soft HCA: starting its engine thread", e))?;
+        let _ = self.engine.set(t.thread().clone());
+        Ok(())
     }
 
     pub fn config(&self) -> &Config {
@@ -516,6 +566,7 @@ impl SoftHca {
             self.push_own(q.send_cq, &flush_wc(&p.wr, q.qpn));
         }
         q.held = None;
+        q.ex = None;
         exec::flush_rq(&self.seg, qi, |cq, wc| self.push_own(cq, wc));
     }
 
@@ -563,6 +614,7 @@ impl SoftHca {
 
     /// Run QP `qi`'s send queue as far as it goes now.
     fn drive(&self, inner: &mut Inner, qi: usize) {
+        self.pump_wire(inner);
         let Some(mut q) = inner.qps.get_mut(qi).and_then(|q| q.take()) else {
             return;
         };
@@ -602,11 +654,12 @@ impl SoftHca {
         let mut deferred: Vec<(Pending, WcStatus, u32)> = Vec::new();
         while q.state == QpState::Rts {
             let Some(mut p) = q.sq.pop_front() else { break };
-            match self.step(inner, &mut q, &mut p, &mut batch) {
+            match self.step(inner, qi, &mut q, &mut p, &mut batch) {
                 Some((st, len)) => {
                     q.rnr_tries = 0;
                     q.retries = 0;
                     q.wait_until = None;
+                    q.ex = None;
                     if !deferred.is_empty() || !batch.items.is_empty() {
                         deferred.push((p, st, len));
                         continue;
@@ -635,6 +688,7 @@ impl SoftHca {
     fn step(
         &self,
         inner: &mut Inner,
+        qi: usize,
         q: &mut QpLocal,
         p: &mut Pending,
         batch: &mut UdBatch,
@@ -681,42 +735,65 @@ impl SoftHca {
             return Some(self.step_ud(inner, q, p, &local, batch));
         }
         let (peer, dest_qpn, _) = q.dest.clone()?;
-        let rng = inner.rng.as_mut();
-        let lost = rng.is_some_and(|r| r.chance(self.cfg.rc_loss));
-        let request_lost =
-            lost && !p.acked_lost && inner.rng.as_mut().is_some_and(|r| r.chance(0.5));
         let mut waited = false;
-        let out = if request_lost || !peer.responsive(q.retries > 0) {
-            Outcome::NoResponse
+        let (out, lost, request_lost) = if let Some(f) = q.ex.as_mut() {
+            // Under way to another host: the outcome once the answers (or the timeout) tell.
+            let o = f.ex.poll(Instant::now())?;
+            let f = q.ex.take()?;
+            waited = true;
+            let o = Self::finish_remote(&f.ex, o, p.wr.opcode, p.wr.len(), &local);
+            (o, f.lost, false)
         } else {
-            let req = Request {
-                op: p.wr.opcode,
-                src_qpn: q.qpn,
-                src_gid: self.seg.gid(),
-                dest_qpn,
-                psn: p.psn,
-                local: &local,
-                remote_addr: p.wr.remote_addr,
-                rkey: p.wr.rkey,
-                imm: p.wr.imm,
-                compare_add: p.wr.compare_add,
-                swap: p.wr.swap,
-                len,
-                qkey: 0,
-                grh: None,
-            };
-            let o = match &*peer {
-                Target::Local(peer) => exec::rc(peer, &req),
-                Target::Remote(to) => {
-                    waited = true;
-                    self.remote_rc(*to, &req, wire::wait_for(q.timeout))
+            let rng = inner.rng.as_mut();
+            let lost = rng.is_some_and(|r| r.chance(self.cfg.rc_loss));
+            let request_lost =
+                lost && !p.acked_lost && inner.rng.as_mut().is_some_and(|r| r.chance(0.5));
+            let out = if request_lost || !peer.responsive(q.retries > 0) {
+                Outcome::NoResponse
+            } else {
+                let req = Request {
+                    op: p.wr.opcode,
+                    src_qpn: q.qpn,
+                    src_gid: self.seg.gid(),
+                    dest_qpn,
+                    psn: p.psn,
+                    local: &local,
+                    remote_addr: p.wr.remote_addr,
+                    rkey: p.wr.rkey,
+                    imm: p.wr.imm,
+                    compare_add: p.wr.compare_add,
+                    swap: p.wr.swap,
+                    len,
+                    qkey: 0,
+                    grh: None,
+                };
+                match &*peer {
+                    Target::Local(peer) => exec::rc(peer, &req),
+                    Target::Remote(to) => {
+                        match self.start_remote(qi, *to, &req, wire::wait_for(q.timeout)) {
+                            Ok(ex) => {
+                                if self.remote.fetch_add(1, RLX) == 0 {
+                                    // Best effort: without it the requester still runs in
+                                    // every call into the HCA.
+                                    let _ = self.start_engine();
+                                }
+                                q.ex = Some(Box::new(InFlight {
+                                    ex,
+                                    lost,
+                                    live: self.remote.clone(),
+                                }));
+                                return None;
+                            }
+                            Err(o) => o,
+                        }
+                    }
                 }
             };
-            if p.acked_lost && matches!(o, Outcome::Done { .. }) {
-                inner.ctr.duplicates += 1;
-            }
-            o
+            (out, lost, request_lost)
         };
+        if p.acked_lost && matches!(out, Outcome::Done { .. }) {
+            inner.ctr.duplicates += 1;
+        }
         if matches!(out, Outcome::Done { .. } | Outcome::Fail(_)) {
             inner.served += 1;
             self.maybe_mute(inner);
@@ -745,9 +822,18 @@ impl SoftHca {
         }
     }
 
-    /// Execute `req` at a responder on another host; a read's data and an atomic's original
-    /// value land in `req.local` (our validated memory), as the local responder does it.
-    fn remote_rc(&self, to: std::net::SocketAddrV4, req: &Request, wait: Duration) -> Outcome {
+    /// Start `req` towards the responder on another host at `to` (an [`wire::Exchange`] the
+    /// requester moves on at each later call); `Err` with the outcome when it cannot go at all.
+    fn start_remote(
+        &self,
+        qi: usize,
+        to: std::net::SocketAddrV4,
+        req: &Request,
+        wait: Duration,
+    ) -> std::result::Result<wire::Exchange, Outcome> {
+        if req.len > wire::MAX_MSG {
+            return Err(Outcome::Fail(WcStatus::LocLenErr));
+        }
         let hdr = wire::ReqHdr {
             ud: false,
             op: req.op,
@@ -763,31 +849,72 @@ impl SoftHca {
             len: req.len as u32,
             qkey: 0,
         };
-        if req.len > wire::MAX_MSG {
-            return Outcome::Fail(WcStatus::LocLenErr);
-        }
-        let carries = !matches!(
-            req.op,
-            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-        );
-        let payload = if carries {
+        let payload = if hdr.carries() {
             gather(req.local, req.len)
         } else {
             Vec::new()
         };
-        let mut result = Vec::new();
-        let o = self.wire.rc(to, &hdr, &payload, wait, &mut result);
+        let xid = self.wire.next_xid(qi);
+        Ok(wire::Exchange::start(
+            &self.wire,
+            xid,
+            to,
+            hdr,
+            payload,
+            wait,
+            Instant::now(),
+        ))
+    }
+
+    /// The outcome of a finished exchange; a read's data and an atomic's original value land
+    /// in `local` (our memory, validated again now against our registrations), as the local
+    /// responder puts them.
+    fn finish_remote(
+        ex: &wire::Exchange,
+        o: Outcome,
+        op: WrOpcode,
+        len: usize,
+        local: &[Range],
+    ) -> Outcome {
         if let Outcome::Done { value, .. } = o {
-            if req.op == WrOpcode::RdmaRead {
-                if result.len() != req.len {
+            if op == WrOpcode::RdmaRead {
+                if ex.result().len() != len {
                     return Outcome::NoResponse;
                 }
-                scatter(&result, req.local);
-            } else if req.op.is_atomic() {
-                scatter(&value.to_ne_bytes(), req.local);
+                scatter(ex.result(), local);
+            } else if op.is_atomic() {
+                scatter(&value.to_ne_bytes(), local);
             }
         }
         o
+    }
+
+    /// Hand the answers waiting on the wire to the exchanges they belong to (each names its
+    /// QP in its id).
+    fn pump_wire(&self, inner: &mut Inner) {
+        if self.remote.load(RLX) == 0 {
+            return;
+        }
+        let now = Instant::now();
+        self.wire.drain(|from, xid, reply, frag, total, data| {
+            let qi = wire::Wire::xid_qp(xid);
+            if let Some(Some(q)) = inner.qps.get_mut(qi) {
+                if let Some(f) = q.ex.as_mut().filter(|f| f.ex.xid == xid) {
+                    f.ex.on_answer(&self.wire, from, reply, frag, total, data, now);
+                }
+            }
+        });
+    }
+
+    /// Bytes this HCA's wire service holds now for other hosts (reassemblies and read
+    /// results; bounded by [`service::BUDGET`]).
+    pub fn wire_held(&self) -> usize {
+        self.wire.held()
+    }
+
+    /// Packets from other hosts the wire service refused before executing them.
+    pub fn wire_refused(&self) -> u64 {
+        self.wire.refused()
     }
 
     fn no_response(
@@ -1096,6 +1223,33 @@ fn gid_words(g: &Gid) -> [u64; 2] {
 impl Drop for SoftHca {
     fn drop(&mut self) {
         self.seg.header().closed.store(1, SC);
+        if let Some(t) = self.engine.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// The engine thread's loop: until the HCA is gone.
+fn engine(me: std::sync::Weak<Core>) {
+    loop {
+        let Some(c) = me.upgrade() else { return };
+        let timing = c.cfg.timing();
+        if c.remote.load(RLX) == 0 && !timing {
+            drop(c);
+            std::thread::park_timeout(Duration::from_millis(100));
+            continue;
+        }
+        if !timing {
+            c.wire.wait_answer(ENGINE_TICK);
+        }
+        {
+            let mut g = c.lock();
+            c.progress_all(&mut g);
+        }
+        drop(c);
+        if timing {
+            std::thread::sleep(ENGINE_TICK);
+        }
     }
 }
 

@@ -514,6 +514,7 @@ impl Hca for SoftHca {
             rnr_tries: 0,
             retries: 0,
             held: None,
+            ex: None,
         }));
         Ok(Qp {
             handle: i as u32,
@@ -524,7 +525,7 @@ impl Hca for SoftHca {
     fn modify_qp(&self, qp: Qp, at: &QpAttr) -> Result<()> {
         let mut g = self.lock();
         let (cur, ty) = {
-            let q = Self::qp_mut(&mut g, qp)?;
+            let q = Core::qp_mut(&mut g, qp)?;
             self.sync_state(q);
             (q.state, q.ty)
         };
@@ -602,7 +603,7 @@ impl Hca for SoftHca {
         };
         let qi = qp.handle as usize;
         let e = self.seg.qp(qi).ok_or_else(|| inval("no such QP"))?;
-        let q = Self::qp_mut(&mut g, qp)?;
+        let q = Core::qp_mut(&mut g, qp)?;
         if let Some(a) = at.qp_access_flags {
             e.access.store(a.0, RLX);
         }
@@ -646,6 +647,7 @@ impl Hca for SoftHca {
                 // Back to a fresh QP: queues emptied without completions.
                 q.sq.clear();
                 q.held = None;
+                q.ex = None;
                 q.dest = None;
                 e.dest_qpn.store(0, RLX);
                 if let Some(r) = self.seg.ring::<WQE_WORDS>(q.rq_off, q.rq_cap) {
@@ -667,19 +669,19 @@ impl Hca for SoftHca {
 
     fn query_qp_state(&self, qp: Qp) -> Result<QpState> {
         let mut g = self.lock();
-        let q = Self::qp_mut(&mut g, qp)?;
+        let q = Core::qp_mut(&mut g, qp)?;
         self.sync_state(q);
         Ok(q.state)
     }
 
     fn query_qp_cap(&self, qp: Qp) -> Result<QpCap> {
         let mut g = self.lock();
-        Ok(Self::qp_mut(&mut g, qp)?.cap)
+        Ok(Core::qp_mut(&mut g, qp)?.cap)
     }
 
     fn destroy_qp(&self, qp: Qp) -> Result<()> {
         let mut g = self.lock();
-        Self::qp_mut(&mut g, qp)?;
+        Core::qp_mut(&mut g, qp)?;
         let qi = qp.handle as usize;
         if let Some(e) = self.seg.qp(qi) {
             e.state.store(QpState::Err as u32, SC);
@@ -726,7 +728,7 @@ impl Hca for SoftHca {
 
     fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> Result<()> {
         let mut g = self.lock();
-        let q = Self::qp_mut(&mut g, qp)?;
+        let q = Core::qp_mut(&mut g, qp)?;
         self.sync_state(q);
         if q.state == QpState::Err {
             // Posting to a QP in error is allowed; the requests complete flushed.
@@ -817,7 +819,7 @@ impl Hca for SoftHca {
 
     fn post_recv(&self, qp: Qp, wrs: &[RecvWr]) -> Result<()> {
         let mut g = self.lock();
-        let q = Self::qp_mut(&mut g, qp)?;
+        let q = Core::qp_mut(&mut g, qp)?;
         self.sync_state(q);
         if q.srq.is_some() {
             return Err(inval("post_recv: the QP receives through its SRQ"));

@@ -19,20 +19,21 @@
 //!   retry count and transport-retry-exceeded of the QP count.
 //! - UD: one packet, no answer; the requester's fault injection applies as on one host.
 //!
-//! The requester side runs under the HCA's lock (one exchange at a time per HCA): a request to
-//! another host blocks the calling thread for a round trip, at most the QP's ACK timeout
-//! ([`wait_for`]).
+//! The requester never waits on the network: a request to another host is an [`Exchange`] that
+//! the requester moves on whenever it runs (`post_send`, `poll_cq`, `progress`, and the HCA's
+//! engine thread), so a silent host delays only the QPs that talk to it, by their own ACK
+//! timeouts ([`wait_for`]), as on hardware. The responder is `service`: what a hostile sender
+//! can make it hold is bounded there.
 
-use super::exec::{self, Outcome, Peer, Request};
+use super::exec::{Outcome, Peer};
 use super::seg::Net;
+use super::service::{Service, Stats, BUDGET};
 use crate::types::*;
-use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use weft_provider::cma::Range;
 use weft_provider::{Error, Result};
 
 /// Payload bytes per packet (a UDP datagram carries up to 65,507).
@@ -41,10 +42,6 @@ pub const CHUNK: usize = 60 * 1024;
 /// whole at the responder. A longer request between hosts completes with a local length
 /// error at once (rather than retrying into a buffer that can never be had).
 pub const MAX_MSG: usize = 256 << 20;
-/// Buffered reassemblies and read results the service keeps at most, in bytes.
-const BUDGET: usize = 2 * MAX_MSG;
-/// How long the service keeps an unfinished reassembly or an unfetched read result.
-const KEEP: Duration = Duration::from_secs(5);
 /// The shortest a requester waits for an answer from another host: a user-space service on
 /// a loaded machine cannot promise the microsecond turnaround a small ACK timeout code asks
 /// for (HCAs clamp small codes too).
@@ -77,7 +74,7 @@ pub struct ReqHdr {
 
 impl ReqHdr {
     /// Whether the request carries its payload to the responder (send, write).
-    fn carries(&self) -> bool {
+    pub fn carries(&self) -> bool {
         !matches!(
             self.op,
             WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
@@ -421,7 +418,10 @@ pub struct Bound {
     client: Option<UdpSocket>,
 }
 
-/// Bind the service and client sockets in this thread's network namespace.
+/// Bind the service and client sockets in this thread's network namespace, both to the
+/// advertised address: the service takes requests only where the job reaches it (not on
+/// every interface), and requests leave from the address their GID names, which the service
+/// on the other side checks.
 pub fn bind(choice: &str) -> Result<Bound> {
     let host = host_tag();
     let Some(ip) = advertised(choice)? else {
@@ -431,9 +431,14 @@ pub fn bind(choice: &str) -> Result<Bound> {
             client: None,
         });
     };
-    let io = |what: &str, e: std::io::Error| Error::invalid(format!("soft HCA wire: {what}: {e}"));
-    let service = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| io("bind", e))?;
-    let client = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| io("bind", e))?;
+    let io = |what: &str, e: std::io::Error| {
+        Error::invalid(format!("soft HCA wire: {what} on {ip}: {e}"))
+    };
+    let service = UdpSocket::bind((ip, 0)).map_err(|e| io("bind", e))?;
+    let client = UdpSocket::bind((ip, 0)).map_err(|e| io("bind", e))?;
+    client
+        .set_nonblocking(true)
+        .map_err(|e| io("non-blocking client", e))?;
     let port = service
         .local_addr()
         .map_err(|e| io("local address", e))?
@@ -448,36 +453,33 @@ pub fn bind(choice: &str) -> Result<Bound> {
     })
 }
 
-/// This HCA's end of the wire: the client socket for its requests and the service thread.
+/// This HCA's end of the wire: the client socket its requests leave from (never waited on:
+/// answers are collected by [`Wire::drain`] when the requester runs) and the service thread.
 pub struct Wire {
     client: Option<UdpSocket>,
-    port: u16,
+    service: Option<SocketAddrV4>,
+    /// High 16 bits: this HCA's nonce; the rest: see [`Wire::next_xid`].
     xid: AtomicU64,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    buf: std::sync::Mutex<Vec<u8>>,
-    /// UD datagrams from other hosts the service dropped (no receive, wrong qkey, ...).
-    dropped: Arc<AtomicU64>,
-    /// Requests from other hosts the service executed (RC answered, UD delivered).
-    served: Arc<AtomicU64>,
+    tx: std::sync::Mutex<Vec<u8>>,
+    rx: std::sync::Mutex<Vec<u8>>,
+    stats: Arc<Stats>,
 }
 
 impl Wire {
     /// Start the service for the segment `gid` names (ours).
     pub fn start(b: Bound, gid: Gid) -> Result<Wire> {
         let stop = Arc::new(AtomicBool::new(false));
-        let dropped = Arc::new(AtomicU64::new(0));
-        let served = Arc::new(AtomicU64::new(0));
-        let port = b.net.addr.map_or(0, |a| a.port());
+        let stats = Arc::new(Stats::default());
         let thread = match b.service {
             Some(sock) => {
-                let me = Peer::attach(&gid)?;
+                let svc = Service::new(Peer::attach(&gid)?, BUDGET, stats.clone());
                 let st = stop.clone();
-                let dr = (dropped.clone(), served.clone());
                 Some(
                     std::thread::Builder::new()
                         .name("weft-soft-hca".into())
-                        .spawn(move || serve(sock, me, st, dr))
+                        .spawn(move || super::service::serve(sock, svc, st))
                         .map_err(|e| Error::invalid(format!("soft HCA wire thread: {e}")))?,
                 )
             }
@@ -485,154 +487,90 @@ impl Wire {
         };
         Ok(Wire {
             client: b.client,
-            port,
-            xid: AtomicU64::new(super::seg::nonce() << 32),
+            service: b.net.addr,
+            xid: AtomicU64::new((super::seg::nonce() & 0xffff) << 48),
             stop,
             thread,
-            buf: std::sync::Mutex::new(Vec::with_capacity(CHUNK + HDR_REQ)),
-            dropped,
-            served,
+            tx: std::sync::Mutex::new(Vec::with_capacity(CHUNK + HDR_REQ)),
+            rx: std::sync::Mutex::new(vec![0u8; CHUNK + HDR_RESP + 64]),
+            stats,
         })
     }
 
     /// Requests from other hosts executed here.
     pub fn served(&self) -> u64 {
-        self.served.load(Ordering::Relaxed)
+        self.stats.served.load(Ordering::Relaxed)
     }
 
     /// UD datagrams from other hosts dropped here (the sender cannot know of them).
     pub fn ud_dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.stats.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Packets from other hosts refused before execution (malformed, from an address that is
+    /// not the claimed HCA's, contradicting their reassembly, over the budget).
+    pub fn refused(&self) -> u64 {
+        self.stats.refused.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the service holds now for reassemblies and read results.
+    pub fn held(&self) -> usize {
+        self.stats.held.load(Ordering::Relaxed) as usize
+    }
+
+    /// A new exchange id for a request of QP index `qi`: the HCA's nonce, `qi` (so an answer
+    /// finds its QP without a table) and a counter.
+    pub fn next_xid(&self, qi: usize) -> u64 {
+        let n = self.xid.fetch_add(1, Ordering::Relaxed);
+        (n & !0xffff_ffff_ffff) | ((qi as u64 & 0xffff) << 32) | (n & 0xffff_ffff)
+    }
+
+    /// The QP index an exchange id of ours names.
+    pub fn xid_qp(xid: u64) -> usize {
+        ((xid >> 32) & 0xffff) as usize
     }
 
     fn send(&self, to: SocketAddrV4, m: &Msg) -> bool {
         let Some(c) = &self.client else { return false };
-        let mut b = self.buf.lock().unwrap_or_else(|p| p.into_inner());
+        let mut b = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         b.clear();
         m.encode(&mut b);
         c.send_to(&b, to).is_ok()
     }
 
-    /// Wait for the answer `xid`/`frag` until `deadline`.
-    fn answer(
-        &self,
-        xid: u64,
-        frag: u16,
-        deadline: Instant,
-        rx: &mut [u8],
-        mut got: impl FnMut(Reply, u32, &[u8]),
-    ) -> bool {
-        let Some(c) = &self.client else { return false };
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || c.set_read_timeout(Some(left)).is_err() {
-                return false;
-            }
-            let Ok(n) = c.recv(rx) else {
-                if Instant::now() >= deadline {
-                    return false;
-                }
-                continue;
-            };
+    /// Hand every answer waiting on the client socket to `got` (sender, exchange id, answer,
+    /// fragment, total, data), without waiting for one.
+    pub fn drain(&self, mut got: impl FnMut(SocketAddrV4, u64, Reply, u16, u32, &[u8])) {
+        let Some(c) = &self.client else { return };
+        let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        while let Ok((n, from)) = c.recv_from(&mut rx) {
+            let SocketAddr::V4(from) = from else { continue };
             if let Ok(Msg::Resp {
-                xid: x,
+                xid,
                 reply,
-                frag: f,
+                frag,
                 total,
                 data,
             }) = Msg::decode(&rx[..n])
             {
-                if x == xid && f == frag {
-                    got(reply, total, data);
-                    return true;
-                }
+                got(from, xid, reply, frag, total, data);
             }
-            // Anything else is a late answer to an exchange we gave up on: dropped.
         }
     }
 
-    /// One RC request to another host: send the payload `data` (send, write) fragment by
-    /// fragment, wait for the answer, fetch a read's result into `result`. `NoResponse`
-    /// when any packet goes unanswered for `wait`.
-    pub fn rc(
-        &self,
-        to: SocketAddrV4,
-        hdr: &ReqHdr,
-        data: &[u8],
-        wait: Duration,
-        result: &mut Vec<u8>,
-    ) -> Outcome {
-        let xid = self.xid.fetch_add(1, Ordering::Relaxed);
-        let mut rx = vec![0u8; CHUNK + HDR_RESP + 64];
-        let nf = hdr.frags();
-        let mut fin = None;
-        let mut total = 0u32;
-        result.clear();
-        for f in 0..nf {
-            let piece = if hdr.carries() {
-                &data[f * CHUNK..((f + 1) * CHUNK).min(data.len())]
-            } else {
-                &[][..]
-            };
-            let m = Msg::Req {
-                xid,
-                hdr: *hdr,
-                frag: f as u16,
-                data: piece,
-            };
-            if !self.send(to, &m) {
-                return Outcome::NoResponse;
-            }
-            let deadline = Instant::now() + wait;
-            let mut rep = None;
-            let ok = self.answer(xid, f as u16, deadline, &mut rx, |r, t, d| {
-                rep = Some(r);
-                // Only a read's answer carries data, and only as much as was asked.
-                if hdr.op == WrOpcode::RdmaRead && t == hdr.len && matches!(r, Reply::Done { .. }) {
-                    total = t;
-                    result.extend_from_slice(d);
-                }
-            });
-            if !ok {
-                return Outcome::NoResponse;
-            }
-            match rep {
-                Some(Reply::FragOk) if f + 1 < nf => {}
-                Some(Reply::FragOk) | None => return Outcome::NoResponse,
-                Some(r) => {
-                    fin = Some(r);
-                    break;
-                }
-            }
-        }
-        let out = match fin {
-            Some(Reply::Done { byte_len, value }) => Outcome::Done { byte_len, value },
-            Some(Reply::Rnr(c)) => return Outcome::Rnr(c),
-            Some(Reply::Fail(st)) => return Outcome::Fail(st),
-            _ => return Outcome::NoResponse,
+    /// Wait until an answer is waiting on the client socket, at most `t`.
+    pub fn wait_answer(&self, t: Duration) {
+        let Some(c) = &self.client else {
+            std::thread::sleep(t);
+            return;
         };
-        // The rest of a read's data, one fragment at a time.
-        let total = total as usize;
-        if hdr.op == WrOpcode::RdmaRead && (total != hdr.len as usize || result.len() > total) {
-            return Outcome::NoResponse;
-        }
-        let mut f = 1u16;
-        while result.len() < total {
-            if !self.send(to, &Msg::More { xid, frag: f }) {
-                return Outcome::NoResponse;
-            }
-            let before = result.len();
-            let ok = self.answer(xid, f, Instant::now() + wait, &mut rx, |_, _, d| {
-                if result.len() + d.len() <= total {
-                    result.extend_from_slice(d)
-                }
-            });
-            if !ok || result.len() == before {
-                return Outcome::NoResponse;
-            }
-            f += 1;
-        }
-        out
+        let mut p = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(c),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd (our socket's descriptor, alive while `self` is).
+        unsafe { libc::poll(&mut p, 1, t.as_millis().clamp(1, 1000) as i32) };
     }
 
     /// A UD datagram to another host (no answer).
@@ -652,11 +590,176 @@ impl Wire {
 impl Drop for Wire {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let (Some(c), Some(t)) = (&self.client, self.thread.take()) {
+        if let (Some(c), Some(to), Some(t)) = (&self.client, self.service, self.thread.take()) {
             // Wake the service (from our client socket: it lives in the service's namespace).
-            let _ = c.send_to(b"stop", (Ipv4Addr::LOCALHOST, self.port));
+            let _ = c.send_to(b"stop", to);
             let _ = t.join();
         }
+    }
+}
+
+/// One RC request to another host, run by the requester without waiting (sans-IO but for the
+/// sends it makes through the [`Wire`]): the payload goes fragment by fragment, each sent once
+/// the previous one is acknowledged; a read's result is fetched fragment by fragment after
+/// the answer. The HCA feeds it the answers [`Wire::drain`] collects and asks
+/// [`Exchange::poll`] for the outcome: `NoResponse` once any packet has gone unanswered for the
+/// QP's ACK timeout, which the QP counts as a transport retry, as for a peer on its host. So no
+/// call ever waits on the network, and a silent host holds up only the QPs talking to it.
+pub struct Exchange {
+    pub xid: u64,
+    pub to: SocketAddrV4,
+    hdr: ReqHdr,
+    payload: Vec<u8>,
+    wait: Duration,
+    /// The answer awaited: to fragment `frag` of the request, or (`fetching`) of the result.
+    frag: u16,
+    fetching: bool,
+    deadline: Instant,
+    /// The answer to the request, kept while a read's result is fetched.
+    fin: Option<Outcome>,
+    total: usize,
+    result: Vec<u8>,
+    done: Option<Outcome>,
+}
+
+impl Exchange {
+    /// Start `hdr` (with `payload`: a send's or write's bytes) to the service at `to`.
+    pub fn start(
+        wire: &Wire,
+        xid: u64,
+        to: SocketAddrV4,
+        hdr: ReqHdr,
+        payload: Vec<u8>,
+        wait: Duration,
+        now: Instant,
+    ) -> Exchange {
+        let mut x = Exchange {
+            xid,
+            to,
+            hdr,
+            payload,
+            wait,
+            frag: 0,
+            fetching: false,
+            deadline: now,
+            fin: None,
+            total: 0,
+            result: Vec::new(),
+            done: None,
+        };
+        x.send_frag(wire, 0, now);
+        x
+    }
+
+    fn send_frag(&mut self, wire: &Wire, f: u16, now: Instant) {
+        let piece = if self.hdr.carries() {
+            let a = f as usize * CHUNK;
+            &self.payload[a.min(self.payload.len())..(a + CHUNK).min(self.payload.len())]
+        } else {
+            &[][..]
+        };
+        let m = Msg::Req {
+            xid: self.xid,
+            hdr: self.hdr,
+            frag: f,
+            data: piece,
+        };
+        self.await_answer(wire.send(self.to, &m), f, now);
+    }
+
+    fn fetch(&mut self, wire: &Wire, f: u16, now: Instant) {
+        let sent = wire.send(
+            self.to,
+            &Msg::More {
+                xid: self.xid,
+                frag: f,
+            },
+        );
+        self.await_answer(sent, f, now);
+    }
+
+    fn await_answer(&mut self, sent: bool, f: u16, now: Instant) {
+        if !sent {
+            self.done = Some(Outcome::NoResponse);
+        }
+        self.frag = f;
+        self.deadline = now + self.wait;
+    }
+
+    /// An answer from `from` with this exchange's id arrived.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_answer(
+        &mut self,
+        wire: &Wire,
+        from: SocketAddrV4,
+        reply: Reply,
+        frag: u16,
+        total: u32,
+        data: &[u8],
+        now: Instant,
+    ) {
+        if self.done.is_some() || from != self.to || frag != self.frag {
+            // Late or duplicated, or not from where the request went: dropped.
+            return;
+        }
+        let want = self.hdr.len as usize;
+        let read = self.hdr.op == WrOpcode::RdmaRead;
+        if self.fetching {
+            // A piece of the read's result.
+            if data.is_empty() || self.result.len() + data.len() > self.total {
+                self.done = Some(Outcome::NoResponse);
+                return;
+            }
+            self.result.extend_from_slice(data);
+            if self.result.len() == self.total {
+                self.done = self.fin;
+            } else {
+                self.fetch(wire, frag.wrapping_add(1), now);
+            }
+            return;
+        }
+        match reply {
+            Reply::FragOk if (frag as usize) + 1 < self.hdr.frags() => {
+                self.send_frag(wire, frag + 1, now)
+            }
+            Reply::FragOk => self.done = Some(Outcome::NoResponse),
+            Reply::Done { byte_len, value } => {
+                let o = Outcome::Done { byte_len, value };
+                if !read {
+                    self.done = Some(o);
+                    return;
+                }
+                // Only as much as was asked, the first piece in the answer.
+                if total as usize != want || data.len() > want {
+                    self.done = Some(Outcome::NoResponse);
+                    return;
+                }
+                self.total = want;
+                self.result.extend_from_slice(data);
+                if self.result.len() == want {
+                    self.done = Some(o);
+                } else {
+                    self.fin = Some(o);
+                    self.fetching = true;
+                    self.fetch(wire, 1, now);
+                }
+            }
+            Reply::Rnr(c) => self.done = Some(Outcome::Rnr(c)),
+            Reply::Fail(st) => self.done = Some(Outcome::Fail(st)),
+        }
+    }
+
+    /// The outcome, once known: the answer, or `NoResponse` once the awaited packet is late.
+    pub fn poll(&mut self, now: Instant) -> Option<Outcome> {
+        if self.done.is_none() && now >= self.deadline {
+            self.done = Some(Outcome::NoResponse);
+        }
+        self.done
+    }
+
+    /// A read's result (whole once [`Exchange::poll`] says `Done`).
+    pub fn result(&self) -> &[u8] {
+        &self.result
     }
 }
 
@@ -669,195 +772,6 @@ pub fn grh(src: &Gid, len: usize) -> [u8; GRH_LEN] {
     grh[7] = 64;
     grh[8..24].copy_from_slice(&src.0);
     grh
-}
-
-struct Asm {
-    buf: Vec<u8>,
-    next: usize,
-    at: Instant,
-}
-
-/// The service: answer requests from other hosts until stopped.
-fn serve(
-    sock: UdpSocket,
-    me: Peer,
-    stop: Arc<AtomicBool>,
-    (dropped, served): (Arc<AtomicU64>, Arc<AtomicU64>),
-) {
-    let _ = sock.set_read_timeout(Some(Duration::from_millis(500)));
-    let mut rx = vec![0u8; 65_536];
-    let mut tx = Vec::with_capacity(CHUNK + HDR_RESP);
-    let mut asm: HashMap<(SocketAddr, u64), Asm> = HashMap::new();
-    let mut reads: HashMap<(SocketAddr, u64), (Vec<u8>, Instant)> = HashMap::new();
-    let mut out = [0u8; 8];
-    while !stop.load(Ordering::SeqCst) {
-        let Ok((n, from)) = sock.recv_from(&mut rx) else {
-            continue;
-        };
-        let Ok(m) = Msg::decode(&rx[..n]) else {
-            tracing::debug!(target: "weft::verbs", "soft HCA wire: dropped a malformed packet from {from}");
-            continue;
-        };
-        // A muted or closed HCA answers nothing, as a hung node would not.
-        if !me.responsive(false) {
-            continue;
-        }
-        let mut reply = |xid: u64, r: Reply, frag: u16, total: u32, data: &[u8]| {
-            tx.clear();
-            Msg::Resp {
-                xid,
-                reply: r,
-                frag,
-                total,
-                data,
-            }
-            .encode(&mut tx);
-            let _ = sock.send_to(&tx, from);
-        };
-        match m {
-            Msg::More { xid, frag } => {
-                if let Some((b, _)) = reads.get(&(from, xid)) {
-                    let off = frag as usize * CHUNK;
-                    if off < b.len() {
-                        let end = (off + CHUNK).min(b.len());
-                        let done = end == b.len();
-                        reply(xid, Reply::FragOk, frag, b.len() as u32, &b[off..end]);
-                        if done {
-                            reads.remove(&(from, xid));
-                        }
-                    }
-                }
-            }
-            Msg::Resp { .. } => {}
-            Msg::Req {
-                xid,
-                hdr,
-                frag,
-                data,
-            } => {
-                let now = Instant::now();
-                let held = |a: &HashMap<_, Asm>, r: &HashMap<_, (Vec<u8>, Instant)>| {
-                    a.values().map(|x| x.buf.capacity()).sum::<usize>()
-                        + r.values().map(|x| x.0.capacity()).sum::<usize>()
-                };
-                asm.retain(|_, a| now.duration_since(a.at) < KEEP);
-                reads.retain(|_, r| now.duration_since(r.1) < KEEP);
-                let nf = hdr.frags();
-                let payload: std::borrow::Cow<[u8]> = if nf == 1 {
-                    std::borrow::Cow::Borrowed(data)
-                } else {
-                    let key = (from, xid);
-                    if !asm.contains_key(&key) {
-                        if frag != 0 || held(&asm, &reads) + hdr.len as usize > BUDGET {
-                            continue;
-                        }
-                        asm.insert(
-                            key,
-                            Asm {
-                                buf: Vec::with_capacity(hdr.len as usize),
-                                next: 0,
-                                at: now,
-                            },
-                        );
-                    }
-                    let Some(a) = asm.get_mut(&key) else { continue };
-                    let f = frag as usize;
-                    if f < a.next {
-                        // A repeated fragment (our FragOk was lost): acknowledge again.
-                        if f + 1 < nf {
-                            reply(xid, Reply::FragOk, frag, 0, &[]);
-                        }
-                        continue;
-                    }
-                    if f > a.next {
-                        continue;
-                    }
-                    a.buf.extend_from_slice(data);
-                    a.next += 1;
-                    a.at = now;
-                    if f + 1 < nf {
-                        reply(xid, Reply::FragOk, frag, 0, &[]);
-                        continue;
-                    }
-                    match asm.remove(&key) {
-                        Some(a) => std::borrow::Cow::Owned(a.buf),
-                        None => continue,
-                    }
-                };
-                let is_read = hdr.op == WrOpcode::RdmaRead;
-                let mut result = Vec::new();
-                if is_read && hdr.len > 0 {
-                    if held(&asm, &reads) + hdr.len as usize > BUDGET {
-                        continue;
-                    }
-                    result = vec![0u8; hdr.len as usize];
-                }
-                let local = [if is_read {
-                    Range {
-                        base: result.as_mut_ptr() as u64,
-                        len: result.len(),
-                    }
-                } else if hdr.op.is_atomic() {
-                    Range {
-                        base: out.as_mut_ptr() as u64,
-                        len: 8,
-                    }
-                } else {
-                    Range {
-                        base: payload.as_ptr() as u64,
-                        len: payload.len(),
-                    }
-                }];
-                let g = grh(&hdr.src_gid, hdr.len as usize);
-                let req = Request {
-                    op: hdr.op,
-                    src_qpn: hdr.src_qpn,
-                    src_gid: hdr.src_gid,
-                    dest_qpn: hdr.dest_qpn,
-                    psn: hdr.psn,
-                    local: &local[..usize::from(local[0].len > 0)],
-                    remote_addr: hdr.remote_addr,
-                    rkey: hdr.rkey,
-                    imm: hdr.imm,
-                    compare_add: hdr.compare_add,
-                    swap: hdr.swap,
-                    len: hdr.len as usize,
-                    qkey: hdr.qkey,
-                    grh: hdr.ud.then_some(g),
-                };
-                if hdr.ud {
-                    if exec::ud(&me, &req) {
-                        served.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        dropped.fetch_add(1, Ordering::Relaxed);
-                    }
-                    continue;
-                }
-                let o = exec::rc(&me, &req);
-                if o != Outcome::NoResponse {
-                    served.fetch_add(1, Ordering::Relaxed);
-                }
-                let last = (nf - 1) as u16;
-                match o {
-                    Outcome::Done { byte_len, value } => {
-                        let r = Reply::Done { byte_len, value };
-                        if is_read {
-                            let first = result.len().min(CHUNK);
-                            reply(xid, r, last, result.len() as u32, &result[..first]);
-                            if result.len() > CHUNK {
-                                reads.insert((from, xid), (result, now));
-                            }
-                        } else {
-                            reply(xid, r, last, 0, &[]);
-                        }
-                    }
-                    Outcome::Rnr(c) => reply(xid, Reply::Rnr(c), last, 0, &[]),
-                    Outcome::Fail(st) => reply(xid, Reply::Fail(st), last, 0, &[]),
-                    Outcome::NoResponse => {}
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -462,27 +462,36 @@ fn rc_is_in_order_and_a_write_is_visible_when_the_following_send_arrives() {
     let (rb, rmr) = buf(&b, 8 * n, 0, Access::LOCAL_WRITE);
     let _ = rb;
     let mut done = 0;
-    for chunk in 0..n / 50 {
-        let recvs: Vec<RecvWr> = (0..50)
+    // Chunks that fit the send queue (64 requests), the last send of each signaled and
+    // waited for, as a program with unsignaled requests must (requests to another host stay
+    // queued until their answers arrive).
+    const K: usize = 25;
+    for chunk in 0..n / K {
+        let recvs: Vec<RecvWr> = (0..K)
             .map(|k| {
-                let i = chunk * 50 + k;
+                let i = chunk * K + k;
                 RecvWr::new(i as u64, &[rmr.sge(8 * i, 8)])
             })
             .collect();
         b.h.post_recv(b.qp, &recvs).unwrap();
-        for k in 0..50 {
-            let i = chunk * 50 + k;
+        for k in 0..K {
+            let i = chunk * K + k;
+            let send = SendWr::send(i as u64, &[smr.sge(8 * i, 8)]);
             a.h.post_send(
                 a.qp,
                 &[
                     SendWr::write(0, &[smr.sge(8 * i, 8)], dmr.addr + 8 * i as u64, dmr.rkey)
                         .unsignaled(),
-                    SendWr::send(i as u64, &[smr.sge(8 * i, 8)]).unsignaled(),
+                    if k + 1 == K { send } else { send.unsignaled() },
                 ],
             )
             .unwrap();
         }
-        for w in wait_cq(&*b.h, b.cq, 50, T).unwrap() {
+        assert_eq!(
+            wait_cq(&*a.h, a.cq, 1, T).unwrap()[0].status,
+            WcStatus::Success
+        );
+        for w in wait_cq(&*b.h, b.cq, K, T).unwrap() {
             assert_eq!(w.wr_id as usize, done, "in order");
             // The write posted before the send is in place when the send completes.
             assert_eq!(
@@ -516,6 +525,85 @@ fn a_gone_or_mute_peer_exhausts_the_transport_retries() {
     a.h.post_send(a.qp, &[SendWr::send(1, &[smr.sge(0, 8)])])
         .unwrap();
     assert_eq!(one(&a).status, WcStatus::RetryExcErr);
+}
+
+/// A silent peer holds up only the QPs that talk to it, by their own timeouts: no call into
+/// the HCA waits for the network (a request to another host used to be a blocking round trip
+/// made under the HCA's one lock: `post_send` took the whole ACK timeout, and so did another
+/// thread's `poll_cq` of an unrelated, empty CQ).
+#[test]
+fn a_silent_peer_holds_up_only_its_own_qps() {
+    use std::time::Instant;
+    // ACK timeout code 18: about 1.07 s per attempt, three attempts.
+    let slow = RcParams {
+        timeout: 18,
+        retry_cnt: 2,
+        ..fast()
+    };
+    let (a, b) = rc_pair_with(Config::default(), Config::default(), slow);
+    // A second pair: `a`'s HCA to a live HCA `c` on `b`'s host.
+    let a2 = side(a.h.clone(), QpType::Rc, None, Some(a.pd));
+    let c = side(hca_b(Config::default()), QpType::Rc, None, None);
+    connect_rc(&*a.h, a2.qp, 1, &Endpoint::of(&*c.h, c.qp, 2), &fast()).unwrap();
+    connect_rc(&*c.h, c.qp, 2, &Endpoint::of(&*a.h, a2.qp, 1), &fast()).unwrap();
+    let (_s, smr) = buf(&a, 8, 5, Access::ALL);
+    let (_d, dmr) = buf(&b, 8, 0, Access::ALL);
+    let (_r, rmr) = buf(&c, 8, 0, Access::LOCAL_WRITE);
+    let other = a.h.create_cq(16).unwrap();
+    b.h.set_mute(true);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let slowest = std::thread::scope(|sc| {
+        // Another thread polls an unrelated, empty CQ of the same HCA all along.
+        let poller = sc.spawn(|| {
+            let mut w = [one_dummy(); 4];
+            let mut worst = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                assert_eq!(a.h.poll_cq(other, &mut w).unwrap(), 0);
+                worst = worst.max(t.elapsed());
+                std::thread::yield_now();
+            }
+            worst
+        });
+        let t0 = Instant::now();
+        a.h.post_send(
+            a.qp,
+            &[SendWr::write(1, &[smr.sge(0, 8)], dmr.addr, dmr.rkey)],
+        )
+        .unwrap();
+        let posted = t0.elapsed();
+        // The live peer is reached at once, while the silent one's request waits.
+        c.h.post_recv(c.qp, &[RecvWr::new(7, &[rmr.sge(0, 8)])])
+            .unwrap();
+        a.h.post_send(a2.qp, &[SendWr::send(2, &[smr.sge(0, 8)])])
+            .unwrap();
+        let got = one(&c);
+        let live = t0.elapsed();
+        assert_eq!((got.wr_id, got.status), (7, WcStatus::Success));
+        let w = one(&a2);
+        let sent = t0.elapsed();
+        assert_eq!((w.wr_id, w.status), (2, WcStatus::Success));
+        let mut none = [one_dummy(); 1];
+        assert_eq!(
+            a.h.poll_cq(a.cq, &mut none).unwrap(),
+            0,
+            "the silent peer's write is still being retried"
+        );
+        let w = one(&a);
+        stop.store(true, Ordering::Relaxed);
+        let worst = poller.join().unwrap();
+        assert_eq!((w.wr_id, w.status), (1, WcStatus::RetryExcErr));
+        (posted, live, sent, worst)
+    });
+    let (posted, live, sent, worst) = slowest;
+    let bound = Duration::from_millis(500);
+    assert!(posted < bound, "post_send took {posted:?}");
+    assert!(live < bound, "the live peer's message took {live:?}");
+    assert!(
+        sent < bound,
+        "the live peer's send completion took {sent:?}"
+    );
+    assert!(worst < bound, "another thread's poll_cq took {worst:?}");
 }
 
 #[test]
@@ -1188,8 +1276,17 @@ fn a_full_cq_is_an_overrun_error() {
         .map(|i| SendWr::write(i, &[smr.sge(0, 8)], dmr.addr, dmr.rkey).unsignaled())
         .collect();
     a.h.post_send(qp, &wrs).unwrap();
+    // The requests run on the HCA's time (across hosts, as the answers arrive): poll until
+    // the CQ reports the overrun, and only that.
     let mut w = [one_dummy(); 8];
-    let e = a.h.poll_cq(cq, &mut w).unwrap_err();
+    let t0 = std::time::Instant::now();
+    let e = loop {
+        match a.h.poll_cq(cq, &mut w) {
+            Err(e) => break e,
+            Ok(n) => assert!(n <= 4, "{n} completions out of a CQ of 4"),
+        }
+        assert!(t0.elapsed() < T, "no overrun within {T:?}");
+    };
     assert!(e.to_string().contains("overrun"), "{e}");
 }
 

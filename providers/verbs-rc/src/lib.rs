@@ -1065,7 +1065,9 @@ impl VerbsRc {
             // Every manager send slot is in flight: the resend timer covers a dropped one.
             return Ok(());
         };
-        self.ud_send.buf(i)[..CM_LEN].copy_from_slice(&m.encode());
+        // SAFETY: a free send slot: no send of it is outstanding.
+        let b = unsafe { self.ud_send.buf(i) };
+        b[..CM_LEN].copy_from_slice(&m.encode());
         let wr = SendWr::send(K_UDS | i as u64, &[self.ud_send.sge(i, CM_LEN)]).to(ah, qpn, QKEY);
         if let Err(e) = self.hca.post_send(self.ud_qp, &[wr]) {
             self.ud_send.free.push(i);
@@ -1247,7 +1249,8 @@ impl VerbsRc {
         };
         let plen: usize = payload.iter().map(|p| p.len()).sum();
         let ack = self.ack_for(r);
-        let buf = self.send.buf(b);
+        // SAFETY: a free send slot: no send of it is outstanding until the post below.
+        let buf = unsafe { self.send.buf(b) };
         Frame {
             kind,
             hlen: header.len(),
@@ -1482,7 +1485,10 @@ impl VerbsRc {
                 if ok {
                     let n = (wc.byte_len as usize).min(UD_SLOT);
                     let skip = if wc.grh { verbs::GRH_LEN } else { 0 };
-                    let m = self.ud_recv.buf(idx).get(skip..n).and_then(CmMsg::decode);
+                    // SAFETY: the receive of slot `idx` just completed; it is reposted only
+                    // after this read.
+                    let b = unsafe { self.ud_recv.buf(idx) };
+                    let m = b.get(skip..n).and_then(CmMsg::decode);
                     if let Some(m) = m {
                         self.on_cm(m)?;
                     }
@@ -1521,7 +1527,9 @@ impl VerbsRc {
             return Ok(());
         }
         let i = src as usize;
-        let b = self.recv.bytes(idx, wc.byte_len as usize);
+        // SAFETY: the receive of slot `idx` completed; the slot is reposted only once its
+        // bytes have been handed on (below).
+        let b = unsafe { self.recv.bytes(idx, wc.byte_len as usize) };
         let Some(f) = Frame::read(b, MAX_HDR) else {
             self.malformed(src, "malformed verbs-rc frame", sink);
             return Ok(());
@@ -1807,7 +1815,10 @@ impl VerbsRc {
         {
             return Ok(false);
         }
-        let Some(placed) = e.tx.place(e.staging.buf(0), len) else {
+        // SAFETY: the staging buffer is only ever read by the HCA (the writes that carry its
+        // records), and `place` writes only bytes of the ring no write in flight reads: the
+        // ring's free space (the eager engine's invariant).
+        let Some(placed) = e.tx.place(unsafe { e.staging.buf(0) }, len) else {
             self.stats.ring_full += 1;
             return Ok(false);
         };
@@ -1836,7 +1847,8 @@ impl VerbsRc {
                 .min(placed.body + len)
                 .saturating_sub(placed.body);
             if to > from {
-                let dst = &mut e.staging.buf(0)[placed.body + from..placed.body + to];
+                // SAFETY: the record just placed, not yet posted (as for `place` above).
+                let dst = &mut unsafe { e.staging.buf(0) }[placed.body + from..placed.body + to];
                 copy_range(dst, &parts, from);
             }
             let sge = e.staging.mr().sge(w.off, w.len);
@@ -1850,7 +1862,11 @@ impl VerbsRc {
         let mut posted = placed.writes.len();
         if let Some(h) = placed.head {
             let at = self.shape.mem_len();
-            e.staging.buf(0)[at..at + 8].copy_from_slice(&h.to_le_bytes());
+            // SAFETY: the head word past the ring's memory; the write that reads it is
+            // posted below, and a new head is written only once that one completed
+            // (`head_due`).
+            let b = unsafe { e.staging.buf(0) };
+            b[at..at + 8].copy_from_slice(&h.to_le_bytes());
             let sge = e.staging.mr().sge(at, 8);
             let head = addr + self.shape.head_at() as u64;
             wrs.push(SendWr::write(K_RING | r as u64, &[sge], head, rkey));
@@ -1983,7 +1999,9 @@ impl VerbsRc {
         }
         if basic_room {
             if let Some(h) = tx.tx.head_due() {
-                tx.staging.buf(0)[mem..mem + 8].copy_from_slice(&h.to_le_bytes());
+                // SAFETY: the head word, as in `ring_send`: no write of it is in flight.
+                let b = unsafe { tx.staging.buf(0) };
+                b[mem..mem + 8].copy_from_slice(&h.to_le_bytes());
                 let sge = tx.staging.mr().sge(mem, 8);
                 let at = tx.addr + self.shape.head_at() as u64;
                 wrs.push(SendWr::write(K_RING | r as u64, &[sge], at, tx.rkey));

@@ -679,7 +679,8 @@ impl VerbsUd {
                     // (same sequence number, an older acknowledgement, still true): the HCA
                     // may be reading those bytes.
                     if self.send_refs[slot as usize] == 0 {
-                        let b = self.send.buf(slot);
+                        // SAFETY: no send of the slot is in the HCA's hands (no reference).
+                        let b = unsafe { self.send.buf(slot) };
                         put_u32(&mut b[8..12], h.psn.unwrap_or(0));
                         put_u32(&mut b[12..16], h.ack);
                     }
@@ -693,7 +694,8 @@ impl VerbsUd {
                     let Some(c) = self.ctl.free.pop() else {
                         continue;
                     };
-                    let b = self.ctl.buf(c);
+                    // SAFETY: a free control slot: no send of it is outstanding.
+                    let b = unsafe { self.ctl.buf(c) };
                     b.fill(0);
                     b[0] = KIND_ACK;
                     put_u32(&mut b[4..8], self.rank);
@@ -734,7 +736,8 @@ impl VerbsUd {
                 return;
             };
             self.ka_next = k + 1;
-            let b = self.send.buf(slot);
+            // SAFETY: a free send slot: no send of it is outstanding.
+            let b = unsafe { self.send.buf(slot) };
             b[..PKT].fill(0);
             b[0] = KIND_DATA;
             b[1] = F_FIRST | F_LAST | F_PING;
@@ -764,7 +767,9 @@ impl VerbsUd {
     /// link to wait for `drain`.
     fn on_recv(&mut self, i: u32, n: usize, now: Instant, sink: &mut dyn Sink) -> usize {
         let mtu = self.cfg.mtu;
-        let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
+        // SAFETY (here and below): the receive of slot `i` completed; the slot is reposted
+        // only after `on_recv` returns.
+        let b = &unsafe { self.recv.buf(i) }[GRH..GRH + n.min(mtu)];
         if b.len() < PKT {
             self.stats.malformed += 1;
             return 0;
@@ -799,7 +804,8 @@ impl VerbsUd {
         {
             // Next in order with nothing waiting: straight from the receive buffer (what
             // `drain` does with a packet the link kept).
-            let body = &self.recv.buf(i)[GRH + PKT..GRH + n.min(mtu)];
+            // SAFETY: as above.
+            let body = &unsafe { self.recv.buf(i) }[GRH + PKT..GRH + n.min(mtu)];
             let head = Head { flags, hlen, total };
             return Self::take(
                 &mut p.rx,
@@ -812,7 +818,8 @@ impl VerbsUd {
             );
         }
         // The engine keeps the packet (flags, lengths and bytes) until it is next in order.
-        let b = &self.recv.buf(i)[GRH..GRH + n.min(mtu)];
+        // SAFETY: as above.
+        let b = &unsafe { self.recv.buf(i) }[GRH..GRH + n.min(mtu)];
         let spare = &mut self.spare;
         let payload = (kind == KIND_DATA).then(|| {
             let mut v = spare.pop().unwrap_or_default();
@@ -1094,7 +1101,8 @@ impl VerbsUd {
             };
             let body = self.peers[i].ctl_out.pop_front().expect("checked above");
             let rank = self.rank;
-            let b = self.send.buf(slot);
+            // SAFETY: a free send slot: no send of it is outstanding.
+            let b = unsafe { self.send.buf(slot) };
             b[0] = KIND_DATA;
             b[1] = F_FIRST | F_LAST | F_CTRL;
             put_u16(&mut b[2..4], 0);
@@ -1343,7 +1351,8 @@ impl Provider for VerbsUd {
         for k in 0..packets {
             let slot = self.send.free.pop().expect("counted above");
             let n = room.min(bytes - k * room);
-            let b = self.send.buf(slot);
+            // SAFETY: a free send slot: no send of it is outstanding.
+            let b = unsafe { self.send.buf(slot) };
             b[0] = KIND_DATA;
             b[1] = if k == 0 { F_FIRST } else { 0 } | if k + 1 == packets { F_LAST } else { 0 };
             put_u16(&mut b[2..4], header.len() as u16);

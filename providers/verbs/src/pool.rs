@@ -114,9 +114,13 @@ impl Pool {
         self.mr.sge(i as usize * self.slot, len)
     }
 
-    /// Slot `i`, which must not be posted (receive) or read by the HCA (send) meanwhile.
-    /// Not for a pool peers write ([`Pool::remote`]).
-    pub fn buf(&mut self, i: u32) -> &mut [u8] {
+    /// Slot `i`, to fill or read. Panics if the pool has no slot `i`.
+    ///
+    /// # Safety
+    /// While the slice lives, the HCA must not write the slot (a posted receive, a peer's
+    /// write into a pool registered for one, [`Pool::remote`]) nor read it (a posted send not
+    /// yet completed): the caller owns the slot, between its completion and its next post.
+    pub unsafe fn buf(&mut self, i: u32) -> &mut [u8] {
         let s = self.slot;
         assert!(
             (i as usize + 1) * s <= self.len,
@@ -125,14 +129,17 @@ impl Pool {
         // SAFETY: bytes of the pool's memory (host words or device memory, mapped for as long
         // as the pool lives); the slot lies within it (checked above) and only it is borrowed
         // (the `&mut self` receiver excludes other borrows of the pool). Other slots may be in
-        // the HCA's hands; the owner touches a receive slot only between its completion and
-        // its repost, and a send slot only while no post of it is outstanding. Pools peers may
-        // write are registered with remote rights and never read through here.
+        // the HCA's hands; this one is not (the caller's contract).
         unsafe { std::slice::from_raw_parts_mut(self.base.add(i as usize * s), s) }
     }
 
-    /// The first `n` bytes of slot `i` (at most the slot), read-only; as [`Pool::buf`].
-    pub fn bytes(&self, i: u32, n: usize) -> &[u8] {
+    /// The first `n` bytes of slot `i` (at most the slot), read-only. Panics if the pool has
+    /// no slot `i`.
+    ///
+    /// # Safety
+    /// While the slice lives, the HCA must not write the slot (as for [`Pool::buf`]; a send
+    /// in flight may read it).
+    pub unsafe fn bytes(&self, i: u32, n: usize) -> &[u8] {
         let s = self.slot;
         assert!(
             (i as usize + 1) * s <= self.len,
@@ -272,17 +279,25 @@ impl Chunked {
     }
 
     /// Slot `i`, as [`Pool::buf`].
+    ///
+    /// # Safety
+    /// As for [`Pool::buf`].
     #[inline]
-    pub fn buf(&mut self, i: u32) -> &mut [u8] {
+    pub unsafe fn buf(&mut self, i: u32) -> &mut [u8] {
         let (c, j) = self.at(i);
-        self.chunks[c].buf(j)
+        // SAFETY: slot `i` is slot `j` of chunk `c`; the caller's contract carries over.
+        unsafe { self.chunks[c].buf(j) }
     }
 
     /// The first `n` bytes of slot `i`, as [`Pool::bytes`].
+    ///
+    /// # Safety
+    /// As for [`Pool::bytes`].
     #[inline]
-    pub fn bytes(&self, i: u32, n: usize) -> &[u8] {
+    pub unsafe fn bytes(&self, i: u32, n: usize) -> &[u8] {
         let (c, j) = self.at(i);
-        self.chunks[c].bytes(j, n)
+        // SAFETY: as in `buf`.
+        unsafe { self.chunks[c].bytes(j, n) }
     }
 
     /// Deregister every chunk and give device memory back, as [`Pool::release`].
@@ -308,9 +323,11 @@ mod tests {
         assert_eq!(host.len(), 256);
         assert_eq!(dev.host_bytes(), 0, "device pool in HCA memory");
         assert_eq!(hca.accounting().dm_bytes - before.dm_bytes, 8192);
-        host.buf(1).fill(7);
-        assert!(host.bytes(0, 64).iter().all(|&b| b == 0));
-        assert!(host.bytes(1, 100).len() == 64 && host.bytes(1, 64).iter().all(|&b| b == 7));
+        // SAFETY (the three): no slot of the pool is posted in this test.
+        unsafe { host.buf(1) }.fill(7);
+        assert!(unsafe { host.bytes(0, 64) }.iter().all(|&b| b == 0));
+        let one = unsafe { host.bytes(1, 100) };
+        assert!(one.len() == 64 && one.iter().all(|&b| b == 7));
         assert_eq!(host.sge(3, 8).addr, host.mr().sge(192, 8).addr);
         assert_eq!(host.free, vec![3, 2, 1, 0]);
         host.release(&*hca);
@@ -339,10 +356,13 @@ mod tests {
             "a new chunk's slots are the owner's to hand out"
         );
         for i in 0..12u32 {
-            p.buf(i).fill(i as u8 + 1);
+            // SAFETY: no slot of the pool is posted in this test.
+            unsafe { p.buf(i) }.fill(i as u8 + 1);
         }
         for i in 0..12u32 {
-            assert!(p.bytes(i, 64).iter().all(|&b| b == i as u8 + 1), "slot {i}");
+            // SAFETY: as above.
+            let b = unsafe { p.bytes(i, 64) };
+            assert!(b.iter().all(|&b| b == i as u8 + 1), "slot {i}");
             assert_eq!(p.sge(i, 8).length, 8);
         }
         // Slots of different chunks are in different registrations; within one, adjacent.
@@ -359,8 +379,9 @@ mod tests {
         assert_eq!((f.slots(), f.max_slots(), f.host_bytes()), (5, 5, 160));
         assert!(!f.can_grow());
         assert_eq!(f.grow(&*hca, pd).unwrap(), 0..0);
-        f.buf(4).fill(9);
-        assert!(f.bytes(4, 32).iter().all(|&b| b == 9));
+        // SAFETY (both): nothing is posted in this test.
+        unsafe { f.buf(4) }.fill(9);
+        assert!(unsafe { f.bytes(4, 32) }.iter().all(|&b| b == 9));
         f.release(&*hca);
         assert_eq!(hca.accounting(), before);
     }

@@ -805,7 +805,7 @@ impl Hca for RdmaHca {
             if w.signaled {
                 flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
             }
-            if w.inline {
+            if w.is_inline() {
                 flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
             }
             r.send_flags = flags;

@@ -373,8 +373,9 @@ pub struct SendWr {
     pub imm: u32,
     /// `IBV_SEND_SIGNALED` (always true in effect when the QP has `sq_sig_all`).
     pub signaled: bool,
-    /// `IBV_SEND_INLINE`: the payload is copied at post time, the SGEs need no lkey.
-    pub inline: bool,
+    /// `IBV_SEND_INLINE`: the payload is copied at post time, the SGEs need no lkey. Set only
+    /// by the unsafe [`SendWr::inlined`]: the HCA then reads the SGEs' addresses unchecked.
+    inline: bool,
     /// RDMA and atomic target.
     pub remote_addr: u64,
     pub rkey: u32,
@@ -472,9 +473,33 @@ impl SendWr {
         self
     }
 
-    pub fn inlined(mut self) -> SendWr {
+    /// Mark the request inline (`IBV_SEND_INLINE`): its payload is copied when it is posted,
+    /// straight from the SGEs' addresses, with no key and no registration to check them.
+    ///
+    /// # Safety
+    /// Whenever the request is posted, each of its SGEs (as they are then: `sg_list` stays
+    /// public) must name `length` bytes of this process's memory that are readable for the
+    /// duration of the `post_send` call and that nothing writes during it.
+    ///
+    /// Safe code cannot make one (an inline request at address 0x10 used to be a segfault
+    /// from safe code):
+    ///
+    /// ```compile_fail,E0133
+    /// let bogus = weft_verbs::Sge { addr: 0x10, length: 8, lkey: 0 };
+    /// let _ = weft_verbs::SendWr::send(1, &[bogus]).inlined();
+    /// ```
+    ///
+    /// ```compile_fail,E0451
+    /// let _ = weft_verbs::SendWr { inline: true, ..weft_verbs::SendWr::send(1, &[]) };
+    /// ```
+    pub unsafe fn inlined(mut self) -> SendWr {
         self.inline = true;
         self
+    }
+
+    /// Whether the request is inline ([`SendWr::inlined`]).
+    pub fn is_inline(&self) -> bool {
+        self.inline
     }
 
     /// Payload length.

@@ -756,7 +756,7 @@ impl Hca for SoftHca {
                     wr.sg_list.len(),
                     q.cap.max_send_sge
                 ))
-            } else if wr.inline
+            } else if wr.is_inline()
                 && (wr.len() > q.cap.max_inline_data as usize
                     || !matches!(
                         wr.opcode,
@@ -787,11 +787,12 @@ impl Hca for SoftHca {
                 bad = Some(format!("post_send: request {k} (wr_id {}): {w}", wr.wr_id));
                 break;
             }
-            let data = wr.inline.then(|| {
+            let data = wr.is_inline().then(|| {
                 let mut d = Vec::with_capacity(wr.len());
                 for s in &wr.sg_list {
-                    // SAFETY: inline payload is read at post time from memory the caller
-                    // passed; ibverbs' contract (valid for the call) is the caller's.
+                    // SAFETY: an inline request is made only by the unsafe `SendWr::inlined`,
+                    // whose caller promised that its SGEs are readable memory of this process
+                    // for the duration of this call.
                     d.extend_from_slice(unsafe {
                         std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
                     });

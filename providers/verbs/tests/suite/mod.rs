@@ -896,7 +896,7 @@ fn the_state_machine_is_enforced() {
     );
     let too_many: Vec<Sge> = (0..5).map(|_| smr.sge(0, 1)).collect();
     let (a, b) = rc_pair();
-    let (_s, smr) = buf(&a, 8, 0, Access::ALL);
+    let (_s, _smr) = buf(&a, 8, 0, Access::ALL);
     let (tb, tmr) = buf(&b, 16, 0, Access::ALL);
     let e =
         a.h.post_send(a.qp, &[SendWr::send(1, &too_many)])
@@ -905,9 +905,14 @@ fn the_state_machine_is_enforced() {
         e.to_string().contains("request 0") && e.to_string().contains("SGEs"),
         "{e}"
     );
-    let big = vec![smr.sge(0, 8); 1];
-    let mut w = SendWr::send(1, &big).inlined();
-    w.sg_list[0].length = 4000;
+    let big = [7u8; 4000];
+    let sge = Sge {
+        addr: big.as_ptr() as u64,
+        length: 4000,
+        lkey: 0,
+    };
+    // SAFETY: `big` is readable for the whole test and nothing writes it.
+    let w = unsafe { SendWr::send(1, &[sge]).inlined() };
     assert!(
         a.h.post_send(a.qp, &[w]).is_err(),
         "inline above max_inline_data"
@@ -923,8 +928,9 @@ fn the_state_machine_is_enforced() {
         }],
         tmr.addr,
         tmr.rkey,
-    )
-    .inlined();
+    );
+    // SAFETY: `local` is readable during the post below, and written only after it.
+    let wr = unsafe { wr.inlined() };
     a.h.post_send(a.qp, &[wr]).unwrap();
     local = [0; 16];
     assert_eq!(one(&a).status, WcStatus::Success);

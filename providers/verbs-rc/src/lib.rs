@@ -382,6 +382,9 @@ struct Stats {
     disconnects: u64,
     /// Connection-manager messages of an earlier connection, ignored.
     cm_stale: u64,
+    /// Connection-manager datagrams not from the rank they name (or offering a QP on
+    /// another HCA than that rank's): dropped.
+    cm_forged: u64,
     cm_resends: u64,
     /// Connection requests the timers looked at (each due one once, stale ones included).
     cm_checked: u64,
@@ -1027,26 +1030,50 @@ impl VerbsRc {
         )
     }
 
+    /// The connection-manager address `r` published (looked up once).
+    fn published(&mut self, r: Rank) -> Result<Endpoint> {
+        if let Some(e) = self.ud_addrs.get(&r) {
+            return Ok(*e);
+        }
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| Error::invalid("verbs-rc: no key-value space"))?;
+        let v = kv
+            .get(&format!("verbs-rc.{r}"))?
+            .ok_or_else(|| Error::invalid(format!("verbs-rc: rank {r} published no address")))?;
+        let e: Endpoint = v.parse()?;
+        self.ud_addrs.insert(r, e);
+        Ok(e)
+    }
+
+    /// Whether connection-manager datagram `m` is from the rank it names, on that rank's HCA:
+    /// it came from the UD QP the rank published (the HCA stamps every UD receive with the
+    /// sender's QP number and, in the GRH, its GID, which no sender chooses), and the QP it
+    /// offers is on that same HCA. The endpoint a connection is made to is then the
+    /// bootstrap's, never one a datagram chose: a forged request cannot point this HCA at
+    /// another process (the soft HCA maps the process a GID names).
+    fn cm_from_published(&mut self, m: &CmMsg, src_qp: u32, grh: Option<&[u8]>) -> bool {
+        if m.src >= self.size {
+            return false;
+        }
+        let Ok(e) = self.published(m.src) else {
+            return false;
+        };
+        let gid_ok = match grh {
+            Some(g) if g.len() >= verbs::GRH_LEN && g[0] >> 4 == 6 => g[8..24] == e.gid.0,
+            Some(g) if g.len() >= verbs::GRH_LEN && g[20] >> 4 == 4 => g[32..36] == e.gid.0[12..16],
+            _ => true,
+        };
+        e.qpn == src_qp && gid_ok && m.ep.gid == e.gid && m.ep.lid == e.lid
+    }
+
     /// The peer's connection-manager address and handle.
     fn ud_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
         if let Some(u) = self.peers[r as usize].ud {
             return Ok(u);
         }
-        let ep = match self.ud_addrs.get(&r).copied() {
-            Some(e) => e,
-            None => {
-                let kv = self
-                    .kv
-                    .as_ref()
-                    .ok_or_else(|| Error::invalid("verbs-rc: no key-value space"))?;
-                let v = kv.get(&format!("verbs-rc.{r}"))?.ok_or_else(|| {
-                    Error::invalid(format!("verbs-rc: rank {r} published no address"))
-                })?;
-                let e: Endpoint = v.parse()?;
-                self.ud_addrs.insert(r, e);
-                e
-            }
-        };
+        let ep = self.published(r)?;
         let ah = self.hca.create_ah(
             self.pd,
             &verbs::AhAttr {
@@ -1403,16 +1430,13 @@ impl VerbsRc {
     /// The connection to `r` is gone (`st` is why): fail the peer once, and every operation
     /// queued for it; those in flight fail as the HCA flushes them.
     fn conn_failed(&mut self, r: Rank, st: WcStatus) {
-        let i = r as usize;
         // Failed already, or closed on purpose (draining, or torn down: no QP left to fail).
         if matches!(
-            self.peers[i].conn,
+            self.peers[r as usize].conn,
             Conn::Failed | Conn::Draining | Conn::Idle
         ) {
             return;
         }
-        self.peers[i].conn = Conn::Failed;
-        self.polling.retain(|&p| p != r);
         let reason = match st {
             WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr => {
                 format!(
@@ -1423,6 +1447,25 @@ impl VerbsRc {
             WcStatus::Success => "no answer to the connection request".to_string(),
             _ => format!("its RC connection broke with {}", st.as_str()),
         };
+        self.fail_peer(r, reason);
+    }
+
+    /// Answering `r`'s connection-manager datagram failed (its process is gone, say, before
+    /// our QP could be connected to its): that peer is failed, no other.
+    fn cm_failed(&mut self, r: Rank, e: &Error) {
+        if matches!(self.peers[r as usize].conn, Conn::Failed | Conn::Draining) {
+            return;
+        }
+        self.fail_peer(
+            r,
+            format!("its connection request could not be answered: {e}"),
+        );
+    }
+
+    fn fail_peer(&mut self, r: Rank, reason: String) {
+        let i = r as usize;
+        self.peers[i].conn = Conn::Failed;
+        self.polling.retain(|&p| p != r);
         tracing::debug!("verbs-rc: rank {r}: {reason}");
         let queued: Vec<_> = self.peers[i].queued.drain(..).collect();
         for (_, op) in queued {
@@ -1489,10 +1532,19 @@ impl VerbsRc {
                     // after this read.
                     let b = unsafe { self.ud_recv.buf(idx) };
                     let m = b.get(skip..n).and_then(CmMsg::decode);
+                    let grh: Option<[u8; verbs::GRH_LEN]> = wc
+                        .grh
+                        .then(|| b.get(..verbs::GRH_LEN)?.try_into().ok())
+                        .flatten();
                     if let Some(m) = m {
-                        self.on_cm(m)?;
+                        if !self.cm_from_published(&m, wc.src_qp, grh.as_ref().map(|g| &g[..])) {
+                            self.stats.cm_forged += 1;
+                        } else if let Err(e) = self.on_cm(m) {
+                            self.cm_failed(m.src, &e);
+                        }
                     }
                 }
+                // Whatever the datagram was, its buffer is posted again.
                 self.post_ud_recv(idx)?;
             }
             K_UDS => self.ud_send.free.push(idx),
@@ -2220,6 +2272,7 @@ impl Provider for VerbsRc {
             ("connections_asked", s.connects),
             ("connections_closed", s.disconnects),
             ("cm_stale", s.cm_stale),
+            ("cm_forged", s.cm_forged),
             ("connections_up", up),
             ("cm_resends", s.cm_resends),
             ("cm_checked", s.cm_checked),

@@ -307,6 +307,8 @@ struct Stats {
     packets_sent: u64,
     packets_recv: u64,
     malformed: u64,
+    /// Packets whose claimed source rank is not the QP and GID they came from.
+    spoofed: u64,
     zsends: u64,
     zrecvs: u64,
     zpieces: u64,
@@ -519,26 +521,49 @@ impl VerbsUd {
         Ok(r as usize)
     }
 
+    /// The address `r` published (looked up once).
+    fn addr_of(&mut self, r: Rank) -> Result<Endpoint> {
+        if let Some(e) = self.addrs[r as usize] {
+            return Ok(e);
+        }
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| Error::invalid("verbs-ud: no key-value space"))?;
+        let v = kv
+            .get(&format!("verbs-ud.{r}"))?
+            .ok_or_else(|| Error::invalid(format!("verbs-ud: rank {r} published no address")))?;
+        let e: Endpoint = v.parse()?;
+        self.addrs[r as usize] = Some(e);
+        Ok(e)
+    }
+
+    /// Whether a packet that claims to be from `r` came from `r`'s QP on `r`'s HCA: the HCA
+    /// stamps every UD receive with the sender's QP number and, in the GRH (when the receive
+    /// has one), its GID, which no sender chooses; they must be what `r` published through
+    /// the bootstrap. A GRH as InfiniBand and RoCE v1 lay it out carries the GID at bytes
+    /// 8..24; RoCE v2 over IPv4 puts an IPv4 header in the last 20 bytes, whose source address
+    /// is the GID's IPv4-mapped part.
+    fn sent_by(&mut self, r: Rank, src_qp: u32, grh: Option<&[u8]>) -> bool {
+        let Ok(e) = self.addr_of(r) else {
+            return false;
+        };
+        if e.qpn != src_qp {
+            return false;
+        }
+        match grh {
+            Some(g) if g.len() >= GRH && g[0] >> 4 == 6 => g[8..24] == e.gid.0,
+            Some(g) if g.len() >= GRH && g[20] >> 4 == 4 => g[32..36] == e.gid.0[12..16],
+            _ => true,
+        }
+    }
+
     /// The peer's address handle and QP number.
     fn ah_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
         if let Some(a) = self.peers[r as usize].ah {
             return Ok(a);
         }
-        let ep = match self.addrs[r as usize] {
-            Some(e) => e,
-            None => {
-                let kv = self
-                    .kv
-                    .as_ref()
-                    .ok_or_else(|| Error::invalid("verbs-ud: no key-value space"))?;
-                let v = kv.get(&format!("verbs-ud.{r}"))?.ok_or_else(|| {
-                    Error::invalid(format!("verbs-ud: rank {r} published no address"))
-                })?;
-                let e: Endpoint = v.parse()?;
-                self.addrs[r as usize] = Some(e);
-                e
-            }
-        };
+        let ep = self.addr_of(r)?;
         let ah = self.hca.create_ah(
             self.pd,
             &verbs::AhAttr {
@@ -765,7 +790,14 @@ impl VerbsUd {
     /// order, with nothing kept ahead of it, is assembled straight from the receive buffer
     /// (returns the messages that delivers to `sink`); any other packet is copied into its
     /// link to wait for `drain`.
-    fn on_recv(&mut self, i: u32, n: usize, now: Instant, sink: &mut dyn Sink) -> usize {
+    fn on_recv(
+        &mut self,
+        i: u32,
+        n: usize,
+        (src_qp, with_grh): (u32, bool),
+        now: Instant,
+        sink: &mut dyn Sink,
+    ) -> usize {
         let mtu = self.cfg.mtu;
         // SAFETY (here and below): the receive of slot `i` completed; the slot is reposted
         // only after `on_recv` returns.
@@ -787,6 +819,14 @@ impl VerbsUd {
             || total as usize > MAX_PAYLOAD
         {
             self.stats.malformed += 1;
+            return 0;
+        }
+        // SAFETY: as above (the GRH in front of the packet; copied: `sent_by` needs `self`).
+        let grh: Option<[u8; GRH]> = with_grh
+            .then(|| unsafe { self.recv.bytes(i, GRH) }.try_into().ok())
+            .flatten();
+        if !self.sent_by(src, src_qp, grh.as_ref().map(|g| &g[..])) {
+            self.stats.spoofed += 1;
             return 0;
         }
         let p = &mut self.peers[src as usize];
@@ -1430,7 +1470,8 @@ impl Provider for VerbsUd {
                     K_RECV => {
                         if wc.status == WcStatus::Success {
                             let len = (wc.byte_len as usize).saturating_sub(GRH);
-                            events += self.on_recv(idx, len, now, sink);
+                            let from = (wc.src_qp, wc.grh);
+                            events += self.on_recv(idx, len, from, now, sink);
                         }
                         self.repost.push(idx);
                     }
@@ -1702,6 +1743,7 @@ impl Provider for VerbsUd {
             ("duplicates", st.duplicates),
             ("out_of_order_kept", st.kept),
             ("malformed", s.malformed),
+            ("spoofed", s.spoofed),
             ("links", self.active.len() as u64),
             ("busy_links", self.busy.len() as u64),
             ("zcopy_sends", s.zsends),

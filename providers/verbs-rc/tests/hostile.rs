@@ -1,0 +1,197 @@
+//! verbs-rc against a hostile job peer and a requester that disappears: the connection
+//! manager connects to the endpoints the bootstrap published, never to one a datagram names,
+//! and a request it cannot answer fails that peer alone.
+
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+use weft_provider::bootstrap::{Bootstrap, InProcessJob};
+use weft_provider::provider::{Provider, SendOutcome, StaticProvider};
+use weft_verbs::soft::SoftHca;
+use weft_verbs::*;
+use weft_verbs_rc::wire::{job_hash, CmKind, CmMsg, CM_LEN};
+use weft_verbs_rc::VerbsRc;
+
+mod common;
+use common::*;
+
+const QKEY: u32 = 0x5746_5243;
+
+/// A job peer (rank 2) sends rank 0 a connection request that claims to be rank 1's and
+/// offers a QP of its own. Rank 0 used to connect to it: rank 0's messages for rank 1 then went
+/// to the impostor. Now the datagram is dropped (it did not come from rank 1's published QP,
+/// and the QP it offers is not on rank 1's HCA) and rank 1 gets what rank 0 sends it.
+#[test]
+fn a_forged_connection_request_is_dropped_and_the_real_peer_is_reached() {
+    std::env::set_var("WEFT_VERBS_DEVICE", "soft");
+    let job = InProcessJob::new(3, T);
+    let bar = Arc::new(Barrier::new(3));
+    let phase = Arc::new(AtomicU32::new(0));
+    let hs: Vec<_> = (0..3u32)
+        .map(|r| {
+            let (job, bar, phase) = (job.clone(), bar.clone(), phase.clone());
+            std::thread::spawn(move || {
+                let mut boot = job.rank(r);
+                let mut p = VerbsRc::open(&mut boot).unwrap();
+                let mut ev = Events::default();
+                bar.wait();
+                match r {
+                    2 => {
+                        forge_request(&mut boot, job.id());
+                        phase.store(1, Ordering::Release);
+                        bar.wait();
+                        0
+                    }
+                    0 => {
+                        let t0 = Instant::now();
+                        while counter(&p, "cm_forged") == 0 {
+                            p.progress(&mut ev).unwrap();
+                            assert!(t0.elapsed() < T, "the forged request never arrived");
+                        }
+                        let t0 = Instant::now();
+                        while p.am_send(1, b"for-1", &[IoSlice::new(b"x")]).unwrap()
+                            == SendOutcome::Busy
+                        {
+                            p.progress(&mut ev).unwrap();
+                            assert!(t0.elapsed() < T, "send to 1 stayed busy");
+                        }
+                        let t0 = Instant::now();
+                        while phase.load(Ordering::Acquire) < 2 {
+                            p.progress(&mut ev).unwrap();
+                            assert!(t0.elapsed() < T, "rank 1 never got rank 0's message");
+                        }
+                        bar.wait();
+                        counter(&p, "cm_forged")
+                    }
+                    _ => {
+                        until(&mut p, &mut ev, "rank 0's message", |e| {
+                            e.am.iter().any(|(s, h, _)| *s == 0 && h == b"for-1")
+                        });
+                        phase.store(2, Ordering::Release);
+                        bar.wait();
+                        0
+                    }
+                }
+            })
+        })
+        .collect();
+    let out: Vec<u64> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(out[0], 1, "rank 0 dropped the forged request");
+}
+
+/// From an HCA of its own, send rank 0 a REQ that names rank 1 as its source.
+fn forge_request(boot: &mut impl Bootstrap, job: &str) {
+    let h = SoftHca::with_config(Default::default()).unwrap();
+    let pd = h.alloc_pd().unwrap();
+    let cq = h.create_cq(16).unwrap();
+    let init = |ty| QpInitAttr {
+        qp_type: ty,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: QpCap::default(),
+        sq_sig_all: true,
+    };
+    let ud = h.create_qp(pd, &init(QpType::Ud)).unwrap();
+    activate_ud(&h, ud, QKEY).unwrap();
+    let bait = h.create_qp(pd, &init(QpType::Rc)).unwrap();
+    let to: Endpoint = boot.get("verbs-rc.0").unwrap().parse().unwrap();
+    let m = CmMsg {
+        kind: CmKind::Req,
+        job: job_hash(job),
+        src: 1,
+        dst: 0,
+        gen: 0,
+        ep: Endpoint::of(&h, bait, 7),
+    };
+    let mut buf = m.encode().to_vec();
+    assert_eq!(buf.len(), CM_LEN);
+    // SAFETY: `buf` outlives the send, which completes before it is dropped (polled below).
+    let mr = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), CM_LEN, Access::LOCAL_WRITE) }.unwrap();
+    let ah = h
+        .create_ah(
+            pd,
+            &AhAttr {
+                dgid: to.gid,
+                dlid: to.lid,
+                port_num: 1,
+            },
+        )
+        .unwrap();
+    h.post_send(
+        ud,
+        &[SendWr::send(1, &[mr.sge(0, CM_LEN)]).to(ah, to.qpn, QKEY)],
+    )
+    .unwrap();
+    let w = wait_cq(&h, cq, 1, T).unwrap();
+    assert_eq!(w[0].status, WcStatus::Success);
+}
+
+/// Rank 1 asks rank 0 for a connection and is gone (its HCA closed) before rank 0 answers.
+/// Rank 0's progress used to fail with "cannot reach the segment of process N (pidfd_getfd:
+/// Bad file descriptor)" — naming no rank, skipping the repost of the datagram's buffer —
+/// and every progress call after it failed the same way; now rank 1 alone is failed, and rank
+/// 0 goes on (it reaches rank 2 afterwards).
+#[test]
+fn a_requester_gone_before_the_answer_fails_that_peer_only() {
+    std::env::set_var("WEFT_VERBS_DEVICE", "soft");
+    let job = InProcessJob::new(3, T);
+    let bar = Arc::new(Barrier::new(3));
+    let phase = Arc::new(AtomicU32::new(0));
+    let hs: Vec<_> = (0..3u32)
+        .map(|r| {
+            let (job, bar, phase) = (job.clone(), bar.clone(), phase.clone());
+            std::thread::spawn(move || {
+                let mut boot = job.rank(r);
+                let mut p = VerbsRc::open(&mut boot).unwrap();
+                let mut ev = Events::default();
+                bar.wait();
+                match r {
+                    1 => {
+                        // The request goes out with the first message; then the HCA closes.
+                        let _ = p.am_send(0, b"hello", &[IoSlice::new(b"")]).unwrap();
+                        drop(p);
+                        phase.store(1, Ordering::Release);
+                        bar.wait();
+                        (Vec::new(), 0)
+                    }
+                    0 => {
+                        let t0 = Instant::now();
+                        while phase.load(Ordering::Acquire) < 1 {
+                            std::thread::yield_now();
+                            assert!(t0.elapsed() < T, "rank 1 never asked");
+                        }
+                        until(&mut p, &mut ev, "rank 1 failed", |e| {
+                            e.failed.iter().any(|(r, _)| *r == 1)
+                        });
+                        send(&mut p, &mut ev, 2, b"for-2", b"y");
+                        let t0 = Instant::now();
+                        while phase.load(Ordering::Acquire) < 2 {
+                            p.progress(&mut ev).unwrap();
+                            assert!(t0.elapsed() < T, "rank 2 never got rank 0's message");
+                        }
+                        bar.wait();
+                        (ev.failed, 0)
+                    }
+                    _ => {
+                        until(&mut p, &mut ev, "rank 0's message", |e| {
+                            e.am.iter().any(|(s, h, _)| *s == 0 && h == b"for-2")
+                        });
+                        phase.store(2, Ordering::Release);
+                        bar.wait();
+                        (Vec::new(), ev.failed.len())
+                    }
+                }
+            })
+        })
+        .collect();
+    let out: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    let failed = &out[0].0;
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(
+        failed[0].0, 1,
+        "the failure names the requester: {failed:?}"
+    );
+    assert_eq!(out[2].1, 0, "rank 2 saw no failure");
+}

@@ -12,7 +12,10 @@
 //!
 //! Sequence numbers are 32-bit and wrap; a message more than [`WINDOW`] ahead of the next
 //! expected one, or behind it (a duplicate: every channel below is reliable and delivers once),
-//! is a protocol violation by the peer.
+//! is a protocol violation by the peer. So is holding more than [`HOLD_PEER`] messages or
+//! [`HOLD_PEER_BYTES`] of one peer, or more than [`HOLD_BYTES`] of all peers together: what
+//! overtook a gap is bounded by what the channels can have in flight, and a peer that skips a
+//! number (or never sends it) cannot pin the receiver's memory; it is failed instead.
 
 use std::collections::hash_map::{Entry, HashMap};
 
@@ -20,6 +23,12 @@ use std::collections::hash_map::{Entry, HashMap};
 /// this many messages to one peer in flight across its channels (each channel's own window is
 /// far smaller).
 pub const WINDOW: u32 = 1 << 20;
+/// Messages of one peer held at most (every channel's window together is far smaller).
+pub const HOLD_PEER: u32 = 1 << 14;
+/// Bytes of one peer's held messages at most.
+pub const HOLD_PEER_BYTES: usize = 64 << 20;
+/// Bytes held at most for all peers together; the peer whose message would go past it fails.
+pub const HOLD_BYTES: usize = 512 << 20;
 
 /// The sending side: the next sequence number towards one peer.
 #[derive(Debug, Default, Clone)]
@@ -58,6 +67,13 @@ pub enum OrderError {
     Duplicate { seq: u32, expected: u32 },
     /// Further ahead than [`WINDOW`].
     TooFarAhead { seq: u32, expected: u32 },
+    /// Holding it would go past [`HOLD_PEER`], [`HOLD_PEER_BYTES`] or [`HOLD_BYTES`]:
+    /// `held` messages of `bytes` bytes of this peer wait for `expected`.
+    TooMuchHeld {
+        expected: u32,
+        held: u32,
+        bytes: usize,
+    },
 }
 
 impl std::fmt::Display for OrderError {
@@ -69,6 +85,15 @@ impl std::fmt::Display for OrderError {
             OrderError::TooFarAhead { seq, expected } => {
                 write!(f, "message {seq} is more than {WINDOW} ahead of {expected}")
             }
+            OrderError::TooMuchHeld {
+                expected,
+                held,
+                bytes,
+            } => write!(
+                f,
+                "{held} messages ({bytes} bytes) wait for message {expected}, which never \
+                 came: more than the channels can have in flight"
+            ),
         }
     }
 }
@@ -84,7 +109,11 @@ pub struct Reorder {
 /// around a change of channel, so a peer whose messages always come in order costs nothing here.
 #[derive(Debug)]
 pub struct Holding<T> {
-    map: HashMap<(u32, u32), T>,
+    map: HashMap<(u32, u32), (T, usize)>,
+    /// Per peer with messages held: how many, and their bytes.
+    per: HashMap<u32, (u32, usize)>,
+    /// Bytes held, all peers together.
+    bytes: usize,
     /// The most messages held at once (statistics).
     max: usize,
 }
@@ -93,6 +122,8 @@ impl<T> Default for Holding<T> {
     fn default() -> Self {
         Holding {
             map: HashMap::new(),
+            per: HashMap::new(),
+            bytes: 0,
             max: 0,
         }
     }
@@ -117,11 +148,20 @@ impl<T> Holding<T> {
     /// Drop what is held from `src` (a failed peer: the gap will never be filled).
     pub fn forget(&mut self, src: u32) {
         self.map.retain(|&(r, _), _| r != src);
+        if let Some((_, b)) = self.per.remove(&src) {
+            self.bytes -= b;
+        }
     }
 
-    /// Bytes of the map's table (the messages' own copies not counted).
+    /// Bytes of the maps' tables (the messages' own copies not counted).
     pub fn bytes(&self) -> usize {
-        self.map.capacity() * std::mem::size_of::<((u32, u32), T)>()
+        self.map.capacity() * std::mem::size_of::<((u32, u32), (T, usize))>()
+            + self.per.capacity() * std::mem::size_of::<(u32, (u32, usize))>()
+    }
+
+    /// Bytes of the messages held (as their senders counted them at [`Reorder::arrive`]).
+    pub fn held_bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -144,19 +184,29 @@ impl Reorder {
         Ok(d)
     }
 
-    /// A message numbered `seq` arrived from `src` (whose record this is). `hold` makes the
-    /// owned copy kept in `held` when it overtook others (called only then).
+    /// A message numbered `seq` of `len` bytes arrived from `src` (whose record this is).
+    /// `hold` makes the owned copy kept in `held` when it overtook others (called only then,
+    /// and only within the bounds).
     #[inline]
     pub fn arrive<T>(
         &mut self,
         held: &mut Holding<T>,
         src: u32,
         seq: u32,
+        len: usize,
         hold: impl FnOnce() -> T,
     ) -> Result<Arrival, OrderError> {
         if self.ahead(seq)? == 0 {
             self.expected = self.expected.wrapping_add(1);
             return Ok(Arrival::Deliver);
+        }
+        let (n, b) = held.per.get(&src).copied().unwrap_or((0, 0));
+        if n + 1 > HOLD_PEER || b + len > HOLD_PEER_BYTES || held.bytes + len > HOLD_BYTES {
+            return Err(OrderError::TooMuchHeld {
+                expected: self.expected,
+                held: n,
+                bytes: b,
+            });
         }
         match held.map.entry((src, seq)) {
             Entry::Occupied(_) => Err(OrderError::Duplicate {
@@ -164,7 +214,9 @@ impl Reorder {
                 expected: self.expected,
             }),
             Entry::Vacant(v) => {
-                v.insert(hold());
+                v.insert((hold(), len));
+                held.per.insert(src, (n + 1, b + len));
+                held.bytes += len;
                 held.max = held.max.max(held.map.len());
                 Ok(Arrival::Held)
             }
@@ -177,8 +229,17 @@ impl Reorder {
         if held.map.is_empty() {
             return None;
         }
-        let m = held.map.remove(&(src, self.expected))?;
+        let (m, len) = held.map.remove(&(src, self.expected))?;
         self.expected = self.expected.wrapping_add(1);
+        held.bytes -= len;
+        if let Entry::Occupied(mut e) = held.per.entry(src) {
+            let (n, b) = e.get_mut();
+            *n -= 1;
+            *b -= len;
+            if *n == 0 {
+                e.remove();
+            }
+        }
         Some(m)
     }
 
@@ -206,7 +267,7 @@ mod tests {
         let mut held = Holding::default();
         let mut out = vec![];
         for &s in order {
-            match r.arrive(&mut held, 3, s, || s).unwrap() {
+            match r.arrive(&mut held, 3, s, 1, || s).unwrap() {
                 Arrival::Deliver => {
                     out.push(s);
                     while let Some(m) = r.pop(&mut held, 3) {
@@ -231,7 +292,7 @@ mod tests {
         let mut held = Holding::<u32>::default();
         for s in 0..100 {
             assert_eq!(
-                r.arrive(&mut held, 0, s, || unreachable!()).unwrap(),
+                r.arrive(&mut held, 0, s, 1, || unreachable!()).unwrap(),
                 Arrival::Deliver
             );
             assert_eq!(r.pop(&mut held, 0), None);
@@ -245,17 +306,17 @@ mod tests {
     fn peers_hold_apart() {
         let (mut a, mut b) = (Reorder::default(), Reorder::default());
         let mut held = Holding::default();
-        assert_eq!(a.arrive(&mut held, 1, 1, || "a1"), Ok(Arrival::Held));
-        assert_eq!(b.arrive(&mut held, 2, 1, || "b1"), Ok(Arrival::Held));
-        assert_eq!(b.arrive(&mut held, 2, 2, || "b2"), Ok(Arrival::Held));
+        assert_eq!(a.arrive(&mut held, 1, 1, 1, || "a1"), Ok(Arrival::Held));
+        assert_eq!(b.arrive(&mut held, 2, 1, 1, || "b1"), Ok(Arrival::Held));
+        assert_eq!(b.arrive(&mut held, 2, 2, 1, || "b2"), Ok(Arrival::Held));
         assert_eq!(held.max(), 3);
-        assert_eq!(a.arrive(&mut held, 1, 0, || "a0"), Ok(Arrival::Deliver));
+        assert_eq!(a.arrive(&mut held, 1, 0, 1, || "a0"), Ok(Arrival::Deliver));
         assert_eq!(a.pop(&mut held, 1), Some("a1"));
         assert_eq!(a.pop(&mut held, 1), None);
         assert_eq!(held.len(), 2);
         held.forget(2);
         assert!(held.is_empty());
-        assert_eq!(b.arrive(&mut held, 2, 0, || "b0"), Ok(Arrival::Deliver));
+        assert_eq!(b.arrive(&mut held, 2, 0, 1, || "b0"), Ok(Arrival::Deliver));
         assert_eq!(b.pop(&mut held, 2), None);
     }
 
@@ -278,24 +339,24 @@ mod tests {
     fn duplicates_and_runaways_are_errors() {
         let mut r = Reorder::default();
         let mut h = Holding::default();
-        r.arrive(&mut h, 0, 0, || ()).unwrap();
+        r.arrive(&mut h, 0, 0, 1, || ()).unwrap();
         assert_eq!(
-            r.arrive(&mut h, 0, 0, || ()),
+            r.arrive(&mut h, 0, 0, 1, || ()),
             Err(OrderError::Duplicate {
                 seq: 0,
                 expected: 1
             })
         );
-        assert_eq!(r.arrive(&mut h, 0, 5, || ()), Ok(Arrival::Held));
+        assert_eq!(r.arrive(&mut h, 0, 5, 1, || ()), Ok(Arrival::Held));
         assert!(matches!(
-            r.arrive(&mut h, 0, 5, || ()),
+            r.arrive(&mut h, 0, 5, 1, || ()),
             Err(OrderError::Duplicate { .. })
         ));
         assert!(matches!(
-            r.arrive(&mut h, 0, 1 + WINDOW, || ()),
+            r.arrive(&mut h, 0, 1 + WINDOW, 1, || ()),
             Err(OrderError::TooFarAhead { .. })
         ));
-        assert!(r.arrive(&mut h, 0, WINDOW, || ()).is_ok());
+        assert!(r.arrive(&mut h, 0, WINDOW, 1, || ()).is_ok());
     }
 
     #[test]
@@ -330,5 +391,47 @@ mod tests {
             let want: Vec<u32> = (0..n).map(|i| start.wrapping_add(i)).collect();
             prop_assert_eq!(run(start, &order), want);
         }
+    }
+
+    /// A peer that skips a number cannot pin the receiver's memory: it may have at most
+    /// `HOLD_PEER` messages and `HOLD_PEER_BYTES` held, all peers `HOLD_BYTES`; past that the
+    /// message is refused (the provider fails the peer) and nothing more is copied. Before
+    /// these bounds a peer that skipped 0 could have 2^20 messages of any size held.
+    #[test]
+    fn what_is_held_is_bounded_per_peer_and_in_all() {
+        let mut r = Reorder::default();
+        let mut h = Holding::<()>::default();
+        for s in 1..=HOLD_PEER {
+            assert_eq!(r.arrive(&mut h, 0, s, 1, || ()), Ok(Arrival::Held));
+        }
+        let e = r.arrive(&mut h, 0, HOLD_PEER + 1, 1, || unreachable!());
+        assert!(matches!(e, Err(OrderError::TooMuchHeld { held, .. }) if held == HOLD_PEER));
+        // Bytes of one peer.
+        let mut r1 = Reorder::default();
+        assert!(r1.arrive(&mut h, 1, 1, HOLD_PEER_BYTES, || ()).is_ok());
+        assert!(r1.arrive(&mut h, 1, 2, 1, || unreachable!()).is_err());
+        // Bytes of all peers together: seven more peers of 64 MiB fill the 512 MiB.
+        for p in 2..8 {
+            let mut rp = Reorder::default();
+            assert!(
+                rp.arrive(&mut h, p, 1, HOLD_PEER_BYTES, || ()).is_ok(),
+                "peer {p}"
+            );
+        }
+        let mut r9 = Reorder::default();
+        assert!(r9
+            .arrive(&mut h, 9, 1, HOLD_PEER_BYTES, || unreachable!())
+            .is_err());
+        // A failed peer's messages are forgotten, bytes and all; the gap filled, they go.
+        let before = h.held_bytes();
+        h.forget(1);
+        assert_eq!(h.held_bytes(), before - HOLD_PEER_BYTES);
+        assert_eq!(r.arrive(&mut h, 0, 0, 1, || ()), Ok(Arrival::Deliver));
+        let mut n = 0;
+        while r.pop(&mut h, 0).is_some() {
+            n += 1;
+        }
+        assert_eq!(n, HOLD_PEER);
+        assert!(r9.arrive(&mut h, 9, 1, HOLD_PEER_BYTES, || ()).is_ok());
     }
 }

@@ -823,7 +823,8 @@ impl Sink for Recv<'_> {
                 return;
             }
             let seq = u32::from_le_bytes([*a, *b, *c, *d]);
-            match p.reorder.arrive(self.holding, src, seq, || Held {
+            let len = h.len() + payload.len();
+            match p.reorder.arrive(self.holding, src, seq, len, || Held {
                 header: h.to_vec(),
                 payload: payload.to_vec(),
             }) {

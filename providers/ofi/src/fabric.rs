@@ -9,7 +9,7 @@
 use crate::tag::Layout;
 use crate::{AM_BUF, AM_RX, DOMAIN, NATIVE, PROVIDER, RNDV};
 use smallvec::SmallVec;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::{c_void, CString};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
@@ -538,7 +538,9 @@ pub struct Ofi {
     tx_desc: *mut c_void,
     seq_out: Vec<u32>,
     seq_in: Vec<u32>,
-    stash: HashMap<(Rank, u32), Vec<u8>>,
+    stash: crate::stash::Stash,
+    /// Peers failed for what they sent (their messages are dropped from then on).
+    refused: std::collections::HashSet<Rank>,
     selfq: VecDeque<Vec<u8>>,
     acks: VecDeque<(Rank, u64)>,
     // Completions read early (by probe or cancel), and completions of injected sends.
@@ -626,7 +628,8 @@ impl Ofi {
             watch: weft_provider::shmem::Watch::of_pids(std::iter::empty()),
             dead: vec![false; boot.size() as usize],
             ticks: 0,
-            stash: HashMap::new(),
+            stash: Default::default(),
+            refused: Default::default(),
             selfq: VecDeque::new(),
             acks: VecDeque::new(),
             early: VecDeque::new(),
@@ -1233,6 +1236,9 @@ impl Ofi {
             }
             return None;
         }
+        if self.refused.contains(&src) {
+            return None;
+        }
         if src != self.rank {
             let want = self.seq_in[src as usize];
             if seq != want {
@@ -1420,7 +1426,7 @@ impl Ofi {
         if self.stash.is_empty() {
             return;
         }
-        while let Some(m) = self.stash.remove(&(src, self.seq_in[src as usize])) {
+        while let Some(m) = self.stash.take(src, self.seq_in[src as usize]) {
             if self.on_am(&m, sink).is_some() {
                 break;
             }
@@ -1462,8 +1468,12 @@ impl Ofi {
                     let mem = std::mem::take(&mut self.rx_mem);
                     let late = self.on_am(&mem[base..base + len], sink);
                     if let Some((src, seq)) = late {
-                        self.stash
-                            .insert((src, seq), mem[base..base + len].to_vec());
+                        let want = self.seq_in[src as usize];
+                        if let Err(e) = self.stash.hold(src, seq, want, &mem[base..base + len]) {
+                            self.stash.forget(src);
+                            self.refused.insert(src);
+                            sink.peer_failed(src, &e.0);
+                        }
                     }
                     let src = (len >= PREFIX).then(|| {
                         u32::from_le_bytes([

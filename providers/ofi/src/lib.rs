@@ -37,6 +37,7 @@
 //! libfabric is opened at run time (`weft-ofi-sys`); where it or its headers were missing, the
 //! provider is registered all the same and says why it cannot run.
 
+pub mod stash;
 pub mod tag;
 
 #[cfg(weft_libfabric)]

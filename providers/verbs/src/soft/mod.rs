@@ -311,6 +311,8 @@ struct Table<T> {
     /// the entry it hands out, so one whose creation failed is handed out again. An entry
     /// emptied without `free` is still found, once the table is full.
     from: usize,
+    /// Entries never handed out again ([`Table::retire`]); almost always empty.
+    retired: std::collections::BTreeSet<usize>,
 }
 
 impl<T> Default for Table<T> {
@@ -318,6 +320,7 @@ impl<T> Default for Table<T> {
         Table {
             v: Vec::new(),
             from: 0,
+            retired: Default::default(),
         }
     }
 }
@@ -339,17 +342,26 @@ impl<T> Table<T> {
     /// The lowest free entry, or a new one while the table has fewer than `max`.
     fn slot(&mut self, max: usize) -> Option<usize> {
         let start = self.from.min(self.v.len());
-        let i = match self.v[start..].iter().position(Option::is_none) {
+        let free = |(k, e): (usize, &Option<T>)| e.is_none() && !self.retired.contains(&k);
+        let i = match self.v.iter().enumerate().skip(start).position(free) {
             Some(k) => start + k,
             None if self.v.len() < max => {
                 self.v.push(None);
                 self.v.len() - 1
             }
             // Full from `from` on: a free entry below it would be one emptied without `free`.
-            None => self.v.iter().position(Option::is_none)?,
+            None => self.v.iter().enumerate().position(free)?,
         };
         self.from = i;
         Some(i)
+    }
+
+    /// Take entry `i` out for good: it is never handed out again (its generations are used
+    /// up, so a new key for it could equal one a peer still holds).
+    fn retire(&mut self, i: usize) -> Option<T> {
+        let t = self.v.get_mut(i)?.take();
+        self.retired.insert(i);
+        t
     }
 
     /// Take entry `i` out, freeing it.

@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use weft_provider::{Error, ErrorDetail, Result};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"WEFTHCA1");
+/// The seals a segment carries: fixed size, seals fixed.
+const SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 pub const VERSION: u32 = 2;
 /// SGEs a receive work request may have (the device's `max_sge`).
 pub const MAX_SGE: usize = 8;
@@ -227,13 +229,28 @@ impl Seg {
     /// Create this process's segment; `net` goes into its GID.
     pub fn create(lay: Layout, net: Net) -> Result<Seg> {
         // SAFETY: FFI with a valid C string; returns a new descriptor or -1.
-        let fd = unsafe { libc::memfd_create(c"weft-soft-hca".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"weft-soft-hca".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(os("memfd_create for the soft HCA"));
         }
         // SAFETY: our descriptor; ftruncate zero-fills (sparse: untouched pages cost nothing).
         if unsafe { libc::ftruncate(fd, lay.len as libc::off_t) } != 0 {
             let e = os("sizing the soft HCA segment");
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        // Sealed at its size: no process that maps it (a peer holds a duplicate of the
+        // descriptor) can shrink it under the others' mappings, which would make their next
+        // access a SIGBUS, nor grow it or lift the seals.
+        // SAFETY: fcntl on our own descriptor.
+        if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, SEALS) } != 0 {
+            let e = os("sealing the soft HCA segment");
             // SAFETY: closing our own descriptor.
             unsafe { libc::close(fd) };
             return Err(e);
@@ -297,6 +314,16 @@ impl Seg {
             }
             return Err(bad(format!(
                 "cannot reach the segment of process {pid} (pidfd_getfd: {err})"
+            )));
+        }
+        // A segment that could shrink under our mapping is not mapped.
+        // SAFETY: fcntl on our descriptor.
+        let seals = unsafe { libc::fcntl(mine, libc::F_GET_SEALS) };
+        if seals < 0 || seals & SEALS != SEALS {
+            // SAFETY: our descriptor.
+            unsafe { libc::close(mine) };
+            return Err(bad(format!(
+                "process {pid}'s descriptor {fd} is not a sealed HCA segment"
             )));
         }
         // SAFETY: fstat on our descriptor into a zeroed struct.
@@ -592,6 +619,17 @@ mod tests {
         fd0.0[12..14].copy_from_slice(&0u16.to_le_bytes());
         assert!(Seg::attach(&fd0).is_err(), "stdin is not a segment");
         assert!(Seg::attach(&Gid([0; 16])).is_err());
+        // Sealed: a process that maps it cannot shrink it under the others (which made their
+        // next access a SIGBUS) nor grow it.
+        // SAFETY: ftruncate on the peer's duplicate of the descriptor (refused, as checked).
+        for len in [0, 2 * p.lay.len] {
+            let r = unsafe { libc::ftruncate(p.fd, len as libc::off_t) };
+            assert_eq!(r, -1, "resizing to {len}");
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EPERM)
+            );
+        }
         assert_eq!(gid_net(&g), net);
         let a = std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(10, 1, 2, 3), 4791);
         let n2 = Net {

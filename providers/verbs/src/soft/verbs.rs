@@ -64,14 +64,20 @@ impl Hca for SoftHca {
                 (a >= b && a + len as u64 <= b + l as u64).then(|| (i as u32, off + (a - b)))
             })
         });
-        let i = g
-            .mrs
-            .slot(self.cfg.max_mr as usize)
-            .ok_or_else(|| exhausted("MRs"))?;
+        let i = g.mrs.slot(self.cfg.max_mr as usize).ok_or_else(|| {
+            inval(format!(
+                "soft HCA: no MR left: {} registered, {} retired after 65,535 registrations \
+                 each (raise WEFT_VERBS_SOFT_MAX_MR)",
+                g.acct.mrs,
+                g.mrs.retired.len()
+            ))
+        })?;
         if g.mr_gen.len() <= i {
             g.mr_gen.resize(i + 1, 0);
         }
-        g.mr_gen[i] = g.mr_gen[i].wrapping_add(1).max(1);
+        // Generations 1..=65535; an entry whose last one was used is retired at deregistration
+        // (below), so a key once given out never names another registration.
+        g.mr_gen[i] += 1;
         let key = (g.mr_gen[i] as u32) << 16 | i as u32;
         let e = self.seg.mr(i).ok_or_else(|| exhausted("MRs"))?;
         e.pd.store(pd.0, RLX);
@@ -119,7 +125,13 @@ impl Hca for SoftHca {
         }
         // Remote copies under way into the region finish before we return.
         self.wait_unused(mr.lkey as u64);
-        if let Some(m) = g.mrs.free(i) {
+        let spent = g.mr_gen.get(i) == Some(&u16::MAX);
+        let m = if spent {
+            g.mrs.retire(i)
+        } else {
+            g.mrs.free(i)
+        };
+        if let Some(m) = m {
             g.acct.mrs -= 1;
             g.acct.mr_bytes -= model::mr_bytes(m.addr, m.len);
         }

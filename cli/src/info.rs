@@ -209,6 +209,23 @@ pub fn verbs_report() -> String {
             }
             Err(e) => writeln!(s, "  {}: cannot open: {e}", d.name).unwrap(),
         }
+        if d.backend == "soft" {
+            match weft_verbs::soft::model::Config::from_env() {
+                Ok(c) => writeln!(
+                    s,
+                    "    soft: {} processes of this host may reach one HCA \
+                     (WEFT_VERBS_SOFT_MAX_PEERS); a peer that holds one up is fenced out after {}",
+                    c.max_peers,
+                    c.fence
+                        .map_or("never (WEFT_VERBS_SOFT_FENCE=0)".to_string(), |f| format!(
+                            "{} s (WEFT_VERBS_SOFT_FENCE)",
+                            f.as_secs_f64()
+                        ))
+                )
+                .unwrap(),
+                Err(e) => writeln!(s, "    soft: {e}").unwrap(),
+            }
+        }
     }
     if let Some(why) = weft_verbs::no_hardware_reason() {
         writeln!(s, "  real HCAs: {why}; `auto` opens the soft HCA").unwrap();

@@ -208,3 +208,47 @@ fn a_key_is_never_handed_out_twice() {
     let e = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), 64, Access::LOCAL_WRITE) }.unwrap_err();
     assert!(e.to_string().contains("1 retired"), "{e}");
 }
+
+/// More initiators than the 256 attach slots a segment used to have reach one HCA (a host with
+/// more than 255 ranks could not run the verbs providers); past `WEFT_VERBS_SOFT_MAX_PEERS`
+/// the refusal says which parameter to raise.
+#[test]
+fn attach_slots_follow_max_peers() {
+    let small = |max_peers| Config {
+        addr: "off".into(),
+        heap: 1 << 20,
+        max_qp: 4,
+        max_mr: 4,
+        max_cq: 4,
+        max_srq: 1,
+        max_peers,
+        ..Config::default()
+    };
+    let target = SoftHca::with_config(small(512)).unwrap();
+    let attr = AhAttr {
+        dgid: target.gid(),
+        ..AhAttr::default()
+    };
+    let initiators: Vec<_> = (0..300)
+        .map(|i| {
+            let h = SoftHca::with_config(small(2)).unwrap();
+            let pd = h.alloc_pd().unwrap();
+            h.create_ah(pd, &attr)
+                .unwrap_or_else(|e| panic!("initiator {i}: {e}"));
+            h
+        })
+        .collect();
+    // A segment of two slots takes two initiators, then refuses with the reason.
+    let tight = SoftHca::with_config(small(2)).unwrap();
+    let to = AhAttr {
+        dgid: tight.gid(),
+        ..AhAttr::default()
+    };
+    for h in &initiators[..2] {
+        let pd = h.alloc_pd().unwrap();
+        h.create_ah(pd, &to).unwrap();
+    }
+    let pd = initiators[2].alloc_pd().unwrap();
+    let e = initiators[2].create_ah(pd, &to).unwrap_err();
+    assert!(e.to_string().contains("WEFT_VERBS_SOFT_MAX_PEERS"), "{e}");
+}

@@ -61,6 +61,9 @@ pub struct Peer {
     pidfd: Option<OwnedFd>,
     checked: AtomicU64,
     dead: AtomicBool,
+    /// How long this process waits for another that holds up an access before fencing it
+    /// out (`WEFT_VERBS_SOFT_FENCE` of the HCA that attached).
+    pub fence: Option<std::time::Duration>,
 }
 
 /// Microseconds on the coarse monotonic clock (a few ns through the vDSO, millisecond
@@ -75,6 +78,37 @@ fn coarse_us() -> u64 {
     ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
 }
 
+/// Fence out process `pid`, which has held up this HCA past `WEFT_VERBS_SOFT_FENCE` (stopped,
+/// in a debugger, hung in the middle of an access): kill it, as a cluster fences a node that
+/// stopped answering. Its hazards and claims are then a dead process's, which the HCA does not
+/// wait for. Never this process.
+pub fn fence_out(pid: u32, why: &str) {
+    if pid == std::process::id() {
+        return;
+    }
+    tracing::warn!(
+        target: "weft::verbs",
+        "soft HCA: process {pid} {why} for longer than WEFT_VERBS_SOFT_FENCE: killing it"
+    );
+    // SAFETY: pidfd_open returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) } as i32;
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: a pidfd we own (no pid reuse between looking the process up and the signal);
+    // closed right after.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd,
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        );
+        libc::close(fd);
+    }
+}
+
 fn pid_alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks for existence.
     let r = unsafe { libc::kill(pid as i32, 0) };
@@ -87,7 +121,8 @@ impl Peer {
         let seg = Seg::attach(gid)?;
         let me = std::process::id() as u64;
         let mut slot = None;
-        for i in 0..seg::ATTACH_SLOTS {
+        let slots = seg.lay.max_attach as usize;
+        for i in 0..slots {
             let s = seg.attach_slot(i);
             let cur = s.pid.load(SC);
             let free = cur == 0 || (cur != me && !pid_alive(cur as u32));
@@ -95,15 +130,17 @@ impl Peer {
                 for h in &s.hz {
                     h.store(0, SC);
                 }
+                // Owners scan up to the highest slot ever taken.
+                seg.header().attach_hw.fetch_max(i as u32 + 1, SC);
                 slot = Some(i);
                 break;
             }
         }
         let slot = slot.ok_or_else(|| {
             weft_provider::Error::invalid(format!(
-                "soft HCA of process {}: all {} attach slots are taken",
+                "soft HCA of process {}: all {slots} attach slots are taken (more processes \
+                 talk to it than its WEFT_VERBS_SOFT_MAX_PEERS)",
                 seg.pid(),
-                seg::ATTACH_SLOTS
             ))
         })?;
         // SAFETY: pidfd_open returns a new descriptor or -1.
@@ -116,6 +153,7 @@ impl Peer {
             pidfd,
             checked: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            fence: None,
         })
     }
 
@@ -208,6 +246,13 @@ impl Peer {
         }
     }
 
+    /// This process's claims on the peer's ring at heap offset `off` ([`super::ring`]): the
+    /// ring's id and the store into our claim hazard word.
+    pub fn claim(&self, off: u64) -> Option<(u64, impl Fn(u64) + '_)> {
+        let w = self.hz(seg::HZ_RING);
+        Some((off >> 7, move |v| w.store(v, SC)))
+    }
+
     /// Publish `tag` in hazard `i` and check `still()` afterwards: the object it names is then
     /// kept until the hazard is cleared.
     fn hold(&self, i: usize, tag: u64, still: impl FnOnce() -> bool) -> bool {
@@ -223,10 +268,11 @@ impl Peer {
                 self.hz(seg::HZ_CQ).store(0, Ordering::Release);
                 return;
             }
+            let off = e.off.load(RLX);
             let ok = self
                 .seg
-                .ring::<{ seg::CQE_WORDS }>(e.off.load(RLX), e.cap.load(RLX))
-                .is_some_and(|r| r.push(&seg::cqe_record(wc)));
+                .ring::<{ seg::CQE_WORDS }>(off, e.cap.load(RLX))
+                .is_some_and(|r| r.push_as(&seg::cqe_record(wc), self.claim(off)));
             if !ok {
                 e.overrun.store(1, Ordering::Release);
             }
@@ -238,7 +284,7 @@ impl Peer {
     pub fn fail_qp(&self, qi: usize) {
         let Some(q) = self.seg.qp(qi) else { return };
         q.state.store(QpState::Err as u32, SC);
-        flush_rq(&self.seg, qi, |cq, wc| self.push_cqe(cq, wc));
+        flush_rq(&self.seg, qi, Some(self), |cq, wc| self.push_cqe(cq, wc));
     }
 }
 
@@ -250,17 +296,19 @@ impl Drop for Peer {
 }
 
 /// Complete every receive queued on QP `qi` of `seg` with a flush error (its own receive
-/// queue only; an SRQ's receives belong to the SRQ).
-pub fn flush_rq(seg: &Seg, qi: usize, mut push: impl FnMut(u32, &Wc)) {
+/// queue only; an SRQ's receives belong to the SRQ). `by`: the initiator doing it (its claims
+/// announced), `None` for the segment's owner.
+pub fn flush_rq(seg: &Seg, qi: usize, by: Option<&Peer>, mut push: impl FnMut(u32, &Wc)) {
     let Some(q) = seg.qp(qi) else { return };
     if q.srq.load(RLX) != 0 {
         return;
     }
-    let Some(r) = seg.ring::<WQE_WORDS>(q.rq_off.load(RLX), q.rq_cap.load(RLX)) else {
+    let off = q.rq_off.load(RLX);
+    let Some(r) = seg.ring::<WQE_WORDS>(off, q.rq_cap.load(RLX)) else {
         return;
     };
     let mut w = [0u64; WQE_WORDS];
-    while r.pop_by(&mut w, seg::wqe_words) {
+    while r.pop_by_as(&mut w, seg::wqe_words, by.and_then(|p| p.claim(off))) {
         let b: u64 = seg::wqe_sges(&w).iter().map(|s| s.length as u64).sum();
         q.rq_taken.fetch_add(b, RLX);
         push(
@@ -550,6 +598,7 @@ fn write(peer: &Peer, qi: usize, req: &Request) -> Outcome {
     ) else {
         return remote_fail(peer, qi, WcStatus::RemAccessErr);
     };
+    super::model::stall_point(super::model::Stall::StopInAccess);
     match put(peer.pid(), req.local, &[(place, req.len)]) {
         Ok(()) => Outcome::Done {
             byte_len: req.len as u32,
@@ -651,6 +700,7 @@ fn atomic(peer: &Peer, qi: usize, req: &Request) -> Outcome {
             let lock = peer.seg.lock((a / 8) as usize);
             let me = std::process::id() as u64;
             let t0 = Instant::now();
+            let mut fenced = false;
             loop {
                 match lock.compare_exchange(0, me, Ordering::Acquire, RLX) {
                     Ok(_) => break,
@@ -658,6 +708,12 @@ fn atomic(peer: &Peer, qi: usize, req: &Request) -> Outcome {
                         // The holder died in the middle: its operation never finished, take over.
                         let _ = lock.compare_exchange(h, 0, RLX, RLX);
                     }
+                    Err(h) if !fenced && peer.fence.is_some_and(|f| t0.elapsed() > f) => {
+                        // Alive but holding the lock past the fence time (stopped, hung).
+                        fence_out(h as u32, "holds an atomic lock of a shared HCA segment");
+                        fenced = true;
+                    }
+                    Err(_) if t0.elapsed().as_millis() > 1 => std::thread::yield_now(),
                     Err(_) => std::hint::spin_loop(),
                 }
             }
@@ -711,8 +767,9 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
         }) {
             return None;
         }
-        let r = seg.ring::<WQE_WORDS>(s.off.load(RLX), s.cap.load(RLX))?;
-        if !r.pop_by(&mut w, seg::wqe_words) {
+        let off = s.off.load(RLX);
+        let r = seg.ring::<WQE_WORDS>(off, s.cap.load(RLX))?;
+        if !r.pop_by_as(&mut w, seg::wqe_words, peer.claim(off)) {
             return None;
         }
         s.taken.fetch_add(bytes(&w), RLX);
@@ -722,8 +779,9 @@ fn take_recv(peer: &Peer, q: &seg::QpEntry) -> Option<(u32, [u64; WQE_WORDS])> {
         }
         return Some((s.pd.load(RLX), w));
     }
-    let r = seg.ring::<WQE_WORDS>(q.rq_off.load(RLX), q.rq_cap.load(RLX))?;
-    if !r.pop_by(&mut w, seg::wqe_words) {
+    let off = q.rq_off.load(RLX);
+    let r = seg.ring::<WQE_WORDS>(off, q.rq_cap.load(RLX))?;
+    if !r.pop_by_as(&mut w, seg::wqe_words, peer.claim(off)) {
         return None;
     }
     q.rq_taken.fetch_add(bytes(&w), RLX);

@@ -109,6 +109,8 @@ struct CqLocal {
     cap: u32,
     off: u64,
     asked: u32,
+    /// The ring position last found held up by a claim, and since when (`Core::settle`).
+    stall: Option<(u64, Instant)>,
 }
 
 struct SrqLocal {
@@ -119,6 +121,7 @@ struct SrqLocal {
     asked: u32,
     /// Buffer bytes posted (what is still posted: this less the segment's `taken`).
     posted: u64,
+    stall: Option<(u64, Instant)>,
 }
 
 struct Pending {
@@ -215,6 +218,8 @@ struct QpLocal {
     held: Option<Held>,
     /// The request at the head of the send queue while it is under way to another host.
     ex: Option<Box<InFlight>>,
+    /// The receive queue's position last found held up by a claim (`Core::settle`).
+    rq_stall: Option<(u64, Instant)>,
 }
 
 /// A request under way to another host, and whether fault injection lost its
@@ -397,7 +402,14 @@ impl SoftHca {
     }
 
     pub fn with_config(cfg: Config) -> Result<SoftHca> {
-        let lay = Layout::new(cfg.max_mr, cfg.max_qp, cfg.max_cq, cfg.max_srq, cfg.heap);
+        let lay = Layout::new(
+            cfg.max_peers,
+            cfg.max_mr,
+            cfg.max_qp,
+            cfg.max_cq,
+            cfg.max_srq,
+            cfg.heap,
+        );
         let bound = wire::bind(&cfg.addr)?;
         let net = bound.net;
         let seg = Seg::create(lay, net)?;
@@ -490,7 +502,11 @@ impl Core {
         let net = seg::gid_net(gid);
         let p =
             Arc::new(if net.host == self.host {
-                Target::Local(Peer::attach(gid)?)
+                Target::Local({
+                    let mut p = Peer::attach(gid)?;
+                    p.fence = self.cfg.fence;
+                    p
+                })
             } else {
                 match (net.addr, self.wire_addr()) {
                     (Some(a), Some(_)) => Target::Remote(a),
@@ -509,29 +525,76 @@ impl Core {
         Ok(p)
     }
 
-    /// Wait until no live attached process holds hazard `tag` in our segment.
-    fn wait_unused(&self, tag: u64) {
+    /// Wait until no live attached process holds hazard `tag` in our segment. A copy under
+    /// way ends within microseconds, so the common case returns at once with the lock held;
+    /// otherwise the lock is let go while waiting (the object is already withdrawn: nothing
+    /// new reaches it) and taken again. A holder that is still there after the fence time
+    /// (stopped, in a debugger, hung) is fenced out ([`exec::fence_out`]).
+    fn wait_unused<'a>(&'a self, g: MutexGuard<'a, Inner>, tag: u64) -> MutexGuard<'a, Inner> {
+        if self.holder(|h| h == tag).is_none() {
+            return g;
+        }
+        drop(g);
+        let t0 = Instant::now();
+        let mut fenced = false;
+        while let Some(pid) = self.holder(|h| h == tag) {
+            if t0.elapsed() < Duration::from_micros(50) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if !fenced && self.cfg.fence.is_some_and(|f| t0.elapsed() > f) {
+                exec::fence_out(
+                    pid,
+                    "holds a queue or memory region this HCA is taking down",
+                );
+                fenced = true;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.lock()
+    }
+
+    /// A live attached process (its pid) with a hazard word `is` takes, if any.
+    fn holder(&self, is: impl Fn(u64) -> bool) -> Option<u32> {
         let me = std::process::id() as u64;
-        for i in 0..seg::ATTACH_SLOTS {
+        (0..self.seg.attached()).find_map(|i| {
             let s = self.seg.attach_slot(i);
-            // The clock only once a copy is found under way (the common case finds none).
-            let mut t0 = None;
-            loop {
-                let pid = s.pid.load(SC);
-                if pid == 0 || !s.hz.iter().any(|h| h.load(SC) == tag) {
-                    break;
+            let pid = s.pid.load(SC);
+            let holds = pid != 0 && s.hz.iter().any(|h| is(h.load(SC)));
+            // A dead process holds nothing (it never finishes its access, nor starts one).
+            (holds && (pid == me || !weft_provider::shmem::pid_gone(pid as i32)))
+                .then_some(pid as u32)
+        })
+    }
+
+    /// A ring position held up by a claim (`tag`, see [`ring::claim_tag`]): once seen twice
+    /// in a row, finish it for a dead claimer (`finish`, which checks again that it is still
+    /// held up), or fence out a live one holding it past the fence time. `true` once
+    /// finished. `stall` is the object's record of the position it last found held up.
+    fn settle(
+        &self,
+        stall: &mut Option<(u64, Instant)>,
+        tag: u64,
+        finish: impl FnOnce() -> bool,
+    ) -> bool {
+        let since = match *stall {
+            Some((t, since)) if t == tag => since,
+            _ => {
+                *stall = Some((tag, Instant::now()));
+                return false;
+            }
+        };
+        match self.holder(|h| h == tag) {
+            None => {
+                *stall = None;
+                finish()
+            }
+            Some(pid) => {
+                if self.cfg.fence.is_some_and(|f| since.elapsed() > f) {
+                    exec::fence_out(pid, "claimed a slot of this HCA's queue and never finished");
+                    *stall = Some((tag, Instant::now()));
                 }
-                // A process in the middle of a copy finishes it; a dead one never will.
-                // Asked only once the wait is not short: a copy under way ends within
-                // microseconds.
-                if t0.get_or_insert_with(Instant::now).elapsed() > Duration::from_micros(50) {
-                    if pid != me && weft_provider::shmem::pid_gone(pid as i32) {
-                        break;
-                    }
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                false
             }
         }
     }
@@ -579,7 +642,7 @@ impl Core {
         }
         q.held = None;
         q.ex = None;
-        exec::flush_rq(&self.seg, qi, |cq, wc| self.push_own(cq, wc));
+        exec::flush_rq(&self.seg, qi, None, |cq, wc| self.push_own(cq, wc));
     }
 
     /// Local SGEs as ranges of this process, checked against our registrations.
@@ -1183,7 +1246,33 @@ impl Core {
             && self
                 .seg
                 .ring::<CQE_WORDS>(off, cap)
-                .is_some_and(|r| !r.ready())
+                .is_some_and(|r| !r.ready() && r.is_empty())
+    }
+
+    /// Complete a receive a dead initiator took from a queue of ours (`w`, handed back by
+    /// [`ring::Ring::release`]) with a flush error on `cq`, its bytes counted as taken.
+    fn flush_taken(
+        &self,
+        cq: u32,
+        qpn: u32,
+        w: &[u64; WQE_WORDS],
+        taken: &std::sync::atomic::AtomicU64,
+    ) {
+        let b: u64 = seg::wqe_sges(w).iter().map(|s| s.length as u64).sum();
+        taken.fetch_add(b, RLX);
+        self.push_own(
+            cq,
+            &Wc {
+                wr_id: w[0],
+                status: WcStatus::WrFlushErr,
+                opcode: WcOpcode::Recv,
+                byte_len: 0,
+                imm: None,
+                qp_num: qpn,
+                src_qp: 0,
+                grh: false,
+            },
+        );
     }
 }
 

@@ -12,6 +12,10 @@ weft_provider::param!(pub DEVICE: Str = "verbs", "DEVICE", "auto",
 weft_provider::param!(MAX_QP: Uint = "verbs", "SOFT_MAX_QP", "4096", "soft HCA: queue pairs per process");
 weft_provider::param!(MAX_MR: Uint = "verbs", "SOFT_MAX_MR", "8192", "soft HCA: memory regions per process");
 weft_provider::param!(MAX_CQ: Uint = "verbs", "SOFT_MAX_CQ", "1024", "soft HCA: completion queues per process");
+weft_provider::param!(MAX_PEERS: Uint = "verbs", "SOFT_MAX_PEERS", "4096",
+    "soft HCA: processes that may reach this one through its shared segment at once (2..=65536; its own wire service is one of them)");
+weft_provider::param!(FENCE: Float = "verbs", "SOFT_FENCE", "10",
+    "soft HCA: seconds a peer may hold up this HCA (stopped or hung in the middle of an access to it) before it is fenced out: killed, as a cluster fences a node; 0: never (wait for it)");
 weft_provider::param!(MAX_SRQ: Uint = "verbs", "SOFT_MAX_SRQ", "256", "soft HCA: shared receive queues per process");
 weft_provider::param!(HEAP: Size = "verbs", "SOFT_HEAP", "1G",
     "soft HCA: shared memory for queues and device memory per process (sparse: only what is used is backed)");
@@ -41,6 +45,10 @@ pub struct Config {
     pub max_mr: u32,
     pub max_cq: u32,
     pub max_srq: u32,
+    /// Attach slots of the segment (`WEFT_VERBS_SOFT_MAX_PEERS`).
+    pub max_peers: u32,
+    /// How long a peer may hold up this HCA before it is fenced out; `None`: forever.
+    pub fence: Option<Duration>,
     pub heap: usize,
     pub mtu: Mtu,
     pub ud_drop: f64,
@@ -67,6 +75,8 @@ impl Default for Config {
             max_mr: 8192,
             max_cq: 1024,
             max_srq: 256,
+            max_peers: crate::soft::seg::ATTACH_SLOTS,
+            fence: Some(Duration::from_secs(10)),
             heap: 1 << 30,
             mtu: Mtu::M2048,
             ud_drop: 0.0,
@@ -133,6 +143,8 @@ impl Config {
             max_mr: bounded(&MAX_MR, 1, 65_535)?,
             max_cq: bounded(&MAX_CQ, 1, 65_535)?,
             max_srq: bounded(&MAX_SRQ, 1, 65_535)?,
+            max_peers: bounded(&MAX_PEERS, 2, 65_536)?,
+            fence: FENCE.get_seconds(true)?,
             heap: HEAP.get_size()?.clamp(1 << 20, 1 << 40),
             mtu: Mtu::from_bytes(mtu as usize).ok_or_else(|| {
                 Error::invalid("WEFT_VERBS_SOFT_MTU must be 256, 512, 1024, 2048 or 4096")
@@ -380,5 +392,48 @@ mod tests {
         assert!(t.due(&cfg, 2, 0).1, "second context misses");
         assert!(t.due(&cfg, 3, 0).1, "third context misses");
         assert!(t.due(&cfg, 1, 0).1, "least recently used was evicted");
+    }
+}
+
+/// Fault injection for the tests of a peer that dies or stops in the middle of an access to
+/// another process's HCA (what `WEFT_VERBS_SOFT_FENCE` and the ring's claims are for): this
+/// process, as an initiator, stops itself (`SIGSTOP`) or exits at the point named, the next
+/// time it gets there. Process-wide; off unless set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Stall {
+    Off = 0,
+    /// Exit after claiming a slot of a peer's ring for a record, before publishing it.
+    ExitInPush = 1,
+    /// Stop there.
+    StopInPush = 2,
+    /// Exit after claiming a record of a peer's ring, before handing its slot back.
+    ExitInPop = 3,
+    /// Stop while holding a hazard on a peer's memory region (before the copy into it).
+    StopInAccess = 4,
+}
+
+static STALL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Arm [`Stall`] `s` (fault injection).
+pub fn stall_at(s: Stall) {
+    STALL.store(s as u8, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Where an initiator passes a stall point: act if it is the one armed.
+#[inline]
+pub(crate) fn stall_point(here: Stall) {
+    if STALL.load(std::sync::atomic::Ordering::Relaxed) == here as u8 && here != Stall::Off {
+        match here {
+            Stall::ExitInPush | Stall::ExitInPop => {
+                // SAFETY: ends the process at once, as a kill would (no destructors run).
+                unsafe { libc::_exit(0) }
+            }
+            _ => {
+                STALL.store(0, std::sync::atomic::Ordering::SeqCst);
+                // SAFETY: stops this process until a SIGCONT (or a SIGKILL: fencing).
+                unsafe { libc::raise(libc::SIGSTOP) };
+            }
+        }
     }
 }

@@ -16,8 +16,29 @@
 //! one cache line moved between processes per push and per pop; with the sequence words in an
 //! array of their own and records read whole, a WQE pop touched four lines and neighbouring
 //! slots' sequence words shared one.
+//!
+//! **Claims that die.** A producer killed between claiming a position and publishing it would
+//! leave the ring empty forever (its consumer waits at that position), a consumer killed
+//! between claiming and handing the slot back would leave it full forever. So a process that is
+//! not the ring's owner announces, before it claims, the position it is about to claim in a
+//! hazard word of its own ([`claim_tag`], through the `claim` of [`Ring::push_as`] and
+//! [`Ring::pop_by_as`]), and clears it once done. The owner finds a position held up
+//! ([`Ring::unpublished`], [`Ring::unreleased`]); if no live process announces it, its claimer
+//! is dead and the owner finishes for it — a void record in place of the one never written
+//! ([`Ring::void`]), the slot handed back for the next lap ([`Ring::release`]).
 
 use crate::sync::{AtomicU64, Ordering, UnsafeCell};
+
+/// The mark of a ring claim in a hazard word (no key or object tag has this bit).
+pub const CLAIM: u64 = 1 << 63;
+/// Second word of a void record (`Ring::void`): no record has it.
+pub const VOID: u64 = u64::MAX;
+
+/// A hazard word announcing a claim of position `pos` in the ring `id` (its heap offset / 128;
+/// ids and positions are cut to 23 and 40 bits: a collision only makes the owner wait longer).
+pub fn claim_tag(id: u64, pos: u64) -> u64 {
+    CLAIM | (id & 0x7f_ffff) << 40 | (pos & 0xff_ffff_ffff)
+}
 
 /// The two counters, each on its own pair of cache lines.
 #[repr(C, align(128))]
@@ -121,15 +142,22 @@ impl<'a, const W: usize> Ring<'a, W> {
         self.slots[slot].seq.load(Ordering::Acquire) == pos + 1
     }
 
-    #[cfg(all(test, not(loom)))]
+    /// Nothing queued (a snapshot; a record claimed but not yet published counts).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Append `rec` (at most `W` words: a shorter record leaves the rest of the slot as it
     /// was, for a reader that knows its length, see [`Ring::pop_by`]); `false` when the ring
-    /// is full.
+    /// is full. For the ring's owner; others use [`Ring::push_as`].
     pub fn push(&self, rec: &[u64]) -> bool {
+        self.push_as(rec, None::<(u64, fn(u64))>)
+    }
+
+    /// [`Ring::push`] by a process that is not the ring's owner: `claim` is the ring's id and
+    /// a store (sequentially consistent) into the caller's hazard word, given [`claim_tag`]
+    /// before the claim and 0 once the record is published (or the ring found full).
+    pub fn push_as(&self, rec: &[u64], claim: Option<(u64, impl Fn(u64))>) -> bool {
         debug_assert!(rec.len() <= W);
         let mut pos = self.head.enq.load(Ordering::Relaxed);
         loop {
@@ -137,24 +165,44 @@ impl<'a, const W: usize> Ring<'a, W> {
             let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
-                match self.head.enq.compare_exchange_weak(
-                    pos,
-                    pos + 1,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                ) {
+                // Announced before the claim, the claim sequentially consistent after it: an
+                // owner that sees the claim sees the announcement.
+                let order = match &claim {
+                    Some((id, set)) => {
+                        set(claim_tag(*id, pos));
+                        Ordering::SeqCst
+                    }
+                    None => Ordering::Relaxed,
+                };
+                match self
+                    .head
+                    .enq
+                    .compare_exchange_weak(pos, pos + 1, order, Ordering::Relaxed)
+                {
                     Ok(_) => {
+                        if claim.is_some() {
+                            #[cfg(not(loom))]
+                            crate::soft::model::stall_point(crate::soft::model::Stall::StopInPush);
+                            #[cfg(not(loom))]
+                            crate::soft::model::stall_point(crate::soft::model::Stall::ExitInPush);
+                        }
                         for (d, v) in s.data.iter().zip(rec) {
                             // SAFETY: the slot is ours between the claim and the publishing
                             // store below; no consumer reads it before seq = pos + 1.
                             d.with_mut(|p| unsafe { *p = *v });
                         }
                         s.seq.store(pos + 1, Ordering::Release);
+                        if let Some((_, set)) = &claim {
+                            set(0);
+                        }
                         return true;
                     }
                     Err(p) => pos = p,
                 }
             } else if dif < 0 {
+                if let Some((_, set)) = &claim {
+                    set(0);
+                }
                 return false;
             } else {
                 pos = self.head.enq.load(Ordering::Relaxed);
@@ -173,18 +221,35 @@ impl<'a, const W: usize> Ring<'a, W> {
     /// `words(second word)` says (at most `out.len()` and `W`): a record whose length it
     /// carries is read without the words it does not use. `false` when the ring is empty.
     pub fn pop_by(&self, out: &mut [u64], words: impl FnOnce(u64) -> usize) -> bool {
+        self.pop_by_as(out, words, None::<(u64, fn(u64))>)
+    }
+
+    /// [`Ring::pop_by`] by a process that is not the ring's owner, announcing its claim as
+    /// [`Ring::push_as`] does.
+    pub fn pop_by_as(
+        &self,
+        out: &mut [u64],
+        words: impl FnOnce(u64) -> usize,
+        claim: Option<(u64, impl Fn(u64))>,
+    ) -> bool {
         let mut pos = self.head.deq.load(Ordering::Relaxed);
         loop {
             let s = &self.slots[(pos & self.mask) as usize];
             let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos + 1) as i64;
             if dif == 0 {
-                match self.head.deq.compare_exchange_weak(
-                    pos,
-                    pos + 1,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                ) {
+                let order = match &claim {
+                    Some((id, set)) => {
+                        set(claim_tag(*id, pos));
+                        Ordering::SeqCst
+                    }
+                    None => Ordering::Relaxed,
+                };
+                match self
+                    .head
+                    .deq
+                    .compare_exchange_weak(pos, pos + 1, order, Ordering::Relaxed)
+                {
                     Ok(_) => {
                         // SAFETY (both reads): published by the producer's release store
                         // (acquired above) and ours until we hand the slot back below.
@@ -198,17 +263,88 @@ impl<'a, const W: usize> Ring<'a, W> {
                         for (i, o) in out[..n].iter_mut().enumerate().skip(first) {
                             *o = read(i);
                         }
+                        if claim.is_some() {
+                            #[cfg(not(loom))]
+                            crate::soft::model::stall_point(crate::soft::model::Stall::ExitInPop);
+                        }
                         s.seq.store(pos + self.mask + 1, Ordering::Release);
+                        if let Some((_, set)) = &claim {
+                            set(0);
+                        }
                         return true;
                     }
                     Err(p) => pos = p,
                 }
             } else if dif < 0 {
+                if let Some((_, set)) = &claim {
+                    set(0);
+                }
                 return false;
             } else {
                 pos = self.head.deq.load(Ordering::Relaxed);
             }
         }
+    }
+
+    /// The oldest position, if a producer claimed it and has not published it (a look:
+    /// loads only). The owner, as consumer, then asks whether a live process announces it.
+    pub fn unpublished(&self) -> Option<u64> {
+        let pos = self.head.deq.load(Ordering::SeqCst);
+        let s = &self.slots[(pos & self.mask) as usize];
+        (s.seq.load(Ordering::SeqCst) == pos && self.head.enq.load(Ordering::SeqCst) > pos)
+            .then_some(pos)
+    }
+
+    /// The position a consumer claimed a lap ago where the next push goes, if it has not
+    /// handed the slot back (a look). The owner, as producer, then asks as above.
+    pub fn unreleased(&self) -> Option<u64> {
+        let pos = self.head.enq.load(Ordering::SeqCst);
+        let q = pos.checked_sub(self.mask + 1)?;
+        let s = &self.slots[(pos & self.mask) as usize];
+        (s.seq.load(Ordering::SeqCst) == q + 1 && self.head.deq.load(Ordering::SeqCst) > q)
+            .then_some(q)
+    }
+
+    /// Publish a void record (second word [`VOID`]) at `pos`, which [`Ring::unpublished`]
+    /// named and whose claimer the caller found dead (no live process announces the claim):
+    /// consumers move past it. `false` if the position was published meanwhile.
+    pub fn void(&self, pos: u64) -> bool {
+        let s = &self.slots[(pos & self.mask) as usize];
+        if s.seq.load(Ordering::SeqCst) != pos {
+            return false;
+        }
+        for (i, d) in s.data.iter().enumerate().take(2) {
+            // SAFETY: claimed by a process that is dead (the caller's check, made after the
+            // claim was seen) and so never writes it; no consumer reads it before the store
+            // below publishes it.
+            d.with_mut(|p| unsafe { *p = if i == 1 { VOID } else { 0 } });
+        }
+        s.seq
+            .compare_exchange(pos, pos + 1, Ordering::Release, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// The record at `q`, which [`Ring::unreleased`] named and whose consumer the caller found
+    /// dead, into `out`; then hand its slot back for the next lap. `false` if it was handed
+    /// back meanwhile.
+    pub fn release(&self, q: u64, out: &mut [u64]) -> bool {
+        let s = &self.slots[(q & self.mask) as usize];
+        if s.seq.load(Ordering::SeqCst) != q + 1 {
+            return false;
+        }
+        for (o, d) in out.iter_mut().zip(&s.data) {
+            // SAFETY: published (seq = q + 1, read above) and claimed by a consumer that is
+            // dead: nobody writes it before the store below hands it back.
+            *o = d.with(|p| unsafe { *p });
+        }
+        s.seq
+            .compare_exchange(
+                q + 1,
+                q + self.mask + 1,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .is_ok()
     }
 }
 
@@ -269,6 +405,56 @@ mod tests {
         assert!(r.pop_by(&mut out, |n| n as usize));
         assert_eq!(out, [8, 0, 0]);
         assert!(r.is_empty());
+    }
+
+    /// A producer that claimed a position and died before publishing it left the ring empty
+    /// to its consumer for good; a consumer that died before handing a slot back left it full
+    /// for good. The owner finishes for them: a void record, a slot handed back (and the
+    /// record the dead consumer had taken, for its owner to complete in error).
+    #[test]
+    fn claims_of_the_dead_are_finished_by_the_owner() {
+        let mut mem = heap_ring::<3>(4);
+        let r = ring_in::<3>(&mut mem, 4);
+        let hz = std::sync::atomic::AtomicU64::new(0);
+        let set = |v| hz.store(v, std::sync::atomic::Ordering::SeqCst);
+        // A producer announces position 0, claims it and dies.
+        set(claim_tag(5, 0));
+        r.head.enq.fetch_add(1, Ordering::SeqCst);
+        assert!(r.push_as(&[1, 2, 3], Some((5, set))), "position 1");
+        assert_eq!(
+            hz.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "cleared once done"
+        );
+        let mut out = [0u64; 3];
+        assert!(!r.pop(&mut out), "stuck behind the dead claim");
+        assert_eq!(r.unpublished(), Some(0));
+        assert!(r.void(0));
+        assert!(!r.void(0), "once");
+        assert!(r.pop(&mut out) && out[1] == VOID, "the void record");
+        assert!(r.pop(&mut out) && out == [1, 2, 3]);
+        assert_eq!(r.unpublished(), None);
+        // A consumer takes position 2's record and dies before handing the slot back.
+        for i in 0..4u64 {
+            assert!(r.push(&[10 + i, 0, 0]));
+        }
+        r.head.deq.fetch_add(1, Ordering::SeqCst);
+        for _ in 0..3 {
+            assert!(r.pop(&mut out));
+        }
+        assert!(
+            !r.push(&[99, 0, 0]),
+            "full for good behind the dead consumer"
+        );
+        assert_eq!(r.unreleased(), Some(2));
+        assert!(
+            r.release(2, &mut out) && out[0] == 10,
+            "its record, for a flush error"
+        );
+        assert!(!r.release(2, &mut out), "once");
+        assert!(r.push(&[99, 0, 0]));
+        assert!(r.pop(&mut out) && out[0] == 99);
+        assert_eq!((r.unreleased(), r.unpublished()), (None, None));
     }
 
     #[test]
@@ -367,6 +553,35 @@ mod loom_tests {
             2 => assert_eq!(*out, [2, 3, 20]),
             t => panic!("record of producer {t}"),
         }
+    }
+
+    /// A producer that announces its claims publishes concurrently with an owner that looks
+    /// for dead claims and takes the announcement as the sign of a live claimer: the owner
+    /// never voids a record that is being published, and the record arrives whole.
+    #[test]
+    fn loom_owner_never_voids_a_live_claim() {
+        loom::model(|| {
+            let o = owned(2);
+            let hz = Arc::new(loom::sync::atomic::AtomicU64::new(0));
+            let (o2, hz2) = (o.clone(), hz.clone());
+            let p = loom::thread::spawn(move || {
+                let r = Ring::new(&o2.head, &o2.slots);
+                let set = |v| hz2.store(v, Ordering::SeqCst);
+                assert!(r.push_as(&[7, 8, 9], Some((1, set))));
+            });
+            let r = Ring::new(&o.head, &o.slots);
+            // The owner's check, as the HCA makes it: a held-up position, no live process
+            // announcing it, the position still unpublished: void.
+            if let Some(pos) = r.unpublished() {
+                if hz.load(Ordering::SeqCst) != claim_tag(1, pos) {
+                    r.void(pos);
+                }
+            }
+            p.join().unwrap();
+            let mut out = [0u64; 3];
+            assert!(r.pop(&mut out));
+            assert_eq!(out, [7, 8, 9], "never voided");
+        });
     }
 
     /// Two producers and two consumers on a ring of two slots: every record arrives once, whole

@@ -21,7 +21,7 @@ use weft_provider::{Error, ErrorDetail, Result};
 pub const MAGIC: u64 = u64::from_le_bytes(*b"WEFTHCA1");
 /// The seals a segment carries: fixed size, seals fixed.
 const SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// SGEs a receive work request may have (the device's `max_sge`).
 pub const MAX_SGE: usize = 8;
 /// Words of a receive WQE record: wr_id, SGE count, then address and (length, lkey) per SGE.
@@ -30,7 +30,9 @@ pub const WQE_WORDS: usize = 2 + 2 * MAX_SGE;
 pub const CQE_WORDS: usize = 5;
 /// Hazard words per attached initiator (one per key it may hold at once).
 pub const HAZARDS: usize = 15;
-pub const ATTACH_SLOTS: usize = 256;
+/// Attach slots (initiators that may map a segment at once) unless configured
+/// (`WEFT_VERBS_SOFT_MAX_PEERS`; the owner's wire service takes one).
+pub const ATTACH_SLOTS: u32 = 4096;
 pub const LOCK_STRIPES: usize = 64;
 /// Hazard words: the rkey of an RDMA operation, the lkeys of a receive's SGEs, and the QP,
 /// SRQ and CQ an operation is using (tagged so they never equal a key).
@@ -39,6 +41,8 @@ pub const HZ_RECV: usize = 1;
 pub const HZ_QP: usize = 9;
 pub const HZ_SRQ: usize = 10;
 pub const HZ_CQ: usize = 11;
+/// The ring position an initiator is claiming (`ring::claim_tag`).
+pub const HZ_RING: usize = 12;
 pub const TAG_QP: u64 = 1 << 62;
 pub const TAG_SRQ: u64 = 1 << 61;
 pub const TAG_CQ: u64 = 1 << 60;
@@ -66,6 +70,10 @@ pub struct Header {
     pub closed: AtomicU32,
     /// Fault injection: set, the HCA answers nothing (a peer that stops responding).
     pub mute: AtomicU32,
+    /// Attach slots the segment has, and one past the highest ever taken (owners scan up to
+    /// it only).
+    pub max_attach: AtomicU32,
+    pub attach_hw: AtomicU32,
 }
 
 /// An initiator's claim on this segment: its pid, and the keys it is using right now.
@@ -148,6 +156,7 @@ pub struct SrqEntry {
 /// Offsets of the tables, from the limits (identical on both sides, checked on attach).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
+    pub max_attach: u32,
     pub max_mr: u32,
     pub max_qp: u32,
     pub max_cq: u32,
@@ -168,9 +177,16 @@ fn up(x: usize, a: usize) -> usize {
 }
 
 impl Layout {
-    pub fn new(max_mr: u32, max_qp: u32, max_cq: u32, max_srq: u32, heap_len: usize) -> Layout {
+    pub fn new(
+        max_attach: u32,
+        max_mr: u32,
+        max_qp: u32,
+        max_cq: u32,
+        max_srq: u32,
+        heap_len: usize,
+    ) -> Layout {
         let attach = up(std::mem::size_of::<Header>(), 4096);
-        let locks = attach + ATTACH_SLOTS * std::mem::size_of::<AttachSlot>();
+        let locks = attach + max_attach as usize * std::mem::size_of::<AttachSlot>();
         let mr = up(locks + LOCK_STRIPES * 8, 128);
         let qp = up(mr + max_mr as usize * std::mem::size_of::<MrEntry>(), 128);
         let cq = up(qp + max_qp as usize * std::mem::size_of::<QpEntry>(), 128);
@@ -181,6 +197,7 @@ impl Layout {
         );
         let heap_len = up(heap_len, 4096);
         Layout {
+            max_attach,
             max_mr,
             max_qp,
             max_cq,
@@ -273,6 +290,7 @@ impl Seg {
         h.max_qp.store(lay.max_qp, Ordering::Relaxed);
         h.max_cq.store(lay.max_cq, Ordering::Relaxed);
         h.max_srq.store(lay.max_srq, Ordering::Relaxed);
+        h.max_attach.store(lay.max_attach, Ordering::Relaxed);
         h.heap_off.store(lay.heap as u64, Ordering::Relaxed);
         h.heap_len.store(lay.heap_len as u64, Ordering::Relaxed);
         h.nonce.store(nonce(), Ordering::Relaxed);
@@ -344,7 +362,7 @@ impl Seg {
         })?;
         let mut s = Seg {
             base,
-            lay: Layout::new(0, 0, 0, 0, 0),
+            lay: Layout::new(0, 0, 0, 0, 0, 0),
             fd: mine,
             own: None,
         };
@@ -360,6 +378,7 @@ impl Seg {
             )));
         }
         let lay = Layout::new(
+            h.max_attach.load(Ordering::Relaxed),
             h.max_mr.load(Ordering::Relaxed),
             h.max_qp.load(Ordering::Relaxed),
             h.max_cq.load(Ordering::Relaxed),
@@ -389,8 +408,14 @@ impl Seg {
         self.header().pid.load(Ordering::Relaxed)
     }
 
+    /// Attach slots that may be taken: up to one past the highest ever taken.
+    pub fn attached(&self) -> usize {
+        (self.header().attach_hw.load(Ordering::SeqCst) as usize).min(self.lay.max_attach as usize)
+    }
+
+    /// Panics if `i` is not below the segment's `max_attach`.
     pub fn attach_slot(&self, i: usize) -> &AttachSlot {
-        assert!(i < ATTACH_SLOTS);
+        assert!(i < self.lay.max_attach as usize);
         // SAFETY: within the attach table of the validated layout.
         unsafe { &*(self.base.add(self.lay.attach) as *const AttachSlot).add(i) }
     }
@@ -605,7 +630,7 @@ mod tests {
             addr: None,
             host: 7,
         };
-        let s = Seg::create(Layout::new(16, 16, 4, 4, 1 << 20), net).unwrap();
+        let s = Seg::create(Layout::new(8, 16, 16, 4, 4, 1 << 20), net).unwrap();
         let g = s.gid();
         let p = Seg::attach(&g).unwrap();
         assert_eq!(p.lay, s.lay);

@@ -114,7 +114,7 @@ impl Hca for SoftHca {
     }
 
     fn dereg_mr(&self, mr: Mr) -> Result<()> {
-        let mut g = self.lock();
+        let g = self.lock();
         let i = mr.handle as usize;
         match g.mrs.get(i) {
             Some(Some(m)) if m.key == mr.lkey => {}
@@ -124,7 +124,7 @@ impl Hca for SoftHca {
             e.key.store(0, SC);
         }
         // Remote copies under way into the region finish before we return.
-        self.wait_unused(mr.lkey as u64);
+        let mut g = self.wait_unused(g, mr.lkey as u64);
         let spent = g.mr_gen.get(i) == Some(&u16::MAX);
         let m = if spent {
             g.mrs.retire(i)
@@ -216,6 +216,7 @@ impl Hca for SoftHca {
             cap,
             off,
             asked: cqe,
+            stall: None,
         });
         self.cq_at[i].store(
             off << 8 | (cap.trailing_zeros() as u64 + 1),
@@ -227,7 +228,7 @@ impl Hca for SoftHca {
     }
 
     fn destroy_cq(&self, cq: Cq) -> Result<()> {
-        let mut g = self.lock();
+        let g = self.lock();
         if g.cqs.get(cq.0 as usize).is_none_or(|c| c.is_none()) {
             return Err(inval("destroy_cq: no such CQ"));
         }
@@ -242,7 +243,7 @@ impl Hca for SoftHca {
             e.live.store(0, SC);
         }
         self.cq_at[cq.0 as usize].store(0, Ordering::Release);
-        self.wait_unused(seg::TAG_CQ | cq.0 as u64);
+        let mut g = self.wait_unused(g, seg::TAG_CQ | cq.0 as u64);
         if let Some(c) = g.cqs.free(cq.0 as usize) {
             // Kept for the next CQ of this capacity, not given back to the heap: a poll that
             // read `cq_at` before the store above may still look at its sequence words.
@@ -262,8 +263,8 @@ impl Hca for SoftHca {
         self.progress_all(&mut g);
         let c = g
             .cqs
-            .get(cq.0 as usize)
-            .and_then(|c| c.as_ref())
+            .get_mut(cq.0 as usize)
+            .and_then(|c| c.as_mut())
             .ok_or_else(|| inval("poll_cq: no such CQ"))?;
         let e = self
             .seg
@@ -281,10 +282,24 @@ impl Hca for SoftHca {
             .ok_or_else(|| inval("CQ ring"))?;
         let mut n = 0;
         let mut rec = [0u64; CQE_WORDS];
-        while n < out.len() && r.pop(&mut rec) {
-            if let Some(wc) = seg::cqe_parse(&rec) {
-                out[n] = wc;
-                n += 1;
+        loop {
+            while n < out.len() && r.pop(&mut rec) {
+                // A void record (a dead producer's, see below) parses as nothing.
+                if let Some(wc) = seg::cqe_parse(&rec) {
+                    out[n] = wc;
+                    n += 1;
+                }
+            }
+            // Held up by a producer that claimed a slot and did not publish it: a dead one's
+            // slot is voided, a stalled one fenced out.
+            match r.unpublished() {
+                Some(pos) if n == 0 => {
+                    let tag = ring::claim_tag(c.off >> 7, pos);
+                    if !self.settle(&mut c.stall, tag, || r.void(pos)) {
+                        break;
+                    }
+                }
+                _ => break,
             }
         }
         Ok(n)
@@ -335,6 +350,7 @@ impl Hca for SoftHca {
             max_sge,
             asked: max_wr,
             posted: 0,
+            stall: None,
         });
         g.acct.srqs += 1;
         g.acct.srq_bytes += model::srq_bytes(max_wr, max_sge);
@@ -342,7 +358,7 @@ impl Hca for SoftHca {
     }
 
     fn destroy_srq(&self, srq: Srq) -> Result<()> {
-        let mut g = self.lock();
+        let g = self.lock();
         if g.srqs.get(srq.0 as usize).is_none_or(|s| s.is_none()) {
             return Err(inval("destroy_srq: no such SRQ"));
         }
@@ -352,7 +368,7 @@ impl Hca for SoftHca {
         if let Some(e) = self.seg.srq(srq.0 as usize) {
             e.live.store(0, SC);
         }
-        self.wait_unused(seg::TAG_SRQ | srq.0 as u64);
+        let mut g = self.wait_unused(g, seg::TAG_SRQ | srq.0 as u64);
         if let Some(s) = g.srqs.free(srq.0 as usize) {
             let bytes = ring::ring_bytes::<WQE_WORDS>(s.cap as usize) as u64;
             if let Some(h) = g.heap.as_mut() {
@@ -394,6 +410,13 @@ impl Hca for SoftHca {
 
     fn post_srq_recv(&self, srq: Srq, wrs: &[RecvWr]) -> Result<()> {
         let mut g = self.lock();
+        // Where a receive a dead initiator took is completed: a QP of the SRQ, as one took it.
+        let owner = g
+            .qps
+            .iter()
+            .flatten()
+            .find(|q| q.srq == Some(srq.0))
+            .map(|q| (q.recv_cq, q.qpn));
         let s = g
             .srqs
             .get_mut(srq.0 as usize)
@@ -410,9 +433,23 @@ impl Hca for SoftHca {
                     s.max_sge
                 )));
             }
-            if r.len() >= s.asked as usize
-                || !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list)))
-            {
+            let rec = seg::wqe_record(wr.wr_id, &wr.sg_list);
+            let mut pushed = r.len() < s.asked as usize && r.push(seg::wqe_used(&rec));
+            // Full where it should not be: an initiator took a receive and never handed its
+            // slot back. A dead one's receive completes with a flush error, its slot freed.
+            if !pushed && r.len() < s.asked as usize {
+                if let Some(q) = r.unreleased() {
+                    let tag = ring::claim_tag(s.off >> 7, q);
+                    let mut w = [0u64; WQE_WORDS];
+                    if self.settle(&mut s.stall, tag, || r.release(q, &mut w)) {
+                        if let (Some(e), Some((cq, qpn))) = (self.seg.srq(srq.0 as usize), owner) {
+                            self.flush_taken(cq, qpn, &w, &e.taken);
+                        }
+                        pushed = r.push(seg::wqe_used(&rec));
+                    }
+                }
+            }
+            if !pushed {
                 return Err(inval(format!(
                     "post_srq_recv: request {k}: the SRQ is full (ENOMEM)"
                 )));
@@ -527,6 +564,7 @@ impl Hca for SoftHca {
             retries: 0,
             held: None,
             ex: None,
+            rq_stall: None,
         }));
         Ok(Qp {
             handle: i as u32,
@@ -699,7 +737,7 @@ impl Hca for SoftHca {
             e.state.store(QpState::Err as u32, SC);
             e.qpn.store(0, SC);
         }
-        self.wait_unused(seg::TAG_QP | qp.qpn as u64);
+        let mut g = self.wait_unused(g, seg::TAG_QP | qp.qpn as u64);
         if let Some(q) = g.qps.free(qi) {
             if q.rq_cap > 0 {
                 let bytes = ring::ring_bytes::<WQE_WORDS>(q.rq_cap as usize) as u64;
@@ -855,9 +893,21 @@ impl Hca for SoftHca {
                     q.cap.max_recv_sge
                 )));
             }
-            if r.len() >= q.cap.max_recv_wr as usize
-                || !r.push(seg::wqe_used(&seg::wqe_record(wr.wr_id, &wr.sg_list)))
-            {
+            let rec = seg::wqe_record(wr.wr_id, &wr.sg_list);
+            let room = r.len() < q.cap.max_recv_wr as usize;
+            let mut pushed = room && r.push(seg::wqe_used(&rec));
+            // As in `post_srq_recv`: a slot a dead initiator never handed back.
+            if !pushed && room {
+                if let Some(p) = r.unreleased() {
+                    let tag = ring::claim_tag(q.rq_off >> 7, p);
+                    let mut w = [0u64; WQE_WORDS];
+                    if self.settle(&mut q.rq_stall, tag, || r.release(p, &mut w)) {
+                        self.flush_taken(q.recv_cq, q.qpn, &w, &e.rq_taken);
+                        pushed = r.push(seg::wqe_used(&rec));
+                    }
+                }
+            }
+            if !pushed {
                 return Err(inval(format!(
                     "post_recv: request {k}: the receive queue is full (ENOMEM)"
                 )));
@@ -867,7 +917,7 @@ impl Hca for SoftHca {
         // A peer may have failed the QP meanwhile: what we queued is flushed too.
         if q.state == QpState::Err || e.state.load(SC) == QpState::Err as u32 {
             let qi = qp.handle as usize;
-            exec::flush_rq(&self.seg, qi, |cq, wc| self.push_own(cq, wc));
+            exec::flush_rq(&self.seg, qi, None, |cq, wc| self.push_own(cq, wc));
         }
         Ok(())
     }

@@ -4,15 +4,24 @@
 //! it changes the process environment.
 
 use proptest::test_runner::{Config, TestRunner};
+use weft_hybrid as _;
 use weft_limic as _;
+use weft_loopback as _;
 use weft_ofi as _;
 use weft_shm as _;
 use weft_tcp_sim as _;
 
-/// Run every reader of parameters: the core's, and each provider's (its capabilities and its
-/// probe read its configuration).
+mod common;
+use common::*;
+
+/// Run every reader of parameters: the core's, each provider's (its capabilities and its
+/// probe read its configuration), the soft HCA's and the verbs providers' footprints (their
+/// whole configuration: `WEFT_VERBS_UD_TIMEOUT=1e30` panicked there).
 fn read_everything() {
     let _ = weft::check_params();
+    let _ = weft_verbs::soft::model::Config::from_env();
+    let _ = weft_verbs_rc::footprint();
+    let _ = weft_verbs_ud::footprint();
     let (all, _) = weft::registry::providers();
     let ctx = weft::provider::ProbeContext {
         rank: 0,
@@ -91,7 +100,33 @@ fn no_parameter_value_panics() {
             })
             .unwrap();
     }
-    // Values that parse but are out of range are errors, not accepted silently.
+    // Values that parse but are out of range are errors, not accepted silently: every
+    // parameter that `check_params` lets through, its readers accept too (one parser).
+    for p in &params {
+        for v in hostile {
+            std::env::set_var(p.env_name(), v);
+            let checked = weft::check_params().is_ok();
+            let soft = weft_verbs::soft::model::Config::from_env();
+            let rc = weft_verbs_rc::footprint();
+            let ud = weft_verbs_ud::footprint();
+            std::env::remove_var(p.env_name());
+            if checked {
+                for (what, r) in [
+                    ("soft HCA", soft.map(|_| ())),
+                    ("verbs-rc", rc.map(|_| ())),
+                    ("verbs-ud", ud.map(|_| ())),
+                ] {
+                    if let Err(e) = r {
+                        assert!(
+                            e.kind() != weft::ErrorKind::Param,
+                            "{}={v:?} passed the check but {what} refused it: {e}",
+                            p.env_name()
+                        );
+                    }
+                }
+            }
+        }
+    }
     for (var, v) in [
         ("WEFT_TIMEOUT", "1e300"),
         ("WEFT_PMI_TIMEOUT", "1e300"),
@@ -111,4 +146,61 @@ fn no_parameter_value_panics() {
             "{var}={v} was accepted"
         );
     }
+}
+
+/// The values of issue 67 that panicked the binaries (exit 101): through `weft info`,
+/// `weft info -e` and a job under the hybrid provider, each is refused (exit 2) naming the
+/// variable; durations above 10^9 s are refused everywhere (the RC ones took 1e12).
+#[test]
+fn out_of_range_durations_and_rates_are_refused_by_the_binaries() {
+    let vars = [
+        "WEFT_VERBS_UD_TIMEOUT",
+        "WEFT_VERBS_UD_KEEPALIVE",
+        "WEFT_VERBS_RC_KEEPALIVE",
+        "WEFT_VERBS_RC_CONNECT_TIMEOUT",
+        "WEFT_VERBS_SOFT_FENCE",
+        "WEFT_TIMEOUT",
+        "WEFT_PMI_TIMEOUT",
+    ];
+    let mut cases: Vec<(&str, &str)> = vec![];
+    for v in vars {
+        for x in ["1e30", "1e11", "1e12", "1e300", "18446744073709551616"] {
+            cases.push((v, x));
+        }
+    }
+    cases.push(("WEFT_VERBS_SOFT_BANDWIDTH_MBS", "1e-300"));
+    cases.push(("WEFT_TCP_SIM_BW_MBPS", "1e-300"));
+    // The other test of this binary changes the environment: the commands get a clean one.
+    let clean = || {
+        let mut c = std::process::Command::new(weft());
+        c.env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default());
+        c
+    };
+    for (var, x) in cases {
+        for args in [&["info"][..], &["info", "-e"]] {
+            let o = run_bounded(clean().args(args).env(var, x), 60);
+            let out = format!("{}{}", stdout(&o), stderr(&o));
+            assert_eq!(
+                o.status.code(),
+                Some(2),
+                "weft {args:?} with {var}={x}: {out}"
+            );
+            assert!(out.contains(&format!("{var}='{x}'")), "{var}={x}: {out}");
+        }
+    }
+    let ring = example("weft-cli", "ring");
+    let o = run_bounded(
+        clean()
+            .args(["run", "-n", "2", "--provider", "hybrid", "--"])
+            .arg(&ring)
+            .env("WEFT_VERBS_UD_TIMEOUT", "1e30"),
+        60,
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("WEFT_VERBS_UD_TIMEOUT='1e30'"),
+        "{}",
+        stderr(&o)
+    );
 }

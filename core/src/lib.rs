@@ -77,8 +77,8 @@ param!(PROVIDER: Str = "", "PROVIDER", "",
     "provider choice: a name, a preference list 'a,b', or exclusions '^a,b' (empty: best available)");
 param!(LOG: Str = "", "LOG", "warn",
     "log filter for weft's tracing output (e.g. info, debug, weft=trace)");
-param!(PMI_TIMEOUT: Float = "pmi", "TIMEOUT", "60",
-    "seconds a rank waits on the PMI server (a barrier waits this long for a missing rank)");
+param!(PMI_TIMEOUT: Seconds[1e-3, 1e9] = "pmi", "TIMEOUT", "60",
+    "seconds a rank waits on the PMI server (a barrier waits this long for a missing rank; 0.001 to 10^9)");
 
 /// Install a tracing subscriber filtered by `WEFT_LOG` (once; no-op if the application has its
 /// own subscriber).

@@ -67,8 +67,8 @@ impl Default for EngineConfig {
 
 crate::param!(EAGER_LIMIT: Size = "", "EAGER_LIMIT", "0",
     "eager/rendezvous switch-over in bytes (0: the provider's own threshold)");
-crate::param!(TIMEOUT: Float = "", "TIMEOUT", "0",
-    "seconds any blocking wait may take before it fails with a timeout (0: no limit)");
+crate::param!(TIMEOUT: Seconds = "", "TIMEOUT", "0",
+    "seconds any blocking wait may take before it fails with a timeout (0: no limit; at most 10^9)");
 crate::param!(POLL_SPIN: Str = "", "POLL_SPIN", "auto",
     "idle progress rounds before a waiting rank starts yielding its core (the first 256 back to back, the rest with the CPU's spin-wait hint); auto: 1000, or 0 (yield at every idle round) when the host has fewer CPUs online than ranks of the job on it");
 crate::param!(POLL_SLEEP: Str = "", "POLL_SLEEP", "auto",

@@ -44,13 +44,23 @@ use weft_verbs::Hca;
 use weft_verbs_rc::{Sizing, VerbsRc};
 use weft_verbs_ud::VerbsUd;
 
-weft_provider::param!(RULES: Str = "hybrid", "RULES", "",
+/// `WEFT_HYBRID_RULES` is empty, `auto` or a chain that parses.
+fn check_rules(v: &str) -> std::result::Result<(), String> {
+    if v.is_empty() || v.eq_ignore_ascii_case("auto") {
+        return Ok(());
+    }
+    Chain::parse(v)
+        .map(|_| ())
+        .map_err(|e| format!("a send-rule chain ({e})"))
+}
+
+weft_provider::param!(RULES: Str check(check_rules) = "hybrid", "RULES", "",
     "hybrid: the send-rule chain, e.g. {size<=2048: RC-FP}, {size<=2008: UD-SR}, {size<=8192: RC-SR}, {size<=8192: UD-SR}, {true: RC-RDMA}, {true: UD-ZCOPY} (empty: that chain, paper 001's; sizes count the payload); auto: derived from each channel's cost measured on this host (cached)");
 weft_provider::param!(RC_THRESHOLD: Uint = "hybrid", "RC_THRESHOLD", "100",
     "hybrid: messages exchanged with a peer (those the chain would send over RC were it open) before it earns an RC connection (MVAPICH: 100); 0 or 1: at the first message");
-weft_provider::param!(MAX_RC: Uint = "hybrid", "MAX_RC", "16",
+weft_provider::param!(MAX_RC: Uint[0, 1 << 20] = "hybrid", "MAX_RC", "16",
     "hybrid: RC connections per process at most (paper 001: 16; unset, every peer in a job of fewer than LIMITS_FROM ranks); 0: UD only");
-weft_provider::param!(MAX_FP: Uint = "hybrid", "MAX_FP", "8",
+weft_provider::param!(MAX_FP: Uint[0, 1 << 20] = "hybrid", "MAX_FP", "8",
     "hybrid: RC-FP rings per process (paper 001: 8 peers; FP_SPREAD shares their slots among up to MAX_RC peers; unset, every peer in a job of fewer than SMALL_JOB ranks, up to 64 peers with half rings below LIMITS_FROM)");
 weft_provider::param!(SMALL_JOB: Uint = "hybrid", "SMALL_JOB", "32",
     "hybrid: in a job of fewer ranks (and of fewer than LIMITS_FROM), MAX_FP left unset gives every peer a whole RC-FP ring (MVAPICH2 gives RC-FP to every peer below 32 processes)");
@@ -197,7 +207,8 @@ impl Config {
         let chain = if text.trim().is_empty() || auto {
             Chain::default()
         } else {
-            Chain::parse(&text).map_err(|e| Error::invalid(format!("WEFT_HYBRID_RULES: {e}")))?
+            RULES.validate()?;
+            Chain::parse(&text).map_err(|e| RULES.refuse(format!("a send-rule chain ({e})")))?
         };
         Ok(Config {
             chain,

@@ -43,10 +43,10 @@ use weft_provider::provider::{
 };
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-weft_provider::param!(INLINE: Size = "limic", "INLINE", "6K",
-    "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (see docs/benchmarks.md)");
-weft_provider::param!(SLOTS: Uint = "limic", "SLOTS", "1024",
-    "descriptor slots per rank: outstanding sends and posted receives (more wait in a local queue)");
+weft_provider::param!(INLINE: Size[0, 1 << 20] = "limic", "INLINE", "6K",
+    "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (at most 1M; see docs/benchmarks.md)");
+weft_provider::param!(SLOTS: Uint[16, 65_000] = "limic", "SLOTS", "1024",
+    "descriptor slots per rank: outstanding sends and posted receives (more wait in a local queue; 16 to 65000)");
 weft_provider::param!(PULL: Bool = "limic", "PULL", "1",
     "a sender that finds the receive posted leaves a large message for the receiver to pull (1), or pushes it itself (0); see docs/benchmarks.md");
 weft_provider::param!(PTRACER: Bool = "limic", "PTRACER", "1",
@@ -68,22 +68,9 @@ struct Config {
 
 impl Config {
     fn from_env() -> Result<Config> {
+        // Every range is in the parameter's declaration.
         let inline_max = INLINE.get_size()?;
-        if inline_max > 1 << 20 {
-            return Err(Error::from(ErrorDetail::Param {
-                var: INLINE.env_name(),
-                value: INLINE.raw(),
-                expected: "at most 1M".into(),
-            }));
-        }
         let slots = SLOTS.get_u64()? as usize;
-        if !(16..=65_000).contains(&slots) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: SLOTS.env_name(),
-                value: SLOTS.raw(),
-                expected: "16 to 65000".into(),
-            }));
-        }
         Ok(Config {
             inline_max,
             slots,

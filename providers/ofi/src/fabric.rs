@@ -213,15 +213,8 @@ fn rndv_for(ch: &Chosen) -> Result<usize> {
             16 << 10
         });
     }
-    let n = RNDV.get_size()?;
-    if !(64..=(1 << 20)).contains(&n) {
-        return Err(Error::from(ErrorDetail::Param {
-            var: RNDV.env_name(),
-            value: v,
-            expected: "auto, or a size from 64 to 1M".into(),
-        }));
-    }
-    Ok(n)
+    // The range is in the parameter's check.
+    RNDV.get_size()
 }
 
 fn caps_name(c: u64) -> String {
@@ -289,10 +282,7 @@ fn caps_of(ch: &Chosen, dom: Option<*mut fid_domain>, native: Option<bool>) -> C
         let i = &*ch.info;
         (&*i.tx_attr, &*i.rx_attr, &*i.domain_attr)
     };
-    let am_buf = AM_BUF
-        .get_size()
-        .unwrap_or(16 << 10)
-        .clamp(1 << 10, 1 << 20);
+    let am_buf = AM_BUF.get_size().unwrap_or(16 << 10);
     let iov = tx.iov_limit.min(rx.iov_limit).clamp(1, 64);
     let mut c = Caps::am_only(MAX_HDR, am_buf - PREFIX - MAX_HDR, iov);
     // SAFETY: as above.
@@ -857,15 +847,7 @@ impl Ofi {
 
     fn post_am_buffers(&mut self) -> Result<()> {
         self.slot = PREFIX + MAX_HDR + self.caps.max_am_payload;
-        let n = AM_RX.get_u64()?;
-        if !(8..=4096).contains(&n) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: AM_RX.env_name(),
-                value: AM_RX.raw(),
-                expected: "8 to 4096 buffers".into(),
-            }));
-        }
-        let n = n as usize;
+        let n = AM_RX.get_u64()? as usize;
         self.rx_mem = vec![0; n * self.slot];
         self.tx_mem = vec![0; n * self.slot];
         self.tx_free = (0..n as u32).rev().collect();

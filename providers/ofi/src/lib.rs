@@ -49,13 +49,29 @@ weft_provider::param!(pub PROVIDER: Str = "ofi", "PROVIDER", "",
     "the libfabric provider to use (as FI_PROVIDER names it: tcp;ofi_rxm, shm, verbs;ofi_rxm, ...); empty: the first that fi_getinfo offers for FI_EP_RDM");
 weft_provider::param!(pub DOMAIN: Str = "ofi", "DOMAIN", "",
     "the libfabric domain (fi_info's domain name, e.g. lo or eth0 for tcp); empty: the first offered");
-weft_provider::param!(pub RNDV: Str = "ofi", "RNDV", "auto",
+fn check_rndv(v: &str) -> std::result::Result<(), String> {
+    weft_provider::param::checks::auto_or(
+        v,
+        |t| weft_provider::param::parse_size(t).is_some_and(|n| (64..=1 << 20).contains(&n)),
+        "a size from 64 to 1M",
+    )
+}
+
+fn check_native(v: &str) -> std::result::Result<(), String> {
+    weft_provider::param::checks::auto_or(
+        v,
+        |t| weft_provider::param::parse_bool(t).is_some() && !t.is_empty(),
+        "a boolean (1/0)",
+    )
+}
+
+weft_provider::param!(pub RNDV: Str check(check_rndv) = "ofi", "RNDV", "auto",
     "tagged messages above this size (64 to 1M) are announced and their data sent once the receiver asks; smaller receives go through bounce buffers of this size, so libfabric never truncates; auto: 16K, shm's inject size on shm");
-weft_provider::param!(pub NATIVE: Str = "ofi", "NATIVE", "auto",
+weft_provider::param!(pub NATIVE: Str check(check_native) = "ofi", "NATIVE", "auto",
     "1: tagged messages, RMA and atomics through libfabric wherever the provider offers them; 0: libfabric carries active messages only and weft's core does the rest; auto: 1, but 0 on shm before libfabric 1.19 (its tag matching and RMA fail across processes)");
-weft_provider::param!(pub AM_BUF: Size = "ofi", "AM_BUF", "16K",
+weft_provider::param!(pub AM_BUF: Size[1 << 10, 1 << 20] = "ofi", "AM_BUF", "16K",
     "bytes of each active-message buffer (the largest active-message payload, 1K to 1M)");
-weft_provider::param!(pub AM_RX: Uint = "ofi", "AM_RX", "64",
+weft_provider::param!(pub AM_RX: Uint[8, 4096] = "ofi", "AM_RX", "64",
     "active-message receive buffers kept posted (8 to 4096); as many send buffers");
 
 #[cfg(not(weft_libfabric))]

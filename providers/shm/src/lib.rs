@@ -35,12 +35,12 @@ use weft_provider::provider::{
 };
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-weft_provider::param!(CHUNK: Size = "shm", "CHUNK", "32K",
-    "largest active-message payload: the eager limit and the rendezvous chunk (see docs/benchmarks.md)");
+weft_provider::param!(CHUNK: Size[1 << 10, 4 << 20] = "shm", "CHUNK", "32K",
+    "largest active-message payload: the eager limit and the rendezvous chunk (1K to 4M; see docs/benchmarks.md)");
 weft_provider::param!(RING: Size = "shm", "RING", "512K",
     "bytes of large-message ring (data area) per ordered pair of local ranks");
-weft_provider::param!(CELLS: Uint = "shm", "CELLS", "64",
-    "message cells per pair ring (ring) or per receiver queue (mpsc)");
+weft_provider::param!(CELLS: Uint[2, 1 << 20] = "shm", "CELLS", "64",
+    "message cells per pair ring (ring) or per receiver queue (mpsc); 2 to 1048576");
 weft_provider::param!(WIN_POOL: Size = "shm", "WIN_POOL", "256M",
     "shared memory per host for windows allocated by shm (split among local ranks; backed only when touched; 0: no native windows)");
 weft_provider::param!(QUEUE: Enum(&["ring", "mpsc"]) = "shm", "QUEUE", "ring",
@@ -90,13 +90,6 @@ impl Config {
         let chunk = CHUNK.get_size()?;
         let ring = RING.get_size()?;
         let cells = CELLS.get_u64()? as usize;
-        if !(1024..=(4 << 20)).contains(&chunk) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: CHUNK.env_name(),
-                value: CHUNK.raw(),
-                expected: "a size from 1K to 4M".into(),
-            }));
-        }
         if !queue::ring_fits(ring, chunk) {
             let least = 2 * chunk.div_ceil(queue::UNIT) * queue::UNIT;
             return Err(Error::from(ErrorDetail::Param {
@@ -106,13 +99,6 @@ impl Config {
                     "at least twice WEFT_SHM_CHUNK in whole {}-byte units ({least} bytes)",
                     queue::UNIT
                 ),
-            }));
-        }
-        if !(2..=1 << 20).contains(&cells) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: CELLS.env_name(),
-                value: CELLS.raw(),
-                expected: "2 to 1048576 cells".into(),
             }));
         }
         let kind = match QUEUE.get_enum()? {

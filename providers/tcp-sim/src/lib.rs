@@ -37,20 +37,20 @@ use weft_provider::{Error, ErrorDetail, Rank, Result};
 
 weft_provider::param!(BIND: Str = "tcp-sim", "BIND", "auto",
     "address or interface to listen on (auto: loopback when every rank is on this host, else the first non-loopback IPv4 address)");
-weft_provider::param!(CHUNK: Size = "tcp-sim", "CHUNK", "512K",
-    "largest frame payload: the rendezvous chunk size");
+weft_provider::param!(CHUNK: Size[4 << 10, 64 << 20] = "tcp-sim", "CHUNK", "512K",
+    "largest frame payload: the rendezvous chunk size (4K to 64M)");
 weft_provider::param!(EAGER: Size = "tcp-sim", "EAGER", "64K",
     "messages up to this size are sent eagerly");
 weft_provider::param!(DIRECT: Bool = "tcp-sim", "DIRECT", "1",
     "read large payloads from the socket straight into the receive buffer when the core names it (0: always through the connection's buffer)");
-weft_provider::param!(QUEUE: Size = "tcp-sim", "QUEUE", "1M",
-    "unsent bytes a connection may buffer before senders see Busy (at least two frames; simulating, plus the bytes on the simulated wire)");
-weft_provider::param!(DELAY_US: Uint = "tcp-sim", "DELAY_US", "0",
-    "simulated one-way delay added to every frame, in microseconds");
-weft_provider::param!(BW_MBPS: Float = "tcp-sim", "BW_MBPS", "0",
-    "simulated bandwidth per rank in MB/s (10^6 B/s; 0: unlimited)");
-weft_provider::param!(JITTER_US: Uint = "tcp-sim", "JITTER_US", "0",
-    "simulated random extra delay per frame, uniform in [0, JITTER_US] microseconds");
+weft_provider::param!(QUEUE: Size[0, 1 << 30] = "tcp-sim", "QUEUE", "1M",
+    "unsent bytes a connection may buffer before senders see Busy (at least two frames; simulating, plus the bytes on the simulated wire; at most 1G)");
+weft_provider::param!(DELAY_US: Uint[0, 1_000_000] = "tcp-sim", "DELAY_US", "0",
+    "simulated one-way delay added to every frame, in microseconds (at most 10^6)");
+weft_provider::param!(BW_MBPS: Float[0, 1e7] check(weft_provider::param::checks::zero_or_a_rate) = "tcp-sim", "BW_MBPS", "0",
+    "simulated bandwidth per rank in MB/s (10^6 B/s; 0: unlimited, else 0.001 to 10^7)");
+weft_provider::param!(JITTER_US: Uint[0, 1_000_000] = "tcp-sim", "JITTER_US", "0",
+    "simulated random extra delay per frame, uniform in [0, JITTER_US] microseconds (at most 10^6)");
 
 const LISTENER: Token = Token(usize::MAX);
 const MAX_HEADER: usize = 64;
@@ -69,41 +69,13 @@ struct Config {
 
 impl Config {
     fn from_env() -> Result<Config> {
+        // Every range is in the parameter's declaration.
         let chunk = CHUNK.get_size()?;
-        if !(4096..=(64 << 20)).contains(&chunk) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: CHUNK.env_name(),
-                value: CHUNK.raw(),
-                expected: "a size from 4K to 64M".into(),
-            }));
-        }
         let bw = BW_MBPS.get_f64()?;
-        if !(bw == 0.0 || (0.001..=1e7).contains(&bw)) {
-            return Err(Error::from(ErrorDetail::Param {
-                var: BW_MBPS.env_name(),
-                value: BW_MBPS.raw(),
-                expected: "0 (no limit) or a rate from 0.001 to 10^7 MB/s".into(),
-            }));
-        }
         let micros = |p: &weft_provider::param::ParamDesc| -> Result<Duration> {
-            let v = p.get_u64()?;
-            if v > 1_000_000 {
-                return Err(Error::from(ErrorDetail::Param {
-                    var: p.env_name(),
-                    value: p.raw(),
-                    expected: "at most 1000000 microseconds".into(),
-                }));
-            }
-            Ok(Duration::from_micros(v))
+            Ok(Duration::from_micros(p.get_u64()?))
         };
         let queue = QUEUE.get_size()?;
-        if queue > 1 << 30 {
-            return Err(Error::from(ErrorDetail::Param {
-                var: QUEUE.env_name(),
-                value: QUEUE.raw(),
-                expected: "at most 1G".into(),
-            }));
-        }
         Ok(Config {
             bind: BIND.get_str(),
             chunk,

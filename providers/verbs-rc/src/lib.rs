@@ -78,38 +78,38 @@ fn ring_pair_bytes(shape: Shape) -> usize {
     2 * (shape.mem_len() + BLOCK_EXTRA)
 }
 
-weft_provider::param!(BUF: Size = "verbs", "RC_BUF", "16K",
+weft_provider::param!(BUF: Size[1 << 10, 1 << 20] = "verbs", "RC_BUF", "16K",
     "verbs-rc: bytes of active-message payload one RC send carries (the eager limit and the rendezvous chunk); 1K to 1M");
-weft_provider::param!(SRQ: Uint = "verbs", "RC_SRQ", "256",
+weft_provider::param!(SRQ: Uint[16, 16384] = "verbs", "RC_SRQ", "256",
     "verbs-rc: receive buffers in the shared receive queue (RC-SR); 16 to 16384");
-weft_provider::param!(SEND_BUFS: Uint = "verbs", "RC_SEND_BUFS", "256",
+weft_provider::param!(SEND_BUFS: Uint[16, 16384] = "verbs", "RC_SEND_BUFS", "256",
     "verbs-rc: registered send buffers shared by all peers; 16 to 16384");
-weft_provider::param!(SQ: Uint = "verbs", "RC_SQ", "128",
-    "verbs-rc: send-queue depth of each RC queue pair (work requests in flight per peer)");
+weft_provider::param!(SQ: Uint[16, 16384] = "verbs", "RC_SQ", "128",
+    "verbs-rc: send-queue depth of each RC queue pair (work requests in flight per peer); 16 to 16384");
 weft_provider::param!(RNDV: Enum(&["read", "write", "copy"]) = "verbs", "RC_RNDV", "read",
     "verbs-rc: large messages: read (the receiver RDMA-reads the sender's buffer, zero copy), write (the receiver sends its buffer's key and the sender RDMA-writes into it, Aptus RC-RDMA) or copy (pipelined through active messages)");
-weft_provider::param!(TIMEOUT: Uint = "verbs", "RC_TIMEOUT", "20",
+weft_provider::param!(TIMEOUT: Uint[1, 31] = "verbs", "RC_TIMEOUT", "20",
     "verbs-rc: the RC local ACK timeout code (4.096 us x 2^code; 20 is about 4.3 s, MVAPICH's default); with RC_RETRY it sets how long a dead peer takes to notice; 1 to 31");
-weft_provider::param!(RETRY: Uint = "verbs", "RC_RETRY", "7",
+weft_provider::param!(RETRY: Uint[0, 7] = "verbs", "RC_RETRY", "7",
     "verbs-rc: RC transport retries before a peer is declared failed (0 to 7)");
-weft_provider::param!(KEEPALIVE: Float = "verbs", "RC_KEEPALIVE", "2",
+weft_provider::param!(KEEPALIVE: Seconds = "verbs", "RC_KEEPALIVE", "2",
     "verbs-rc: seconds between keepalive probes (a zero-length RDMA write) to connected peers with nothing in flight, so that a rank waiting only to receive notices a dead peer; 0: off");
 weft_provider::param!(EAGER: Enum(&["fastpath", "basic", "piggyback", "pipeline"]) = "verbs", "RC_EAGER", "fastpath",
     "verbs-rc: eager design: fastpath (MVAPICH RC-FP: per-peer RDMA slots after RC_FP_THRESHOLD messages, send/receive otherwise), basic (ring with head and tail pointers, three RDMA writes a message), piggyback (flags in the record, batched acknowledgements), pipeline (piggyback, large records written in RC_CHUNK pieces)");
-weft_provider::param!(RING: Size = "verbs", "RC_RING", "256K",
+weft_provider::param!(RING: Size[4 << 10, 8 << 20] check(weft_provider::param::checks::multiple_of_8) = "verbs", "RC_RING", "256K",
     "verbs-rc basic/piggyback/pipeline: bytes of each per-peer eager ring (in the receiver's memory, mirrored by the sender); 4K to 8M");
-weft_provider::param!(CHUNK: Size = "verbs", "RC_CHUNK", "16K",
-    "verbs-rc pipeline design: bytes per RDMA write when a record is written piece by piece (paper 000: 16 KiB); 64 bytes or more");
-weft_provider::param!(pub FP_BUFS: Uint = "verbs", "RC_FP_BUFS", "16",
+weft_provider::param!(CHUNK: Size[64, 1 << 30] check(weft_provider::param::checks::multiple_of_8) = "verbs", "RC_CHUNK", "16K",
+    "verbs-rc pipeline design: bytes per RDMA write when a record is written piece by piece (paper 000: 16 KiB); a multiple of 8, 64 bytes or more");
+weft_provider::param!(pub FP_BUFS: Uint[2, 1024] = "verbs", "RC_FP_BUFS", "16",
     "verbs-rc fastpath: RDMA eager slots per peer (MVAPICH MV2_NUM_RDMA_BUFFER); 2 to 1024");
-weft_provider::param!(FP_SIZE: Size = "verbs", "RC_FP_SIZE", "4K",
+weft_provider::param!(FP_SIZE: Size[256, 1 << 20] check(weft_provider::param::checks::multiple_of_8) = "verbs", "RC_FP_SIZE", "4K",
     "verbs-rc fastpath: bytes of one slot, head and tail flags included (MVAPICH MV2_RDMA_FAST_PATH_BUF_SIZE); 256 to 1M; unset, hybrid sizes its slots to its chain's RC-FP reach");
 weft_provider::param!(FP_THRESHOLD: Uint = "verbs", "RC_FP_THRESHOLD", "16",
     "verbs-rc fastpath: messages received from a peer before its slots are set up (MVAPICH: 256, Open MPI: 16); 0: at connection");
-weft_provider::param!(FP_PEERS: Uint = "verbs", "RC_FP_PEERS", "64",
+weft_provider::param!(FP_PEERS: Uint[0, 1 << 20] = "verbs", "RC_FP_PEERS", "64",
     "verbs-rc fastpath: peers with slots at most (MVAPICH MV2_POLLING_SET_LIMIT); the others use send/receive");
-weft_provider::param!(CONNECT_TIMEOUT: Float = "verbs", "RC_CONNECT_TIMEOUT", "30",
-    "verbs-rc: seconds a connection request may go unanswered before the peer is failed");
+weft_provider::param!(CONNECT_TIMEOUT: Seconds[1e-3, 1e9] = "verbs", "RC_CONNECT_TIMEOUT", "30",
+    "verbs-rc: seconds a connection request may go unanswered before the peer is failed (0.001 to 10^9)");
 
 /// How long `close` waits for requests still in flight.
 const CLOSE_DRAIN: Duration = Duration::from_millis(250);
@@ -449,54 +449,15 @@ struct Config {
 
 impl Config {
     fn from_env() -> Result<Config> {
+        // Each value's range is in its declaration; only what ties two together is here.
         let buf = BUF.get_size()?;
-        if !(1024..=1 << 20).contains(&buf) {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_RC_BUF={buf}: between 1K and 1M"
-            )));
-        }
-        let range = |p: &weft_provider::param::ParamDesc| -> Result<usize> {
-            let v = p.get_u64()? as usize;
-            if !(16..=16384).contains(&v) {
-                return Err(Error::invalid(format!(
-                    "{}={v}: between 16 and 16384",
-                    p.env_name()
-                )));
-            }
-            Ok(v)
-        };
-        let secs = CONNECT_TIMEOUT.get_f64()?;
-        if !(secs > 0.0 && secs.is_finite()) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_RC_CONNECT_TIMEOUT: a positive number of seconds",
-            ));
-        }
+        let range =
+            |p: &weft_provider::param::ParamDesc| -> Result<usize> { Ok(p.get_u64()? as usize) };
         let timeout = TIMEOUT.get_u64()?;
         let retry = RETRY.get_u64()?;
-        if !(1..=31).contains(&timeout) || retry > 7 {
-            return Err(Error::invalid(
-                "WEFT_VERBS_RC_TIMEOUT is 1..=31 and WEFT_VERBS_RC_RETRY 0..=7",
-            ));
-        }
-        let ka = KEEPALIVE.get_f64()?;
-        if !(ka >= 0.0 && ka.is_finite()) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_RC_KEEPALIVE: seconds, 0 or more",
-            ));
-        }
         let design = Design::parse(EAGER.get_enum()?).expect("the parameter lists the designs");
         let (ring, chunk) = (RING.get_size()?, CHUNK.get_size()?);
         let (fp_bufs, fp_size) = (FP_BUFS.get_u64()? as usize, FP_SIZE.get_size()?);
-        if !(4096..=8 << 20).contains(&ring) || ring % 8 != 0 {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_RC_RING={ring}: a multiple of 8 from 4K to 8M"
-            )));
-        }
-        if chunk < 64 || chunk % 8 != 0 {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_RC_CHUNK={chunk}: a multiple of 8, 64 or more"
-            )));
-        }
         let cfg = Config {
             design,
             ring,
@@ -515,7 +476,7 @@ impl Config {
                 retry_cnt: retry as u8,
                 ..verbs::RcParams::default()
             },
-            keepalive: (ka > 0.0).then(|| Duration::from_secs_f64(ka)),
+            keepalive: KEEPALIVE.get_seconds(true)?,
             buf,
             srq: range(&SRQ)?,
             send_bufs: range(&SEND_BUFS)?,
@@ -525,14 +486,11 @@ impl Config {
                 "write" => Rndv::Write,
                 _ => Rndv::Copy,
             },
-            connect_timeout: Duration::from_secs_f64(secs),
+            connect_timeout: CONNECT_TIMEOUT.get_duration()?,
         };
-        if !(2..=1024).contains(&fp_bufs)
-            || !(256..=1 << 20).contains(&fp_size)
-            || !cfg.shape_of(Design::Fastpath).valid()
-        {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_RC_FP_BUFS={fp_bufs} x WEFT_VERBS_RC_FP_SIZE={fp_size}: 2 to 1024 slots of 256 B to 1 MiB (a multiple of 8), 8 MiB at most"
+        if !cfg.shape_of(Design::Fastpath).valid() {
+            return Err(FP_BUFS.refuse(format!(
+                "with WEFT_VERBS_RC_FP_SIZE={fp_size}: 8 MiB of slots per peer at most"
             )));
         }
         Ok(cfg)

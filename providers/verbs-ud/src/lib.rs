@@ -47,25 +47,25 @@ use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::reliable::{self, Header, Instant, Link};
 use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus};
 
-weft_provider::param!(MTU: Uint = "verbs", "UD_MTU", "2048",
+weft_provider::param!(MTU: Uint[256, 4096] check(weft_provider::param::checks::power_of_two) = "verbs", "UD_MTU", "2048",
     "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two, at most the port's active MTU; the default is lowered to it)");
-weft_provider::param!(WINDOW: Uint = "verbs", "UD_WINDOW", "128",
+weft_provider::param!(WINDOW: Uint[1, 4096] = "verbs", "UD_WINDOW", "128",
     "verbs-ud: packets in flight to one peer before its acknowledgements (1 to 4096); one active message is at most what this many packets hold");
-weft_provider::param!(RECVS: Uint = "verbs", "UD_RECVS", "512",
+weft_provider::param!(RECVS: Uint[16, 16384] = "verbs", "UD_RECVS", "512",
     "verbs-ud: receive buffers of the one UD queue pair, shared by every peer (16 to 16384)");
-weft_provider::param!(SEND_BUFS: Uint = "verbs", "UD_SEND_BUFS", "1024",
+weft_provider::param!(SEND_BUFS: Uint[16, 65536] = "verbs", "UD_SEND_BUFS", "1024",
     "verbs-ud: send buffers shared by every peer; a packet holds one until acknowledged (16 to 65536)");
-weft_provider::param!(TIMEOUT: Float = "verbs", "UD_TIMEOUT", "30",
-    "verbs-ud: seconds a peer that owes acknowledgements may stay silent before it is failed (UCX ud: 30)");
+weft_provider::param!(TIMEOUT: Seconds[1e-3, 1e9] = "verbs", "UD_TIMEOUT", "30",
+    "verbs-ud: seconds a peer that owes acknowledgements may stay silent before it is failed (UCX ud: 30; 0.001 to 10^9)");
 weft_provider::param!(ZCOPY_MIN: Size = "verbs", "UD_ZCOPY_MIN", "8K",
     "verbs-ud: messages of this many bytes or more that go by rendezvous are received in place (UD zero-copy); smaller ones are copied out of the shared receive buffers");
-weft_provider::param!(ZCOPY_QPS: Uint = "verbs", "UD_ZCOPY_QPS", "4",
+weft_provider::param!(ZCOPY_QPS: Uint[0, 64] = "verbs", "UD_ZCOPY_QPS", "4",
     "verbs-ud: UD queue pairs kept for zero-copy receives, so that many large receives at once (0: no zero-copy; 0 to 64)");
-weft_provider::param!(ACK_DELAY: Float = "verbs", "UD_ACK_DELAY_US", "100",
-    "verbs-ud: µs at most a received packet waits for data going back to carry its acknowledgement before one goes alone; retransmission timeouts include it (raise it for lossless runs with more ranks than cores)");
-weft_provider::param!(KEEPALIVE: Float = "verbs", "UD_KEEPALIVE", "2",
+weft_provider::param!(ACK_DELAY: Float[0, 1e6] = "verbs", "UD_ACK_DELAY_US", "100",
+    "verbs-ud: µs at most a received packet waits for data going back to carry its acknowledgement before one goes alone; retransmission timeouts include it (raise it for lossless runs with more ranks than cores); 0 to 10^6");
+weft_provider::param!(KEEPALIVE: Seconds = "verbs", "UD_KEEPALIVE", "2",
     "verbs-ud: seconds between probes of peers we talk to that have nothing unacknowledged, so that a dead one is noticed (0: never)");
-weft_provider::param!(KEEPALIVE_PEERS: Uint = "verbs", "UD_KEEPALIVE_PEERS", "128",
+weft_provider::param!(KEEPALIVE_PEERS: Uint[1, 1 << 20] = "verbs", "UD_KEEPALIVE_PEERS", "128",
     "verbs-ud: peers looked at per keepalive round at most, in turn from where the last round stopped, so that a round costs the same at any job size; a dead peer among N we talk to is probed within N/this rounds (UCX: UCX_KEEPALIVE_NUM_EPS, 128; 1 to 1048576)");
 
 /// Largest active-message header.
@@ -127,52 +127,19 @@ struct Config {
 
 impl Config {
     fn from_env() -> Result<Config> {
-        let mtu = MTU.get_u64()? as usize;
-        if !(256..=4096).contains(&mtu) || !mtu.is_power_of_two() {
-            return Err(Error::invalid(format!(
-                "WEFT_VERBS_UD_MTU={mtu}: 256 to 4096, a power of two"
-            )));
-        }
-        let range = |p: &weft_provider::param::ParamDesc, lo: u64, hi: u64| -> Result<u64> {
-            let v = p.get_u64()?;
-            if !(lo..=hi).contains(&v) {
-                return Err(Error::invalid(format!(
-                    "{}={v}: {lo} to {hi}",
-                    p.env_name()
-                )));
-            }
-            Ok(v)
-        };
-        let secs = TIMEOUT.get_f64()?;
-        if !(secs > 0.0 && secs.is_finite()) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_UD_TIMEOUT: seconds, more than 0",
-            ));
-        }
-        let ka = KEEPALIVE.get_f64()?;
-        if !(ka >= 0.0 && ka.is_finite()) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_UD_KEEPALIVE: seconds, 0 or more",
-            ));
-        }
-        let ack_us = ACK_DELAY.get_f64()?;
-        if !(0.0..=1e6).contains(&ack_us) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_UD_ACK_DELAY_US: 0 to 1000000 µs",
-            ));
-        }
+        // Every range is in the parameter's declaration.
         Ok(Config {
-            keepalive: (ka > 0.0).then(|| Duration::from_secs_f64(ka)),
-            keepalive_peers: range(&KEEPALIVE_PEERS, 1, 1 << 20)? as usize,
-            ack_delay: Duration::from_secs_f64(ack_us / 1e6),
-            mtu,
+            keepalive: KEEPALIVE.get_seconds(true)?,
+            keepalive_peers: KEEPALIVE_PEERS.get_u64()? as usize,
+            ack_delay: Duration::from_nanos((ACK_DELAY.get_f64()? * 1e3) as u64),
+            mtu: MTU.get_u64()? as usize,
             mtu_set: MTU.is_set(),
-            window: range(&WINDOW, 1, 4096)? as u32,
-            recvs: range(&RECVS, 16, 16384)? as usize,
-            send_bufs: range(&SEND_BUFS, 16, 65536)? as usize,
-            timeout: Duration::from_secs_f64(secs),
+            window: WINDOW.get_u64()? as u32,
+            recvs: RECVS.get_u64()? as usize,
+            send_bufs: SEND_BUFS.get_u64()? as usize,
+            timeout: TIMEOUT.get_duration()?,
             zcopy_min: ZCOPY_MIN.get_size()?.max(1),
-            zcopy_qps: range(&ZCOPY_QPS, 0, 64)? as usize,
+            zcopy_qps: ZCOPY_QPS.get_u64()? as usize,
         })
     }
 

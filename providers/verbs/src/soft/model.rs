@@ -5,38 +5,38 @@
 
 use crate::types::{Mtu, WrOpcode, GRH_LEN};
 use std::time::{Duration, Instant};
-use weft_provider::{Error, Result};
+use weft_provider::Result;
 
 weft_provider::param!(pub DEVICE: Str = "verbs", "DEVICE", "auto",
     "HCA to open: `soft`, an rdma-core device name (mlx5_0), or `auto` (the first real HCA, else soft)");
-weft_provider::param!(MAX_QP: Uint = "verbs", "SOFT_MAX_QP", "4096", "soft HCA: queue pairs per process");
-weft_provider::param!(MAX_MR: Uint = "verbs", "SOFT_MAX_MR", "8192", "soft HCA: memory regions per process");
-weft_provider::param!(MAX_CQ: Uint = "verbs", "SOFT_MAX_CQ", "1024", "soft HCA: completion queues per process");
-weft_provider::param!(MAX_PEERS: Uint = "verbs", "SOFT_MAX_PEERS", "4096",
+weft_provider::param!(MAX_QP: Uint[1, 65_535] = "verbs", "SOFT_MAX_QP", "4096", "soft HCA: queue pairs per process");
+weft_provider::param!(MAX_MR: Uint[1, 65_535] = "verbs", "SOFT_MAX_MR", "8192", "soft HCA: memory regions per process");
+weft_provider::param!(MAX_CQ: Uint[1, 65_535] = "verbs", "SOFT_MAX_CQ", "1024", "soft HCA: completion queues per process");
+weft_provider::param!(MAX_PEERS: Uint[2, 65_536] = "verbs", "SOFT_MAX_PEERS", "4096",
     "soft HCA: processes that may reach this one through its shared segment at once (2..=65536; its own wire service is one of them)");
-weft_provider::param!(FENCE: Float = "verbs", "SOFT_FENCE", "10",
+weft_provider::param!(FENCE: Seconds = "verbs", "SOFT_FENCE", "10",
     "soft HCA: seconds a peer may hold up this HCA (stopped or hung in the middle of an access to it) before it is fenced out: killed, as a cluster fences a node; 0: never (wait for it)");
-weft_provider::param!(MAX_SRQ: Uint = "verbs", "SOFT_MAX_SRQ", "256", "soft HCA: shared receive queues per process");
-weft_provider::param!(HEAP: Size = "verbs", "SOFT_HEAP", "1G",
-    "soft HCA: shared memory for queues and device memory per process (sparse: only what is used is backed)");
+weft_provider::param!(MAX_SRQ: Uint[1, 65_535] = "verbs", "SOFT_MAX_SRQ", "256", "soft HCA: shared receive queues per process");
+weft_provider::param!(HEAP: Size[1 << 20, 1u64 << 40] = "verbs", "SOFT_HEAP", "1G",
+    "soft HCA: shared memory for queues and device memory per process (sparse: only what is used is backed; 1M to 1T)");
 weft_provider::param!(ADDR: Str = "verbs", "SOFT_ADDR", "auto",
     "soft HCA: IPv4 address peers on other hosts reach this HCA's UDP wire service at (auto: the first non-loopback address; off: this host only)");
-weft_provider::param!(MTU: Uint = "verbs", "SOFT_MTU", "2048", "soft HCA: active path MTU (256..4096, a power of two)");
-weft_provider::param!(UD_DROP: Float = "verbs", "SOFT_UD_DROP", "0", "soft HCA fault injection: probability that a UD datagram is dropped");
-weft_provider::param!(UD_DUP: Float = "verbs", "SOFT_UD_DUP", "0", "soft HCA fault injection: probability that a UD datagram is delivered twice");
-weft_provider::param!(UD_REORDER: Float = "verbs", "SOFT_UD_REORDER", "0",
+weft_provider::param!(MTU: Uint[256, 4096] check(weft_provider::param::checks::power_of_two) = "verbs", "SOFT_MTU", "2048", "soft HCA: active path MTU (256..4096, a power of two)");
+weft_provider::param!(UD_DROP: Float[0, 1] = "verbs", "SOFT_UD_DROP", "0", "soft HCA fault injection: probability that a UD datagram is dropped");
+weft_provider::param!(UD_DUP: Float[0, 1] = "verbs", "SOFT_UD_DUP", "0", "soft HCA fault injection: probability that a UD datagram is delivered twice");
+weft_provider::param!(UD_REORDER: Float[0, 1] = "verbs", "SOFT_UD_REORDER", "0",
     "soft HCA fault injection: probability that a UD datagram is held back behind the next one");
-weft_provider::param!(UD_BATCH: Uint = "verbs", "SOFT_UD_BATCH", "64",
+weft_provider::param!(UD_BATCH: Uint[1, 1024] = "verbs", "SOFT_UD_BATCH", "64",
     "soft HCA: UD datagrams of one post to one process delivered with one Cross-Memory Attach copy at most (1: a copy each)");
-weft_provider::param!(RC_LOSS: Float = "verbs", "SOFT_RC_LOSS", "0",
+weft_provider::param!(RC_LOSS: Float[0, 1] = "verbs", "SOFT_RC_LOSS", "0",
     "soft HCA fault injection: probability that an RC request or its acknowledgement is lost (the requester retries)");
 weft_provider::param!(SEED: Uint = "verbs", "SOFT_SEED", "1", "soft HCA fault injection: random seed");
 weft_provider::param!(MUTE_AFTER: Uint = "verbs", "SOFT_MUTE_AFTER", "0",
     "soft HCA fault injection: stop responding after this many requests served (0 = never)");
-weft_provider::param!(LATENCY: Float = "verbs", "SOFT_LATENCY_US", "0", "soft HCA timing model: link latency per message, µs (0 = off)");
-weft_provider::param!(BANDWIDTH: Float = "verbs", "SOFT_BANDWIDTH_MBS", "0", "soft HCA timing model: link bandwidth, MB/s (0 = unlimited)");
-weft_provider::param!(QP_CACHE: Uint = "verbs", "SOFT_QP_CACHE", "0", "soft HCA timing model: QP contexts the HCA caches (0 = no cache model)");
-weft_provider::param!(QP_MISS: Float = "verbs", "SOFT_QP_MISS_US", "0.5", "soft HCA timing model: cost of a QP-context cache miss, µs");
+weft_provider::param!(LATENCY: Float[0, 1e7] = "verbs", "SOFT_LATENCY_US", "0", "soft HCA timing model: link latency per message, µs (0 = off; at most 10^7)");
+weft_provider::param!(BANDWIDTH: Float[0, 1e9] check(weft_provider::param::checks::zero_or_a_rate) = "verbs", "SOFT_BANDWIDTH_MBS", "0", "soft HCA timing model: link bandwidth, MB/s (0 = unlimited; 0.001 to 10^9)");
+weft_provider::param!(QP_CACHE: Uint[0, 1 << 20] = "verbs", "SOFT_QP_CACHE", "0", "soft HCA timing model: QP contexts the HCA caches (0 = no cache model)");
+weft_provider::param!(QP_MISS: Float[0, 1e7] = "verbs", "SOFT_QP_MISS_US", "0.5", "soft HCA timing model: cost of a QP-context cache miss, µs (at most 10^7)");
 
 /// Everything configurable about one soft HCA.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,70 +95,36 @@ impl Default for Config {
     }
 }
 
-fn prob(p: &weft_provider::param::ParamDesc) -> Result<f64> {
-    let v = p.get_f64()?;
-    if !(0.0..=1.0).contains(&v) {
-        return Err(Error::invalid(format!(
-            "{} must be a probability in 0..=1",
-            p.env_name()
-        )));
-    }
-    Ok(v)
-}
-
-fn bounded(p: &weft_provider::param::ParamDesc, lo: u64, hi: u64) -> Result<u32> {
-    let v = p.get_u64()?;
-    if v < lo || v > hi {
-        return Err(Error::invalid(format!(
-            "{} must be in {lo}..={hi}",
-            p.env_name()
-        )));
-    }
-    Ok(v as u32)
-}
-
 fn micros(p: &weft_provider::param::ParamDesc) -> Result<Duration> {
-    let v = p.get_f64()?;
-    if !(0.0..=1e7).contains(&v) {
-        return Err(Error::invalid(format!(
-            "{} must be in 0..=1e7 µs",
-            p.env_name()
-        )));
-    }
-    Ok(Duration::from_nanos((v * 1000.0) as u64))
+    Ok(Duration::from_nanos((p.get_f64()? * 1000.0) as u64))
 }
 
 impl Config {
     /// From the `WEFT_VERBS_SOFT_*` environment.
     pub fn from_env() -> Result<Config> {
-        let mtu = MTU.get_u64()?;
-        let bw = BANDWIDTH.get_f64()?;
-        if !(0.0..=1e9).contains(&bw) {
-            return Err(Error::invalid(
-                "WEFT_VERBS_SOFT_BANDWIDTH_MBS must be in 0..=1e9",
-            ));
-        }
+        // Every range is in the parameter's declaration.
+        let u32_of =
+            |p: &weft_provider::param::ParamDesc| -> Result<u32> { Ok(p.get_u64()? as u32) };
         Ok(Config {
-            max_qp: bounded(&MAX_QP, 1, 65_535)?,
-            max_mr: bounded(&MAX_MR, 1, 65_535)?,
-            max_cq: bounded(&MAX_CQ, 1, 65_535)?,
-            max_srq: bounded(&MAX_SRQ, 1, 65_535)?,
-            max_peers: bounded(&MAX_PEERS, 2, 65_536)?,
+            max_qp: u32_of(&MAX_QP)?,
+            max_mr: u32_of(&MAX_MR)?,
+            max_cq: u32_of(&MAX_CQ)?,
+            max_srq: u32_of(&MAX_SRQ)?,
+            max_peers: u32_of(&MAX_PEERS)?,
             fence: FENCE.get_seconds(true)?,
-            heap: HEAP.get_size()?.clamp(1 << 20, 1 << 40),
-            mtu: Mtu::from_bytes(mtu as usize).ok_or_else(|| {
-                Error::invalid("WEFT_VERBS_SOFT_MTU must be 256, 512, 1024, 2048 or 4096")
-            })?,
-            ud_drop: prob(&UD_DROP)?,
-            ud_dup: prob(&UD_DUP)?,
-            ud_reorder: prob(&UD_REORDER)?,
-            ud_batch: bounded(&UD_BATCH, 1, 1024)? as usize,
-            rc_loss: prob(&RC_LOSS)?,
+            heap: HEAP.get_size()?,
+            mtu: Mtu::from_bytes(MTU.get_u64()? as usize)
+                .ok_or_else(|| MTU.refuse("256, 512, 1024, 2048 or 4096"))?,
+            ud_drop: UD_DROP.get_f64()?,
+            ud_dup: UD_DUP.get_f64()?,
+            ud_reorder: UD_REORDER.get_f64()?,
+            ud_batch: UD_BATCH.get_u64()? as usize,
+            rc_loss: RC_LOSS.get_f64()?,
             seed: SEED.get_u64()?,
             mute_after: MUTE_AFTER.get_u64()?,
             latency: micros(&LATENCY)?,
-            bandwidth: bw * 1e6,
-            qp_cache: QP_CACHE.get_u64()?.min(1 << 20) as usize,
+            bandwidth: BANDWIDTH.get_f64()? * 1e6,
+            qp_cache: QP_CACHE.get_u64()? as usize,
             qp_miss: micros(&QP_MISS)?,
             addr: ADDR.get_str(),
         })

@@ -172,15 +172,18 @@ fn across_processes(a: &Args) -> Result<Across, String> {
     Ok((got, ended, used))
 }
 
-fn in_process(a: &Args) -> Vec<Outcome> {
+fn in_process(a: &Args) -> Result<Vec<Outcome>, String> {
     for (k, v) in &a.env {
         std::env::set_var(k, v);
     }
+    // What a refusal names as asked for.
+    std::env::set_var("WEFT_PROVIDER", &a.provider);
     let group = a.group.clone();
-    let r = weft_testing::world_dyn(a.n, &a.provider, |c| {
+    let opts = weft_testing::Options::default();
+    weft_testing::try_world_dyn_with(a.n, &a.provider, &opts, |c| {
         weft_conformance::run(c, group.as_deref())
-    });
-    r.into_iter().next().unwrap_or_default()
+    })
+    .map(|r| r.into_iter().next().unwrap_or_default())
 }
 
 /// `weft test`.
@@ -194,7 +197,13 @@ pub fn main(a: &Args) -> ExitCode {
         return ExitCode::from(2);
     }
     let (outcomes, ended, used) = if a.in_process {
-        (in_process(a), None, None)
+        match in_process(a) {
+            Ok(o) => (o, None, None),
+            Err(e) => {
+                eprintln!("weft test: {e}");
+                return ExitCode::from(2);
+            }
+        }
     } else {
         match across_processes(a) {
             Ok(o) => o,

@@ -221,6 +221,23 @@ fn in_process_runs_and_usage_errors() {
     assert_eq!(code, 2);
     assert!(err.contains("unknown provider 'nosuch'"), "{err}");
 
+    // A provider that cannot open in-process is a refusal naming it and why (it was three
+    // panics and exit 101).
+    let (code, out, err) = weft_test(&[
+        "--provider",
+        "ofi",
+        "--in-process",
+        "--env",
+        "WEFT_OFI_PROVIDER=nosuch",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("weft test: rank 0: opening the provider")
+            && err.contains("WEFT_PROVIDER='ofi'")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+
     let (code, _, err) = weft_test(&["--provider", "shm", "--group", "nosuch"]);
     assert_eq!(code, 2);
     assert!(err.contains("no such group"), "{err}");

@@ -81,10 +81,21 @@ pub fn world_dyn_with<R: Send>(
     opts: &Options,
     f: impl Fn(&Comm<DynProvider>) -> R + Sync,
 ) -> Vec<R> {
-    let sel = Selection::parse(provider).expect("valid provider selection");
+    try_world_dyn_with(n, provider, opts, f).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`world_dyn_with`], with a provider that cannot be opened (or named) an error, not a panic:
+/// what `weft test --in-process` reports.
+pub fn try_world_dyn_with<R: Send>(
+    n: u32,
+    provider: &str,
+    opts: &Options,
+    f: impl Fn(&Comm<DynProvider>) -> R + Sync,
+) -> std::result::Result<Vec<R>, String> {
+    let sel = Selection::parse(provider).map_err(|e| e.to_string())?;
     let lb = opts.loopback.clone();
     let prov = provider.to_string();
-    run(
+    try_run(
         n,
         opts,
         move |b| {
@@ -104,23 +115,43 @@ fn run<P: Provider, R: Send>(
     open: impl Fn(&mut dyn Bootstrap) -> Result<P> + Sync,
     f: impl Fn(&Comm<P>) -> R + Sync,
 ) -> Vec<R> {
+    try_run(n, opts, open, f).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`run`], with a provider that cannot be opened (on any rank) an error rather than a panic:
+/// the first rank's own reason.
+fn try_run<P: Provider, R: Send>(
+    n: u32,
+    opts: &Options,
+    open: impl Fn(&mut dyn Bootstrap) -> Result<P> + Sync,
+    f: impl Fn(&Comm<P>) -> R + Sync,
+) -> std::result::Result<Vec<R>, String> {
     assert!(n > 0, "a world needs at least one rank");
+    let unopened = std::sync::Mutex::new(Vec::<(u32, String)>::new());
     let job = InProcessJob::new(n, opts.timeout);
     let mut cfg = opts.engine.clone();
     cfg.timeout = Some(opts.timeout);
     let may_fail = opts.finalize_may_fail;
-    let results: Vec<std::thread::Result<R>> = std::thread::scope(|s| {
+    let results: Vec<std::thread::Result<Option<R>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
                 let job = job.clone();
-                let (open, f, cfg) = (&open, &f, cfg.clone());
+                let (open, f, cfg, unopened) = (&open, &f, cfg.clone(), &unopened);
                 std::thread::Builder::new()
                     .name(format!("rank{r}"))
                     .spawn_scoped(s, move || {
                         let out = catch_unwind(AssertUnwindSafe(|| {
                             let mut boot = job.rank(r);
-                            let p = open(&mut boot)
-                                .unwrap_or_else(|e| panic!("rank {r}: opening the provider: {e}"));
+                            let p = match open(&mut boot) {
+                                Ok(p) => p,
+                                Err(e) => {
+                                    // Every rank stops here (the others' opening fails once
+                                    // the job is broken); the first own reason is the answer.
+                                    job.break_job(&format!("rank {r} could not open it"));
+                                    lock(unopened).push((r, e.to_string()));
+                                    return None;
+                                }
+                            };
                             let world = World::from_parts(p, Box::new(boot), cfg)
                                 .unwrap_or_else(|e| panic!("rank {r}: {e}"));
                             let out = f(world.comm());
@@ -129,7 +160,7 @@ fn run<P: Provider, R: Send>(
                                     panic!("rank {r}: finalize: {e}");
                                 }
                             }
-                            out
+                            Some(out)
                         }));
                         if out.is_err() {
                             job.break_job(&format!("rank {r} panicked"));
@@ -144,11 +175,19 @@ fn run<P: Provider, R: Send>(
             .map(|h| h.join().unwrap_or_else(Err))
             .collect()
     });
+    let mut unopened = unopened.into_inner().unwrap_or_else(|e| e.into_inner());
+    if !unopened.is_empty() {
+        // The rank whose own reason it is, not one that saw the job broken by it.
+        unopened.sort_by_key(|(r, e)| (e.contains("job broken"), *r));
+        let (r, e) = &unopened[0];
+        return Err(format!("rank {r}: opening the provider: {e}"));
+    }
     let mut out = Vec::with_capacity(n as usize);
     let mut first_panic = None;
     for (r, res) in results.into_iter().enumerate() {
         match res {
-            Ok(v) => out.push(v),
+            Ok(Some(v)) => out.push(v),
+            Ok(None) => {}
             Err(p) => {
                 let msg = p
                     .downcast_ref::<String>()
@@ -163,7 +202,11 @@ fn run<P: Provider, R: Send>(
     if let Some(p) = first_panic {
         resume_unwind(p);
     }
-    out
+    Ok(out)
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The value an accumulate-class operation leaves: `op(target, origin)`, computed independently

@@ -145,8 +145,19 @@ pub fn candidates_with(
         Selection::Any => Ok(all.to_vec()),
         Selection::Prefer(names) | Selection::Exclude(names) => {
             let mut skipped = vec![];
+            let excluding = matches!(sel, Selection::Exclude(_));
             for n in names {
                 if find(n).is_some() {
+                    continue;
+                }
+                if excluding {
+                    // Excluding what is not here excludes nothing (libfabric ignores an
+                    // exclusion it cannot match too): said once, not an error.
+                    if ctx.is_none_or(|c| c.rank == 0) {
+                        tracing::warn!(
+                            "WEFT_PROVIDER excludes '{n}', which this program does not have; ignored"
+                        );
+                    }
                     continue;
                 }
                 match refused(n, failures) {
@@ -434,6 +445,16 @@ mod tests {
         assert!(Selection::parse("a,,b").is_err());
         assert!(Selection::parse("^").is_err());
         assert!(Selection::parse("a b").is_err());
+    }
+
+    /// Excluding a provider the program does not link excludes nothing (it was an "unknown
+    /// provider" error, exit 2); preferring one is still an error.
+    #[test]
+    fn excluding_what_is_not_here_is_no_error() {
+        let ex = Selection::parse("^loopback").unwrap();
+        assert!(candidates_with(&ex, &[], &[], None).unwrap().is_empty());
+        let pre = Selection::parse("loopback").unwrap();
+        assert!(candidates_with(&pre, &[], &[], None).is_err());
     }
 
     /// Ranks that see different candidates (a library missing on one host, another order)

@@ -451,10 +451,12 @@ impl Chain {
             match t.1 {
                 Tok::End => break,
                 Tok::Comma | Tok::Semi if p.peek().1 != Tok::End => p.rule += 1,
-                _ => {
+                Tok::Comma | Tok::Semi => {
                     p.rule += 1;
                     return Err(p.expected(p.peek(), "another rule"));
                 }
+                // No separator where one belongs: the fault is at the token found instead.
+                _ => return Err(p.expected(t, "`,` or `;` between rules")),
             }
         }
         Ok(Chain(rules))
@@ -656,6 +658,16 @@ mod tests {
             "rule 1 (at byte 0): `size>=101&size<=7` never holds"
         );
         assert_eq!(e("true: UD-SR $"), "unexpected character `$` at byte 12");
+        // A missing separator is placed at the token found instead of it (byte 15 and byte
+        // 21, the start of the next token and the end, were named).
+        assert_eq!(
+            e("{true: UD-SR} {true: UD-SR}"),
+            "rule 1 (at byte 14): expected `,` or `;` between rules, found `{`"
+        );
+        assert_eq!(
+            e("{true: UD-SR} garbage"),
+            "rule 1 (at byte 14): expected `,` or `;` between rules, found `garbage`"
+        );
         assert_eq!(
             e(""),
             "rule 1 (at byte 0): expected a condition (true, size or ranks), found the end"

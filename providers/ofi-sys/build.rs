@@ -16,19 +16,27 @@ fn main() {
             println!("cargo:have=1");
             format!("built against libfabric {version} headers")
         }
-        Err(why) => {
+        Err((short, why)) => {
+            // The details (pkg-config's or bindgen's own words) go to the build log; what a
+            // rank, `weft info` and `weft test` say is one line.
             println!("cargo:warning=weft-ofi-sys: no libfabric bindings: {why}");
-            format!("built without libfabric: {why}")
+            format!("not built: {short}; install it and rebuild weft (the build log says more)")
         }
     };
     std::fs::write(out.join("note.rs"), format!("{note:?}")).expect("OUT_DIR is writable");
 }
 
-fn generate(out: &std::path::Path) -> Result<String, String> {
+/// The bindings, or (one line for users, the details).
+fn generate(out: &std::path::Path) -> Result<String, (String, String)> {
     let lib = pkg_config::Config::new()
         .cargo_metadata(false)
         .probe("libfabric")
-        .map_err(|e| format!("pkg-config libfabric: {e} (install libfabric-dev)"))?;
+        .map_err(|e| {
+            (
+                "libfabric-dev was missing at build time".to_string(),
+                format!("pkg-config libfabric: {e}"),
+            )
+        })?;
     let mut b = bindgen::Builder::default()
         .header("wrapper.h")
         .allowlist_type("fi_.*|fid.*")
@@ -47,11 +55,24 @@ fn generate(out: &std::path::Path) -> Result<String, String> {
     }
     // bindgen loads libclang at run time and panics when it cannot.
     let bindings = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || b.generate()))
-        .map_err(|_| "bindgen could not load libclang (install libclang-dev)".to_string())?
-        .map_err(|e| format!("bindgen: {e}"))?;
+        .map_err(|_| {
+            let s = "libclang-dev was missing at build time".to_string();
+            (s.clone(), s)
+        })?
+        .map_err(|e| {
+            (
+                "libfabric's headers did not parse".to_string(),
+                format!("bindgen: {e}"),
+            )
+        })?;
     bindings
         .write_to_file(out.join("bindings.rs"))
-        .map_err(|e| format!("writing bindings: {e}"))?;
+        .map_err(|e| {
+            (
+                "its bindings could not be written".to_string(),
+                e.to_string(),
+            )
+        })?;
     Ok(lib.version)
 }
 

@@ -186,6 +186,12 @@ struct Launcher<'a> {
     children: Vec<Option<Child>>,
     /// Exited (not yet reaped: see the module docs).
     statuses: Vec<Option<ExitStatus>>,
+    /// Per rank, when the launcher first saw one of its descriptors close (a count of such
+    /// sightings, in the order the poll delivered them): a rank's end of its pipes and PMI
+    /// connection closes when it exits, so this orders exits the launcher learns of in the
+    /// same round by when they happened.
+    closed: Vec<Option<u64>>,
+    closes: u64,
     captured: Vec<Vec<u8>>,
     cpus: Vec<usize>,
     spawned: u32,
@@ -201,9 +207,12 @@ pub fn run(spec: &Spec) -> std::io::Result<Outcome> {
     raise_fd_limit();
     for (name, pid) in remove_orphaned_jobs() {
         if !spec.quiet {
-            eprintln!(
-                "weft run: removed /dev/shm/{name}, left by a launcher that died (pid {pid})"
-            );
+            let who = if name.contains(':') {
+                "a libfabric process"
+            } else {
+                "a launcher"
+            };
+            eprintln!("weft run: removed /dev/shm/{name}, left by {who} that died (pid {pid})");
         }
     }
     let mut l = Launcher::new(spec)?;
@@ -259,6 +268,8 @@ impl<'a> Launcher<'a> {
             sig_ids,
             children: Vec::with_capacity(n),
             statuses: vec![None; n],
+            closed: vec![None; n],
+            closes: 0,
             captured: vec![Vec::new(); n],
             cpus: if spec.bind { allowed_cpus() } else { vec![] },
             spawned: 0,
@@ -456,8 +467,10 @@ impl<'a> Launcher<'a> {
 
     /// Notice ranks that exited (without reaping them) and act on it.
     fn watch_children(&mut self) {
-        // Ranks killed by a signal first: when one rank dies and a peer exits with an error
-        // because of it, both often show up in the same round, and the death is the cause.
+        // When one rank dies and a peer exits with an error because of it, both often show up
+        // in the same round, and the first to go is the cause: in the order they exited, as
+        // far as the launcher saw it (their descriptors closing), then ranks killed by a
+        // signal first, then by rank.
         let mut round: Vec<(u32, ExitStatus)> = vec![];
         for (r, c) in self.children.iter().enumerate() {
             if self.statuses[r].is_some() {
@@ -468,7 +481,14 @@ impl<'a> Launcher<'a> {
                 round.push((r as u32, st));
             }
         }
-        round.sort_by_key(|(r, st)| (st.signal().is_none(), *r));
+        let closed = &self.closed;
+        round.sort_by_key(|(r, st)| {
+            (
+                closed[*r as usize].unwrap_or(u64::MAX),
+                st.signal().is_none(),
+                *r,
+            )
+        });
         for (r, st) in round {
             self.on_exit(r, st);
         }
@@ -604,13 +624,27 @@ impl<'a> Launcher<'a> {
         Ok(i)
     }
 
+    /// Note that rank `r` closed a descriptor (the first time counts).
+    fn saw_close(&mut self, r: u32) {
+        if let Some(c) = self.closed.get_mut(r as usize) {
+            if c.is_none() {
+                self.closes += 1;
+                *c = Some(self.closes);
+            }
+        }
+    }
+
     fn remove(&mut self, i: usize) {
         match std::mem::replace(&mut self.slots[i], Slot::Free) {
             Slot::Conn(mut c) => {
                 let _ = self.poll.registry().deregister(c.stream.source());
+                if let Some(r) = c.rank {
+                    self.saw_close(r);
+                }
             }
             Slot::Pipe(mut p) => {
                 let _ = self.poll.registry().deregister(&mut p.rx);
+                self.saw_close(p.rank);
                 if !p.partial.is_empty() {
                     p.partial.push(b'\n');
                     let line = std::mem::take(&mut p.partial);
@@ -987,6 +1021,16 @@ impl<'a> Launcher<'a> {
 /// (or ending without closing it) leaves a 16 MiB object behind; weft's own objects are
 /// unlinked as soon as every rank has them open and need nothing here. Called before the rank
 /// is reaped: its pid is still its own, so no live process's object can match.
+/// The process that made `name`, if it is a libfabric shm region's name (`<pid>:<n>:<n>`).
+fn libfabric_region_of(name: &str) -> Option<i32> {
+    let mut it = name.split(':');
+    let (p, a, b) = (it.next()?, it.next()?, it.next()?);
+    let digits = |x: &str| !x.is_empty() && x.bytes().all(|c| c.is_ascii_digit());
+    (it.next().is_none() && digits(p) && digits(a) && digits(b))
+        .then(|| p.parse().ok())
+        .flatten()
+}
+
 fn remove_libfabric_leftovers(pid: u32) {
     use std::os::unix::fs::MetadataExt;
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
@@ -1130,6 +1174,9 @@ fn process_start(pid: i32) -> Option<f64> {
 /// pid was given to another). Removed; returns (name, launcher pid). An object of a launcher
 /// that still runs is never touched.
 fn remove_orphaned_jobs() -> Vec<(String, i32)> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
     let mut removed = vec![];
     for e in std::fs::read_dir("/dev/shm")
         .into_iter()
@@ -1137,7 +1184,12 @@ fn remove_orphaned_jobs() -> Vec<(String, i32)> {
         .flatten()
     {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = launcher_of(&name) else {
+        // A job's own objects, by the launcher that made them; libfabric's shm regions
+        // (`<pid>:<n>:<n>`, ours) by the rank that made them, which the launcher removes when
+        // the rank exits — unless the launcher itself was killed first.
+        let Some(pid) = launcher_of(&name).or_else(|| {
+            libfabric_region_of(&name).filter(|_| e.metadata().is_ok_and(|m| m.uid() == me))
+        }) else {
             continue;
         };
         let made = e

@@ -600,3 +600,77 @@ fn forty_ranks_on_two_hosts_start_through_the_gathered_tables() {
         stdout(&o)
     );
 }
+
+/// The job's status is the first failing rank's, by when it exited: rank 2 exits with 3, and
+/// rank 1, as soon as rank 2 is gone, with 1 (as a rank that sees its peer's connection close
+/// does). Both exits used to land in one round of the launcher, which then named the lower
+/// rank ("rank 1 exited with status 1", once in 32 runs under tcp-sim); they are now ordered by
+/// when their descriptors closed.
+#[test]
+fn the_job_status_is_the_first_rank_to_fail() {
+    let dir = std::env::temp_dir().join(format!("weft-first-fail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = r#"
+        f="$0/pid"
+        case "$PMI_RANK" in
+          2) echo $$ > "$f.tmp" && mv "$f.tmp" "$f"; exit 3 ;;
+          1) i=0
+             while [ ! -s "$f" ]; do i=$((i+1)); [ $i -gt 200000 ] && exit 9; done
+             p=$(cat "$f")
+             st=R
+             while [ "$st" != Z ] && [ -e /proc/$p ]; do
+               read -r a b st rest < /proc/$p/stat 2>/dev/null || st=Z
+               i=$((i+1)); [ $i -gt 400000 ] && exit 9
+             done
+             exit 1 ;;
+          *) read -t 30 x < /dev/zero 2>/dev/null; sleep 30 ;;
+        esac"#;
+    for run in 0..20 {
+        let _ = std::fs::remove_file(dir.join("pid"));
+        let o = run_bounded(
+            Command::new(weft())
+                .args(["run", "-n", "3", "--", "sh", "-c", script])
+                .arg(&dir),
+            60,
+        );
+        let err = stderr(&o);
+        assert!(
+            err.contains("rank 2 exited with status 3") && o.status.code() == Some(3),
+            "run {run}: {err} (exit {:?})",
+            o.status.code()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// libfabric's shm regions (`/dev/shm/<pid>:<n>:<n>`) of ranks whose launcher was SIGKILLed
+/// (so never removed them as their ranks exited) are removed by the next `weft run`; those of
+/// a live process stay. Only weft's own `weft-weft-*` objects used to be swept.
+#[test]
+fn libfabric_regions_of_dead_processes_are_swept() {
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let orphan = format!("/dev/shm/{dead}:0:0");
+    let live = format!("/dev/shm/{}:0:7", std::process::id());
+    std::fs::write(&orphan, b"x").unwrap();
+    std::fs::write(&live, b"x").unwrap();
+    let o = run_bounded(
+        Command::new(weft()).args(["run", "-n", "1", "--", "true"]),
+        30,
+    );
+    let left = std::path::Path::new(&orphan).exists();
+    let kept = std::path::Path::new(&live).exists();
+    let _ = std::fs::remove_file(&orphan);
+    let _ = std::fs::remove_file(&live);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!left, "the dead process's region is still there");
+    assert!(kept, "a live process's region was removed");
+    assert!(
+        stderr(&o).contains(&format!(
+            "removed {orphan}, left by a libfabric process that died"
+        )),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -26,3 +26,18 @@ fn header_is_current() {
         path.display()
     );
 }
+
+/// The header's first line names the ABI version `src/lib.rs` declares (it said 1.0 after the
+/// ABI became 1.1).
+#[test]
+fn header_names_the_current_version() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let h = std::fs::read_to_string(dir.join("include/weft_provider.h")).unwrap();
+    let first = h.lines().next().unwrap_or_default();
+    let v = format!(
+        "version {}.{}.",
+        weft_abi::WEFT_ABI_MAJOR,
+        weft_abi::WEFT_ABI_MINOR
+    );
+    assert!(first.contains(&v), "{first:?} does not name {v}");
+}

@@ -160,9 +160,14 @@ pub unsafe fn from_entry(
     if (size as usize) < needed {
         return Err(fail(
             path,
-            format!(
-                "entry table of {size} bytes is smaller than ABI 1.{minor}'s {needed} (1.0's is {size_1_0})"
-            ),
+            if minor >= 1 {
+                format!(
+                    "entry table of {size} bytes is smaller than ABI 1.{minor}'s {needed} \
+                     bytes (1.0's is {size_1_0})"
+                )
+            } else {
+                format!("entry table of {size} bytes is smaller than ABI 1.0's {needed} bytes")
+            },
         ));
     }
     // SAFETY: the table holds at least every field up to `ext` (checked); `ext` itself is read

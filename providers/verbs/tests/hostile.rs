@@ -252,3 +252,35 @@ fn attach_slots_follow_max_peers() {
     let e = initiators[2].create_ah(pd, &to).unwrap_err();
     assert!(e.to_string().contains("WEFT_VERBS_SOFT_MAX_PEERS"), "{e}");
 }
+
+/// The service fed sequences of hostile packets (fragments, answers, fetches, raw bytes; some
+/// naming the target's QP, key and GID, so that requests execute): it never holds more than
+/// its budget and never panics (`fuzz/verbs_wire_service` runs the same under libFuzzer).
+#[test]
+fn sequences_of_hostile_packets_stay_within_the_budget() {
+    use proptest::prelude::*;
+    use weft_verbs::soft::service::{hostile, Service};
+    let t = hostile::target().unwrap();
+    let budget = 4 * CHUNK;
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 64,
+        ..Default::default()
+    });
+    let served = std::cell::Cell::new((0u64, 0u64));
+    runner
+        .run(&proptest::collection::vec(any::<u8>(), 0..4096), |input| {
+            let mut svc = Service::on(&t.hca, budget).unwrap();
+            let r = hostile::drive(&mut svc, &input, &t.good, budget);
+            prop_assert!(r.is_ok(), "{:?}", r);
+            let (s, f) = svc.served_refused();
+            let (s0, f0) = served.get();
+            served.set((s0 + s, f0 + f));
+            Ok(())
+        })
+        .unwrap();
+    let (s, f) = served.get();
+    assert!(
+        s > 0 && f > 0,
+        "the packets reach execution ({s}) and refusal ({f})"
+    );
+}

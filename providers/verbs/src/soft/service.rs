@@ -95,6 +95,14 @@ impl Service {
         self.held
     }
 
+    /// Requests executed, and packets refused before execution, so far.
+    pub fn served_refused(&self) -> (u64, u64) {
+        (
+            self.stats.served.load(Ordering::Relaxed),
+            self.stats.refused.load(Ordering::Relaxed),
+        )
+    }
+
     fn refuse(&self) {
         self.stats.refused.fetch_add(1, Ordering::Relaxed);
     }
@@ -358,5 +366,216 @@ pub fn serve(sock: UdpSocket, mut svc: Service, stop: Arc<AtomicBool>) {
         svc.on_packet(from, &rx[..n], Instant::now(), &mut |b| {
             let _ = sock.send_to(b, from);
         });
+    }
+}
+
+impl Service {
+    /// A responder for `hca`'s own segment, as its wire service thread runs one, holding at
+    /// most `budget` bytes: for tests and the fuzz target, which feed it packets directly.
+    pub fn on(hca: &super::SoftHca, budget: usize) -> weft_provider::Result<Service> {
+        use crate::hca::Hca;
+        Ok(Service::new(
+            Peer::attach(&hca.gid())?,
+            budget,
+            Arc::default(),
+        ))
+    }
+}
+
+/// A hostile sender's packets for [`Service::on_packet`], made from arbitrary bytes: requests
+/// of every kind (fragments of long payloads among them, with headers that agree or disagree
+/// with their first fragment), answers and fetches, from a few senders, some naming the QP,
+/// key and GID a target set up (`good`) so that requests also execute. The fuzz target
+/// `verbs_wire_service` and a property test drive a service with them and check what it holds
+/// against its budget after every packet.
+#[doc(hidden)]
+pub mod hostile {
+    use super::*;
+
+    /// What the target set up: an RC QP connected to `gid`/`src_qpn`, a region at `addr` of
+    /// `len` bytes with key `rkey`.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Good {
+        pub gid: Gid,
+        pub src_qpn: u32,
+        pub dest_qpn: u32,
+        pub rkey: u32,
+        pub addr: u64,
+        pub len: u32,
+    }
+
+    struct Bytes<'a>(&'a [u8]);
+
+    impl Bytes<'_> {
+        fn u8(&mut self) -> u8 {
+            let (b, rest) = self.0.split_first().map_or((0, &[][..]), |(b, r)| (*b, r));
+            self.0 = rest;
+            b
+        }
+        fn u32(&mut self) -> u32 {
+            u32::from_le_bytes([self.u8(), self.u8(), self.u8(), self.u8()])
+        }
+        fn u64(&mut self) -> u64 {
+            (self.u32() as u64) << 32 | self.u32() as u64
+        }
+    }
+
+    /// Packets (sender, bytes) made from `input`, for a target whose setup is `good`.
+    pub fn packets(input: &[u8], good: &Good) -> Vec<(SocketAddr, Vec<u8>)> {
+        let mut b = Bytes(input);
+        let mut out = Vec::new();
+        let payload = vec![0xa5u8; CHUNK];
+        while !b.0.is_empty() && out.len() < 256 {
+            let sel = b.u8();
+            let from: SocketAddr = ([127, 0, 0, 1], 4000 + (sel & 3) as u16).into();
+            let xid = (b.u8() & 7) as u64;
+            let mut pkt = Vec::new();
+            match sel >> 6 {
+                0 | 1 => {
+                    let g = sel & 4 != 0;
+                    let op = WR_OPCODES[b.u8() as usize % WR_OPCODES.len()];
+                    // Lengths around the fragment size, up to the largest message.
+                    let len = match b.u8() % 4 {
+                        0 => b.u8() as u32,
+                        1 => (CHUNK as u32).wrapping_add(b.u8() as u32),
+                        2 => (b.u32() % (4 * CHUNK as u32)).max(1),
+                        _ => MAX_MSG as u32 - (b.u8() as u32),
+                    };
+                    let hdr = ReqHdr {
+                        ud: sel & 8 != 0 && matches!(op, WrOpcode::Send | WrOpcode::SendWithImm),
+                        op,
+                        src_qpn: if g { good.src_qpn } else { b.u32() & 0xff_ffff },
+                        src_gid: if g { good.gid } else { Gid([b.u8(); 16]) },
+                        dest_qpn: if g {
+                            good.dest_qpn
+                        } else {
+                            b.u32() & 0xff_ffff
+                        },
+                        psn: b.u8() as u32,
+                        remote_addr: if g {
+                            good.addr + (b.u32() % good.len.max(1)) as u64
+                        } else {
+                            b.u64()
+                        },
+                        rkey: if g { good.rkey } else { b.u32() },
+                        imm: b.u32(),
+                        compare_add: b.u64(),
+                        swap: b.u64(),
+                        len: if sel & 8 != 0 { len % 4097 } else { len },
+                        qkey: b.u32(),
+                    };
+                    let nf = hdr.frags();
+                    let frag = (b.u8() as usize % nf) as u16;
+                    let n = if hdr.carries() {
+                        (hdr.len as usize - frag as usize * CHUNK).min(CHUNK)
+                    } else {
+                        0
+                    };
+                    Msg::Req {
+                        xid,
+                        hdr,
+                        frag,
+                        data: &payload[..n],
+                    }
+                    .encode(&mut pkt);
+                }
+                2 => Msg::More {
+                    xid,
+                    frag: b.u8() as u16,
+                }
+                .encode(&mut pkt),
+                _ => {
+                    // Raw bytes, or a packet cut short.
+                    let n = b.u8() as usize;
+                    pkt.extend_from_slice(&b.0[..n.min(b.0.len())]);
+                    b.0 = &b.0[n.min(b.0.len())..];
+                }
+            }
+            out.push((from, pkt));
+        }
+        out
+    }
+
+    /// A target as the harness needs it: an HCA (its wire on loopback), an RC QP connected to
+    /// a QP of an HCA "on another host" at 127.0.0.1, and a registered region of 64 KiB.
+    pub struct Target {
+        /// Declared before `_buf`, so dropped first: the region's registration ends with it.
+        pub hca: super::super::SoftHca,
+        pub good: Good,
+        _buf: Box<[u8]>,
+    }
+
+    /// Make a [`Target`].
+    pub fn target() -> weft_provider::Result<Target> {
+        use crate::hca::Hca;
+        let h = super::super::SoftHca::with_config(super::super::model::Config {
+            addr: "127.0.0.1".into(),
+            heap: 8 << 20,
+            max_qp: 8,
+            max_mr: 8,
+            max_cq: 4,
+            max_srq: 1,
+            ..Default::default()
+        })?;
+        let pd = h.alloc_pd()?;
+        let cq = h.create_cq(64)?;
+        let qp = h.create_qp(
+            pd,
+            &QpInitAttr {
+                qp_type: QpType::Rc,
+                send_cq: cq,
+                recv_cq: cq,
+                srq: None,
+                cap: QpCap::default(),
+                sq_sig_all: false,
+            },
+        )?;
+        let mut g = [0u8; 16];
+        g[..4].copy_from_slice(&[127, 0, 0, 1]);
+        g[4..6].copy_from_slice(&4791u16.to_be_bytes());
+        g[6..8].copy_from_slice(&(super::super::wire::host_tag() ^ 0x5a5a | 1).to_le_bytes());
+        g[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let remote = crate::Endpoint {
+            gid: Gid(g),
+            qpn: 77,
+            psn: 0,
+            lid: 0,
+        };
+        crate::connect_rc(&h, qp, 0, &remote, &crate::RcParams::default())?;
+        let mut buf = vec![0u8; 64 << 10].into_boxed_slice();
+        // SAFETY: the buffer moves into the `Target` with the HCA, which drops the HCA (and
+        // with it the registration) before the buffer; the heap allocation does not move.
+        let mr = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), buf.len(), Access::ALL) }?;
+        let good = Good {
+            gid: Gid(g),
+            src_qpn: 77,
+            dest_qpn: qp.qpn,
+            rkey: mr.rkey,
+            addr: mr.addr,
+            len: buf.len() as u32,
+        };
+        Ok(Target {
+            hca: h,
+            good,
+            _buf: buf,
+        })
+    }
+
+    /// Feed `svc` the packets of `input`; `Err` names the first packet after which it held
+    /// more than `budget`.
+    pub fn drive(
+        svc: &mut Service,
+        input: &[u8],
+        good: &Good,
+        budget: usize,
+    ) -> Result<(), String> {
+        let now = Instant::now();
+        for (k, (from, p)) in packets(input, good).into_iter().enumerate() {
+            svc.on_packet(from, &p, now, &mut |_| {});
+            if svc.held() > budget {
+                return Err(format!("after packet {k}: {} bytes held", svc.held()));
+            }
+        }
+        Ok(())
     }
 }

@@ -39,7 +39,7 @@ fn a_forged_connection_request_is_dropped_and_the_real_peer_is_reached() {
                 match r {
                     2 => {
                         forge_request(&mut boot, job.id());
-                        phase.store(1, Ordering::Release);
+                        phase.fetch_max(1, Ordering::AcqRel);
                         bar.wait();
                         0
                     }
@@ -68,7 +68,7 @@ fn a_forged_connection_request_is_dropped_and_the_real_peer_is_reached() {
                         until(&mut p, &mut ev, "rank 0's message", |e| {
                             e.am.iter().any(|(s, h, _)| *s == 0 && h == b"for-1")
                         });
-                        phase.store(2, Ordering::Release);
+                        phase.fetch_max(2, Ordering::AcqRel);
                         bar.wait();
                         0
                     }
@@ -152,7 +152,7 @@ fn a_requester_gone_before_the_answer_fails_that_peer_only() {
                         // The request goes out with the first message; then the HCA closes.
                         let _ = p.am_send(0, b"hello", &[IoSlice::new(b"")]).unwrap();
                         drop(p);
-                        phase.store(1, Ordering::Release);
+                        phase.fetch_max(1, Ordering::AcqRel);
                         bar.wait();
                         (Vec::new(), 0)
                     }
@@ -178,7 +178,7 @@ fn a_requester_gone_before_the_answer_fails_that_peer_only() {
                         until(&mut p, &mut ev, "rank 0's message", |e| {
                             e.am.iter().any(|(s, h, _)| *s == 0 && h == b"for-2")
                         });
-                        phase.store(2, Ordering::Release);
+                        phase.fetch_max(2, Ordering::AcqRel);
                         bar.wait();
                         (Vec::new(), ev.failed.len())
                     }

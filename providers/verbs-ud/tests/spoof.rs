@@ -89,7 +89,7 @@ fn a_packet_not_from_the_rank_it_names_is_dropped() {
                 let out = match r {
                     2 => {
                         spoof(&mut boot);
-                        phase.store(1, Ordering::Release);
+                        phase.fetch_max(1, Ordering::AcqRel);
                         (Vec::new(), 0)
                     }
                     1 => {
@@ -110,9 +110,9 @@ fn a_packet_not_from_the_rank_it_names_is_dropped() {
                             p.progress(&mut ev).unwrap();
                             assert!(t0.elapsed() < T, "the forged packet never arrived");
                         }
-                        phase.store(2, Ordering::Release);
+                        phase.fetch_max(2, Ordering::AcqRel);
                         until(&mut p, &mut ev, "rank 1's message", |e| !e.am.is_empty());
-                        phase.store(3, Ordering::Release);
+                        phase.fetch_max(3, Ordering::AcqRel);
                         let am: Vec<_> = ev.am.iter().map(|(s, h, _)| (*s, h.clone())).collect();
                         (am, counter(&p, "spoofed"))
                     }

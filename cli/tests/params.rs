@@ -204,3 +204,76 @@ fn out_of_range_durations_and_rates_are_refused_by_the_binaries() {
         stderr(&o)
     );
 }
+
+/// Issue 67, items 10, 11 and 13, as a user meets them. A bad value is an error whichever
+/// provider ends up selected (these ran on shm with exit 0); `weft info -e` exits 2 quoting
+/// the value; excluding a provider the program does not have is a warning, not an error.
+#[test]
+fn bad_values_fail_the_job_and_info_whichever_provider_is_selected() {
+    let clean = || {
+        let mut c = std::process::Command::new(weft());
+        c.env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default());
+        c
+    };
+    let ring = example("weft-cli", "ring");
+    let jobs: [&[(&str, &str)]; 3] = [
+        &[
+            ("WEFT_PROVIDER", "verbs-ud,shm"),
+            ("WEFT_VERBS_UD_MTU", "0"),
+        ],
+        &[("WEFT_VERBS_RC_SQ", "0")],
+        &[
+            ("WEFT_PROVIDER", "hybrid,shm"),
+            ("WEFT_HYBRID_RULES", "garbage"),
+        ],
+    ];
+    for env in jobs {
+        let mut c = clean();
+        c.args(["run", "-n", "2", "--"]).arg(&ring);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = run_bounded(&mut c, 120);
+        let (var, value) = env[env.len() - 1];
+        assert_eq!(o.status.code(), Some(2), "{env:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!("{var}='{value}'")),
+            "{env:?}: {}",
+            stderr(&o)
+        );
+    }
+    for (var, value) in [
+        ("WEFT_VERBS_UD_MTU", "0"),
+        ("WEFT_VERBS_RC_SQ", "0"),
+        ("WEFT_HYBRID_RULES", "garbage"),
+        ("WEFT_OFI_AM_BUF", "0"),
+        ("WEFT_OFI_AM_RX", "0"),
+        ("WEFT_OFI_RNDV", "abc"),
+        ("WEFT_OFI_RNDV", "0"),
+        ("WEFT_OFI_RNDV", "1e300"),
+        ("WEFT_OFI_NATIVE", "abc"),
+        ("WEFT_OFI_NATIVE", "2"),
+    ] {
+        let o = run_bounded(clean().args(["info", "-e"]).env(var, value), 60);
+        let out = format!("{}{}", stdout(&o), stderr(&o));
+        assert_eq!(o.status.code(), Some(2), "{var}={value}: {out}");
+        assert!(
+            out.contains(&format!("ERROR: bad value for {var}='{value}'")),
+            "{var}={value}: {out}"
+        );
+    }
+    let o = run_bounded(
+        clean()
+            .args(["run", "-n", "2", "--"])
+            .arg(&ring)
+            .env("WEFT_PROVIDER", "^loopback"),
+        120,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("excludes 'loopback', which this program does not have"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -2,46 +2,74 @@
 # Install the Debian packages some tests need (and the benchmark's plot fonts), when they are
 # missing. Tests never install anything themselves: without these they skip with the reason
 # (or fail, under WEFT_REQUIRE_TOOLS=1, as in CI).
-#   mpich      mpiexec.hydra, for the Hydra interop and two-host tests
-#   openmpi-bin libpmix-dev   Open MPI's mpirun (a PMIx server) for the PMIx launch tests, and
-#              PMIx's header, against which a test checks the layouts weft declares by hand
-#   munge slurmctld slurmd slurm-client   a single-node Slurm (tools/slurm.sh starts it) for the
-#              `srun --mpi=pmix` launch tests and the start-up table
-#   iproute2   ip, for the two-network-namespace tests
-#   valgrind   memcheck runs of the soundness tests in .ci/run
-#   fonts-dejavu-core   the font `weft bench --plot` draws with
-#   libfabric-dev libfabric-bin   libfabric's headers (weft-ofi-sys generates its bindings from them
-#              with bindgen, found with pkg-config; the library itself is opened at run time) and
-#              fi_pingpong, the `ofi:*` baselines of `weft bench`
-#   libibverbs-dev cmake libclang-dev libnl-3-dev libnl-route-3-dev pkg-config
-#              the rdma-core backend of weft-verbs (cargo feature `rdma-core`): the ibverbs-sys
-#              crate configures rdma-core's headers with cmake and generates bindings with clang
+# The groups below say what each package is for; libfabric's headers feed weft-ofi-sys's
+# bindgen (the library itself is opened at run time), the rdma-core group the ibverbs-sys crate
+# (cmake configures rdma-core's headers, clang generates bindings). apt's output goes to
+# target/deps.log; the terminal gets one line per group. About 55 packages and 2 minutes on a
+# fresh Debian 12.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+# Groups, one line each when something of it is missing: a label, then "test package" pairs
+# (the test is a shell condition that holds when the package's part is present).
+groups=()
 need=()
-command -v ip >/dev/null 2>&1 || need+=(iproute2)
-command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
-command -v mpirun.openmpi >/dev/null 2>&1 || need+=(openmpi-bin)
-[ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ] || need+=(libpmix-dev)
-command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
-[ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
-[ -x /usr/sbin/slurmd ] || need+=(slurmd)
-command -v srun >/dev/null 2>&1 || need+=(slurm-client)
-command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
-[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
-[ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
-[ -f /usr/include/rdma/fi_tagged.h ] || need+=(libfabric-dev)
-command -v fi_pingpong >/dev/null 2>&1 || need+=(libfabric-bin)
-command -v cmake >/dev/null 2>&1 || need+=(cmake)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
-[ -f /usr/include/libnl3/netlink/netlink.h ] || need+=(libnl-3-dev)
-[ -f /usr/include/libnl3/netlink/route/link.h ] || need+=(libnl-route-3-dev)
+group() { # label, then pairs of (condition, package)
+  local label=$1 missing=(); shift
+  while [ $# -gt 0 ]; do
+    eval "$1" >/dev/null 2>&1 || missing+=("$2")
+    shift 2
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    groups+=("$label: ${missing[*]}")
+    need+=("${missing[@]}")
+  fi
+}
+group "MPICH's Hydra (interop, two-host tests)" \
+  'command -v mpiexec.hydra' mpich
+group "Open MPI's mpirun and PMIx (PMIx launch tests)" \
+  'command -v mpirun.openmpi' openmpi-bin \
+  '[ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ]' libpmix-dev
+group "single-node Slurm (srun launch tests, start-up table)" \
+  'command -v munged || [ -x /usr/sbin/munged ]' munge \
+  '[ -x /usr/sbin/slurmctld ]' slurmctld \
+  '[ -x /usr/sbin/slurmd ]' slurmd \
+  'command -v srun' slurm-client
+group "network namespaces (two-host tests)" 'command -v ip' iproute2
+group "memcheck (.ci/run)" 'command -v valgrind' valgrind
+group "plot font (weft bench --plot)" '[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]' fonts-dejavu-core
+group "libfabric (ofi provider, ofi:* baselines)" \
+  '[ -f /usr/include/rdma/fi_tagged.h ]' libfabric-dev \
+  'command -v fi_pingpong' libfabric-bin
+group "rdma-core backend (cargo feature rdma-core)" \
+  '[ -f /usr/include/infiniband/verbs.h ]' libibverbs-dev \
+  'command -v cmake' cmake \
+  'command -v pkg-config' pkg-config \
+  'ls /usr/lib/llvm-*/lib/libclang.so' libclang-dev \
+  '[ -f /usr/include/libnl3/netlink/netlink.h ]' libnl-3-dev \
+  '[ -f /usr/include/libnl3/netlink/route/link.h ]' libnl-route-3-dev
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
-else
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "tools/deps.sh: cannot install ${need[*]} (not root or no apt-get); the tests that need them skip" >&2
+  exit 0
 fi
+mkdir -p target
+log=$PWD/target/deps.log
+: > "$log"
+t0=$(date +%s)
+echo "tools/deps.sh: updating Debian's package lists (apt's output: $log)"
+if ! apt-get update -qq >>"$log" 2>&1; then
+  tail -20 "$log" >&2
+  echo "tools/deps.sh: apt-get update failed (the whole log: $log)" >&2
+  exit 1
+fi
+total=$(apt-get install -s "${need[@]}" 2>/dev/null | grep -c '^Inst' || true)
+echo "tools/deps.sh: installing ${#need[@]} packages, ${total} with their dependencies (about 2 min on a fresh machine):"
+for g in "${groups[@]}"; do echo "  $g"; done
+if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >>"$log" 2>&1; then
+  tail -20 "$log" >&2
+  echo "tools/deps.sh: apt-get install failed (the whole log: $log)" >&2
+  exit 1
+fi
+echo "tools/deps.sh: done in $(( $(date +%s) - t0 )) s"

@@ -6,7 +6,7 @@
 # init and finalize; provider $STARTUP_PROVIDER, default verbs-ud on the soft HCA). Prints one
 # line per run (launcher, ranks, program, seconds or "failed"/"timeout") and then a table of
 # medians. A launcher that is not installed is left out and said so; srun needs the cluster of
-# tools/slurm.sh (root); a failed run's most frequent lines go to standard error.
+# tools/slurm.sh hold (root; stopped when this script ends); a failed run's most frequent lines go to standard error.
 # Build first: cargo build --release -p weft-cli --examples --bins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +23,14 @@ weft=target/release/weft ring=target/release/examples/ring
 launchers=(weft-run)
 command -v mpiexec.hydra >/dev/null && launchers+=(hydra) || echo "# no mpiexec.hydra (mpich): Hydra left out" >&2
 command -v mpirun.openmpi >/dev/null && launchers+=(mpirun) || echo "# no mpirun.openmpi: Open MPI left out" >&2
-if conf=$(bash tools/slurm.sh up 2>/dev/null); then
+# The cluster lives while this script does: the holder stops what it started when our end of
+# its stdin closes, at our exit however it comes.
+coproc SLURM_HOLD { exec bash tools/slurm.sh hold 2>/dev/null; }
+if read -r -t 400 conf <&"${SLURM_HOLD[0]}" && [ -n "$conf" ]; then
   export SLURM_CONF=$conf
   launchers+=(srun)
 else
-  echo "# no single-node Slurm (tools/slurm.sh up failed): srun left out" >&2
+  echo "# no single-node Slurm (tools/slurm.sh hold failed): srun left out" >&2
 fi
 
 env_for() { # the weft variables, in each launcher's way of passing them

@@ -410,9 +410,12 @@ fn bench_main(a: &BenchArgs) -> ExitCode {
         }
     }
     if let Some(p) = &a.plot {
-        if let Err(e) = bench::plot_report(&plan, &report, p) {
-            eprintln!("weft bench: plot: {e}");
-            ok = false;
+        match bench::plot_report(&plan, &report, p) {
+            Ok(()) => eprintln!("weft bench: plot written to {}", p.display()),
+            Err(e) => {
+                eprintln!("weft bench: plot: {e}");
+                ok = false;
+            }
         }
     }
     if report.results.is_empty() {

@@ -130,11 +130,21 @@ fn a_short_sweep_writes_json_csv_and_plot() {
         "{csv}"
     );
     assert_eq!(csv.lines().count(), 1 + rows.len(), "{csv}");
+    assert!(
+        stderr(&o).contains(&format!("weft bench: plot written to {}", svg.display())),
+        "{}",
+        stderr(&o)
+    );
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(
         svg.contains("<svg") && svg.contains("tcp-sim"),
         "plot has no lines"
     );
+    // The measured sizes label the x axis, in the tables' units; µs, not "us", the y axis.
+    let texts: Vec<&str> = svg.lines().map(str::trim).collect();
+    for label in ["8 B", "4 KiB", "µs", "MB/s"] {
+        assert!(texts.contains(&label), "no {label} in the plot");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -7,21 +7,20 @@
 mod common;
 use common::*;
 use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
 
-/// The cluster's configuration file, once `tools/slurm.sh up` has the node taking jobs; the
-/// error says why not (not root, packages missing, a daemon that did not start).
+/// The cluster's configuration file, once `tools/slurm.sh hold` has the node taking jobs; the
+/// error says why not (not root, packages missing, a daemon that did not start). The holder
+/// lives in a static, never dropped: the daemons it started stop when this test binary exits,
+/// on success, failure or interrupt (cli/tests/slurm_hold.rs checks that).
 fn cluster() -> &'static Result<PathBuf, String> {
+    static HOLDER: OnceLock<Mutex<Option<Child>>> = OnceLock::new();
     static UP: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     UP.get_or_init(|| {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/slurm.sh");
-        let o = run_bounded(Command::new("bash").arg(script).arg("up"), 90);
-        if o.status.success() {
-            Ok(PathBuf::from(stdout(&o).trim()))
-        } else {
-            Err(stderr(&o).trim().to_string())
-        }
+        let (child, conf) = slurm_hold(Stdio::piped())?;
+        let _ = HOLDER.set(Mutex::new(Some(child)));
+        Ok(conf)
     })
 }
 

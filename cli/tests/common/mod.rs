@@ -195,3 +195,45 @@ pub fn skip(what: &str) {
     }
     eprintln!("SKIP: {what}");
 }
+
+/// `tools/slurm.sh hold` (needs root and Debian's Slurm): a single-node cluster that lives as
+/// long as the holder's standard input stays open. Returns the holder and the path of the
+/// configuration to export as `SLURM_CONF`, or why there is no cluster (the script's words).
+/// Keep the child (and with it the write end of its stdin) for as long as the cluster is
+/// needed: when this process exits, however it exits, the pipe closes and the script stops
+/// every daemon it started.
+pub fn slurm_hold(stdin: Stdio) -> Result<(std::process::Child, PathBuf), String> {
+    use std::io::{BufRead, Read};
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/slurm.sh");
+    let mut child = Command::new("bash")
+        .arg(script)
+        .arg("hold")
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start tools/slurm.sh: {e}"))?;
+    let out = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    // The script waits up to 300 s for another holder to stop, then up to 30 s for the node.
+    match rx.recv_timeout(Duration::from_secs(400)) {
+        Ok(line) if !line.trim().is_empty() => Ok((child, PathBuf::from(line.trim()))),
+        Ok(_) => {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            let _ = child.wait();
+            Err(err.trim().to_string())
+        }
+        Err(_) => {
+            let _ = child.kill();
+            panic!("tools/slurm.sh hold printed no configuration within 400 s");
+        }
+    }
+}

@@ -2,9 +2,11 @@
 # Install the Debian packages some tests need (and the benchmark's plot fonts), when they are
 # missing. Tests never install anything themselves: without these they skip with the reason
 # (or fail, under WEFT_REQUIRE_TOOLS=1, as in CI).
-# The groups below say what each package is for; libfabric's headers feed weft-ofi-sys's
-# bindgen (the library itself is opened at run time), the rdma-core group the ibverbs-sys crate
-# (cmake configures rdma-core's headers, clang generates bindings). apt's output goes to
+# The groups below say what each package is for. weft builds without any of them: libfabric
+# (libfabric1, which libfabric-bin brings) is opened at run time, and its headers only let a
+# test compare weft's checked-in bindings with them; the rdma-core group serves the ibverbs-sys
+# crate of the optional `rdma-core` feature (cmake configures rdma-core's headers, clang
+# generates bindings). apt's output goes to
 # target/deps.log; the terminal gets one line per group. About 55 packages and 2 minutes on a
 # fresh Debian 12.
 set -euo pipefail
@@ -37,9 +39,9 @@ group "single-node Slurm (srun launch tests, start-up table)" \
 group "network namespaces (two-host tests)" 'command -v ip' iproute2
 group "memcheck (.ci/run)" 'command -v valgrind' valgrind
 group "plot font (weft bench --plot)" '[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]' fonts-dejavu-core
-group "libfabric (ofi provider, ofi:* baselines)" \
-  '[ -f /usr/include/rdma/fi_tagged.h ]' libfabric-dev \
-  'command -v fi_pingpong' libfabric-bin
+group "libfabric (ofi provider at run time, fi_pingpong baselines, headers for the bindings test)" \
+  'command -v fi_pingpong' libfabric-bin \
+  '[ -f /usr/include/rdma/fi_tagged.h ]' libfabric-dev
 group "rdma-core backend (cargo feature rdma-core)" \
   '[ -f /usr/include/infiniband/verbs.h ]' libibverbs-dev \
   'command -v cmake' cmake \

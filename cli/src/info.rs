@@ -164,6 +164,7 @@ pub fn providers_report(verbose: bool) -> Result<String, String> {
     let boot = weft::bootstrap::Choice::from_env().map_err(|e| e.to_string())?;
     writeln!(s).unwrap();
     writeln!(s, "bootstrap (WEFT_PMI): {}", boot.describe()).unwrap();
+    writeln!(s, "libfabric (WEFT_OFI_LIB): {}", weft_ofi::library()).unwrap();
     s.push_str(&verbs_report());
     Ok(s)
 }

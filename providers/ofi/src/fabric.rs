@@ -98,7 +98,7 @@ const LADDER: [u64; 4] = [
 /// Ask `fi_getinfo` for an RDM endpoint, down the capability ladder; with RMA, first with
 /// delivery-complete writes.
 fn choose(prov: &str, dom: &str) -> Result<Chosen> {
-    let lib = fabric().map_err(|e| Error::from(ErrorDetail::Unsupported(format!("ofi: {e}"))))?;
+    let lib = fabric().map_err(|e| Error::from(ErrorDetail::Unsupported(e)))?;
     let mut tried = Vec::new();
     for caps in LADDER {
         for delivery in [true, false] {
@@ -576,8 +576,7 @@ impl Ofi {
         dom: &str,
         native: Option<bool>,
     ) -> Result<Self> {
-        let lib =
-            fabric().map_err(|e| Error::from(ErrorDetail::Unsupported(format!("ofi: {e}"))))?;
+        let lib = fabric().map_err(|e| Error::from(ErrorDetail::Unsupported(e)))?;
         let ch = choose(prov, dom)?;
         let mut me = Ofi {
             rank: boot.rank(),

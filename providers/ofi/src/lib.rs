@@ -34,16 +34,20 @@
 //!   the user choose keys; a completion counter per window on an endpoint of its own (bulk
 //!   completion for fence and flush), CQ entries for request-based operations.
 //!
-//! libfabric is opened at run time (`weft-ofi-sys`); where it or its headers were missing, the
-//! provider is registered all the same and says why it cannot run.
+//! libfabric is opened at run time (`weft-ofi-sys`, which needs no libfabric to build): where
+//! it is missing or too old the provider is registered all the same and says why it cannot run,
+//! in one line; installing it makes the provider available with no rebuild.
 
 pub mod stash;
 pub mod tag;
 
-#[cfg(weft_libfabric)]
 mod fabric;
-#[cfg(weft_libfabric)]
 pub use fabric::Ofi;
+
+/// One line for `weft info`: the libfabric this process opens, or why it has none.
+pub fn library() -> String {
+    weft_ofi_sys::describe()
+}
 
 weft_provider::param!(pub PROVIDER: Str = "ofi", "PROVIDER", "",
     "the libfabric provider to use (as FI_PROVIDER names it: tcp;ofi_rxm, shm, verbs;ofi_rxm, ...); empty: the first that fi_getinfo offers for FI_EP_RDM");
@@ -73,67 +77,9 @@ weft_provider::param!(pub AM_BUF: Size[1 << 10, 1 << 20] = "ofi", "AM_BUF", "16K
     "bytes of each active-message buffer (the largest active-message payload, 1K to 1M)");
 weft_provider::param!(pub AM_RX: Uint[8, 4096] = "ofi", "AM_RX", "64",
     "active-message receive buffers kept posted (8 to 4096); as many send buffers");
-
-#[cfg(not(weft_libfabric))]
-mod absent {
-    //! Built without libfabric's headers: the provider exists, and says why it cannot run.
-    use weft_provider::bootstrap::Bootstrap;
-    use weft_provider::provider::{
-        Caps, ProbeContext, Provider, SendOutcome, Sink, StaticProvider,
-    };
-    use weft_provider::{Error, ErrorDetail, Rank, Result};
-
-    /// The `ofi` provider of a build without libfabric: never opens.
-    pub struct Ofi(std::convert::Infallible);
-
-    fn why() -> Error {
-        Error::from(ErrorDetail::Unsupported(format!(
-            "ofi: {}",
-            weft_ofi_sys::BUILD_NOTE
-        )))
-    }
-
-    impl Provider for Ofi {
-        fn name(&self) -> &str {
-            match self.0 {}
-        }
-        fn caps(&self) -> &Caps {
-            match self.0 {}
-        }
-        fn rank(&self) -> Rank {
-            match self.0 {}
-        }
-        fn size(&self) -> u32 {
-            match self.0 {}
-        }
-        fn am_send(
-            &mut self,
-            _: Rank,
-            _: &[u8],
-            _: &[std::io::IoSlice<'_>],
-        ) -> Result<SendOutcome> {
-            match self.0 {}
-        }
-        fn progress(&mut self, _: &mut dyn Sink) -> Result<usize> {
-            match self.0 {}
-        }
-    }
-
-    impl StaticProvider for Ofi {
-        const NAME: &'static str = "ofi";
-        fn probe(_: &ProbeContext) -> std::result::Result<(), String> {
-            Err(weft_ofi_sys::BUILD_NOTE.to_string())
-        }
-        fn open(_: &mut dyn Bootstrap) -> Result<Self> {
-            Err(why())
-        }
-        fn static_caps() -> Result<Caps> {
-            Err(why())
-        }
-    }
-}
-#[cfg(not(weft_libfabric))]
-pub use absent::Ofi;
+// Read by weft-ofi-sys when it opens the library (its name is weft_ofi_sys::LIBRARY_VAR).
+weft_provider::param!(pub LIB: Str = "ofi", "LIB", "libfabric.so.1",
+    "the libfabric library to open at run time: a file name the dynamic loader finds (LD_LIBRARY_PATH, then the system's) or a path; 1.17 or newer");
 
 weft_provider::register_provider!(
     Ofi,

@@ -2,7 +2,6 @@
 //! and `shm`: tagged messaging (truncation, probe, cancel, synchronous sends), active messages
 //! in order, RMA and counters. Every wait is bounded. Skipped (with the reason) where
 //! libfabric or the provider is missing, unless WEFT_REQUIRE_TOOLS=1.
-#![cfg(weft_libfabric)]
 
 use std::io::IoSlice;
 use std::sync::{Arc, Barrier};

@@ -11,6 +11,14 @@ use weft_verbs::soft::SoftHca;
 use weft_verbs::*;
 
 /// Resident memory of this process, in bytes.
+/// The tests that allocate much, or measure the process's resident memory, run one at a time:
+/// another test's allocations in parallel would show in the measurement.
+static MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn memory_lock() -> std::sync::MutexGuard<'static, ()> {
+    MEMORY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn rss() -> usize {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap();
     let pages: usize = s.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -70,6 +78,7 @@ fn send(s: &UdpSocket, to: SocketAddr, m: &Msg, rx: &mut [u8]) -> bool {
 /// from 2 MiB to 776 MiB resident), and to its budget across all of them.
 #[test]
 fn reassembly_is_bounded_by_the_first_fragment_and_the_budget() {
+    let _serial = memory_lock();
     let (h, to) = wire_hca();
     let SocketAddr::V4(v4) = to else {
         unreachable!()
@@ -138,6 +147,7 @@ fn reassembly_is_bounded_by_the_first_fragment_and_the_budget() {
 /// stays within the service's budget (twice `MAX_MSG`), however many the sender starts.
 #[test]
 fn many_reassemblies_stay_within_the_budget() {
+    let _serial = memory_lock();
     let (h, to) = wire_hca();
     let SocketAddr::V4(v4) = to else {
         unreachable!()
@@ -258,14 +268,24 @@ fn attach_slots_follow_max_peers() {
 /// its budget and never panics (`fuzz/verbs_wire_service` runs the same under libFuzzer).
 #[test]
 fn sequences_of_hostile_packets_stay_within_the_budget() {
+    let _serial = memory_lock();
     use proptest::prelude::*;
     use weft_verbs::soft::service::{hostile, Service};
     let t = hostile::target().unwrap();
     let budget = 4 * CHUNK;
-    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
-        cases: 64,
-        ..Default::default()
-    });
+    // A fixed seed: which random sequences reach execution is then the same in every run
+    // (with a fresh seed, 64 cases sometimes executed nothing and the check below failed).
+    let mut runner = proptest::test_runner::TestRunner::new_with_rng(
+        proptest::test_runner::Config {
+            cases: 256,
+            failure_persistence: None,
+            ..Default::default()
+        },
+        proptest::test_runner::TestRng::from_seed(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+            &[0x57; 32],
+        ),
+    );
     let served = std::cell::Cell::new((0u64, 0u64));
     runner
         .run(&proptest::collection::vec(any::<u8>(), 0..4096), |input| {

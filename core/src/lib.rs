@@ -58,8 +58,8 @@ pub use weft_provider::{
 };
 
 pub use comm::{
-    waitall, waitany, Comm, RegistrationStats, Request, Scope, SharedBuf, Source, TagSel, World,
-    ANY_SOURCE, ANY_TAG, TAG_UB,
+    waitall, waitany, Comm, RawRequest, RegistrationStats, Request, Scope, SharedBuf, Source,
+    TagSel, World, ANY_SOURCE, ANY_TAG, TAG_UB,
 };
 pub use datatype::Datatype;
 pub use engine::EngineConfig;
@@ -112,8 +112,8 @@ pub fn bootstrap_from_env() -> Result<Box<dyn Bootstrap>> {
     }
 }
 
-/// `WEFT_PMI_TIMEOUT` as a duration.
-fn pmi_timeout() -> Result<Duration> {
+/// `WEFT_PMI_TIMEOUT` as a duration (what a bootstrap built by hand should wait).
+pub fn pmi_timeout() -> Result<Duration> {
     Ok(PMI_TIMEOUT
         .get_seconds(false)?
         .expect("zero is refused, not read as none"))
@@ -136,12 +136,28 @@ pub fn check_params() -> Result<()> {
 /// Start this rank on the **dynamic** path: bootstrap from the environment and open the
 /// provider `WEFT_PROVIDER` asks for (or the best one available). Every rank must call it.
 pub fn init() -> Result<World<DynProvider>> {
+    init_with(&registry::Selection::from_env()?)
+}
+
+/// [`init`] with the providers `sel` allows instead of `WEFT_PROVIDER`'s (a face of weft that
+/// was told which provider to use another way, e.g. a libfabric domain name).
+pub fn init_with(sel: &registry::Selection) -> Result<World<DynProvider>> {
     init_logging();
-    let mut boot = bootstrap_from_env()?;
+    init_on(bootstrap_from_env()?, sel)
+}
+
+/// [`init_with`] over a bootstrap made earlier ([`bootstrap_from_env`]): a face of weft that
+/// must name this process (its rank and job) before its peers are ready to open a provider
+/// together (libfabric's `fi_getname` comes before the address exchange).
+pub fn init_on(
+    mut boot: Box<dyn Bootstrap>,
+    sel: &registry::Selection,
+) -> Result<World<DynProvider>> {
+    init_logging();
     if boot.rank() == 0 {
         param::warn_unknown_vars();
     }
-    let sel = registry::Selection::from_env()?;
+    let sel = sel.clone();
     match registry::select_and_open(boot.as_mut(), &sel) {
         Ok((p, _)) => comm::world_from(p, boot),
         // Selection is collective: when no provider can run (or the request or a parameter

@@ -7,3 +7,4 @@
 #include <rdma/fi_atomic.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <rdma/providers/fi_prov.h>

@@ -285,6 +285,16 @@ impl Pmi {
     /// the node map. `timeout` bounds every wait on the server (a barrier waits for the slowest
     /// rank, so it is also how long a missing rank is tolerated).
     pub fn from_env(timeout: Duration) -> Result<Pmi> {
+        let mut p = Self::from_env_unexchanged(timeout)?;
+        p.exchange_nodes()?;
+        Ok(p)
+    }
+
+    /// [`Self::from_env`] without its one collective step, the exchange of host identities
+    /// for the node map: rank, size and job are known, but the node map is not until
+    /// [`Self::exchange_nodes`] (every rank must call it, before the map is used). For a face
+    /// of weft whose processes name themselves before they meet (libfabric's `fi_getname`).
+    pub fn from_env_unexchanged(timeout: Duration) -> Result<Pmi> {
         let rank = env_u32("PMI_RANK")?;
         let size = env_u32("PMI_SIZE")?;
         if let Some(fd) = env_u32("PMI_FD")? {
@@ -328,12 +338,14 @@ impl Pmi {
 
     /// Run the PMI-1 handshake over an already connected socket (what `PMI_FD` names).
     pub fn over_socket(s: UnixStream, rank: Rank, size: u32, timeout: Duration) -> Result<Pmi> {
-        Self::handshake(
+        let mut p = Self::handshake(
             Conn::Unix(BufReader::new(s)),
             Some((rank, size)),
             None,
             timeout,
-        )
+        )?;
+        p.exchange_nodes()?;
+        Ok(p)
     }
 
     fn handshake(
@@ -422,17 +434,21 @@ impl Pmi {
                 ))
             })?
             .to_string();
-        let mut pmi = Pmi {
+        let pmi = Pmi {
             rank: p.rank,
             size: p.size,
             kvsname: p.kvsname.clone(),
             c: Arc::new(Mutex::new(p)),
             nodes: NodeMap::single_host(1),
         };
-        // Node map: everybody publishes its host identity.
-        let ids = super::allgather(&mut pmi, "weft.host", &host_id())?;
-        pmi.nodes = NodeMap::from_ids(&ids, pmi.rank);
         Ok(pmi)
+    }
+
+    /// The node map: everybody publishes its host identity (collective).
+    pub fn exchange_nodes(&mut self) -> Result<()> {
+        let ids = super::allgather(self, "weft.host", &host_id())?;
+        self.nodes = NodeMap::from_ids(&ids, self.rank);
+        Ok(())
     }
 
     pub fn appnum(&self) -> i64 {

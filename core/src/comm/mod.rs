@@ -24,8 +24,10 @@ use std::rc::Rc;
 
 mod coll;
 mod nonblocking;
+mod raw;
 
 pub use nonblocking::{waitall, waitany, Request, Scope};
+pub use raw::RawRequest;
 
 /// A receive buffer that several pending receives may name at once
 /// ([`Comm::irecv_shared`]). Receives borrow it shared for their scope; reading it needs

@@ -190,6 +190,8 @@ pub const FI_COLLECTIVE_OFFSET: u64 = 256;
 pub const FI_REG_MR: u64 = 576460752303423488;
 pub const FI_FETCH_ATOMIC: u64 = 288230376151711744;
 pub const FI_COMPARE_ATOMIC: u64 = 576460752303423488;
+pub const FI_LIB_EXTENSION: &[u8; 3] = b"fi\0";
+pub const FI_LIB_SUFFIX: &[u8; 6] = b"fi.so\0";
 #[repr(C)]
 #[derive(Copy, Clone)]
 pub union __atomic_wide_counter {
@@ -4556,6 +4558,67 @@ const _: () = {
         "Offset of field: fi_ops_atomic::compwritevalid",
     ][::std::mem::offset_of!(fi_ops_atomic, compwritevalid) - 104usize];
 };
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct fi_provider {
+    pub version: u32,
+    pub fi_version: u32,
+    pub context: fi_context,
+    pub name: *const ::std::os::raw::c_char,
+    pub getinfo: ::std::option::Option<
+        unsafe extern "C" fn(
+            version: u32,
+            node: *const ::std::os::raw::c_char,
+            service: *const ::std::os::raw::c_char,
+            flags: u64,
+            hints: *const fi_info,
+            info: *mut *mut fi_info,
+        ) -> ::std::os::raw::c_int,
+    >,
+    pub fabric: ::std::option::Option<
+        unsafe extern "C" fn(
+            attr: *mut fi_fabric_attr,
+            fabric: *mut *mut fid_fabric,
+            context: *mut ::std::os::raw::c_void,
+        ) -> ::std::os::raw::c_int,
+    >,
+    pub cleanup: ::std::option::Option<unsafe extern "C" fn()>,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of fi_provider"][::std::mem::size_of::<fi_provider>() - 72usize];
+    ["Alignment of fi_provider"][::std::mem::align_of::<fi_provider>() - 8usize];
+    [
+        "Offset of field: fi_provider::version",
+    ][::std::mem::offset_of!(fi_provider, version) - 0usize];
+    [
+        "Offset of field: fi_provider::fi_version",
+    ][::std::mem::offset_of!(fi_provider, fi_version) - 4usize];
+    [
+        "Offset of field: fi_provider::context",
+    ][::std::mem::offset_of!(fi_provider, context) - 8usize];
+    [
+        "Offset of field: fi_provider::name",
+    ][::std::mem::offset_of!(fi_provider, name) - 40usize];
+    [
+        "Offset of field: fi_provider::getinfo",
+    ][::std::mem::offset_of!(fi_provider, getinfo) - 48usize];
+    [
+        "Offset of field: fi_provider::fabric",
+    ][::std::mem::offset_of!(fi_provider, fabric) - 56usize];
+    [
+        "Offset of field: fi_provider::cleanup",
+    ][::std::mem::offset_of!(fi_provider, cleanup) - 64usize];
+};
+impl Default for fi_provider {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 pub struct Fabric {
     __library: ::libloading::Library,
     pub fi_strerror: unsafe extern "C" fn(

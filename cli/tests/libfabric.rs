@@ -1,0 +1,126 @@
+//! weft as a libfabric provider (`export/libfabric`, `libweft-fi.so`): libfabric's own tools,
+//! unmodified, run over weft's providers. `fi_info -p weft` lists a domain per weft provider;
+//! `fi_pingpong` (Debian's libfabric-bin) runs with its data checks (`-c`), untagged and
+//! tagged, rank 0 the server and rank 1 the client under `weft run -n 2`, over shm, tcp-sim,
+//! verbs-rc and hybrid (the soft HCA). Skipped without libfabric's tools, unless
+//! `WEFT_REQUIRE_TOOLS=1`.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Build weft-fi with the tests' profile and install it as libfabric names providers.
+fn provider_dir(test: &str) -> PathBuf {
+    let dir = profile_dir();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "-p", "weft-fi"]);
+    if dir.file_name().is_some_and(|f| f == "release") {
+        cmd.arg("--release");
+    }
+    let o = run_bounded(&mut cmd, 900);
+    assert!(o.status.success(), "building weft-fi: {}", stderr(&o));
+    let out = std::env::temp_dir().join(format!("weft-fi-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(dir.join("libweft_fi.so"), out.join("libweft-fi.so")).expect("install");
+    out
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// rank 0 serves on `port`; rank 1 waits (bounded) until the port listens, then connects.
+fn wrapper(dir: &Path) -> PathBuf {
+    let p = dir.join("pingpong.sh");
+    std::fs::write(
+        &p,
+        r#"#!/bin/sh
+port=$1; shift
+if [ "$PMI_RANK" = 0 ]; then exec fi_pingpong -B "$port" "$@"; fi
+i=0
+until ss -Hltn "sport = :$port" | grep -q .; do
+  i=$((i + 1)); [ $i -gt 3000 ] && { echo "the server never listened on $port" >&2; exit 9; }
+  sleep 0.01
+done
+exec fi_pingpong -P "$port" "$@" 127.0.0.1
+"#,
+    )
+    .unwrap();
+    let _ = Command::new("chmod").arg("+x").arg(&p).status();
+    p
+}
+
+#[test]
+fn fi_info_lists_a_domain_per_weft_provider() {
+    if !have("fi_info") {
+        return skip("fi_info (Debian's libfabric-bin)");
+    }
+    let dir = provider_dir("info");
+    let o = run_bounded(
+        Command::new("fi_info")
+            .args(["-p", "weft"])
+            .env("FI_PROVIDER_PATH", &dir),
+        60,
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for d in ["shm", "tcp-sim", "verbs-rc", "verbs-ud", "hybrid"] {
+        assert!(out.contains(&format!("domain: {d}\n")), "{out}");
+    }
+    assert!(out.contains("type: FI_EP_RDM"), "{out}");
+    // What weft cannot meet: a message endpoint.
+    let o = run_bounded(
+        Command::new("fi_info")
+            .args(["-p", "weft", "-t", "FI_EP_MSG"])
+            .env("FI_PROVIDER_PATH", &dir),
+        60,
+    );
+    assert!(!o.status.success(), "{}", stdout(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fi_pingpong_runs_over_weft_with_its_data_checks() {
+    if !have("fi_pingpong") || !have("ss") {
+        return skip("fi_pingpong (Debian's libfabric-bin) and ss (iproute2)");
+    }
+    let dir = provider_dir("pingpong");
+    let pp = wrapper(&dir);
+    let mut port = 47000 + (std::process::id() % 1000) as u16 * 16;
+    for domain in ["shm", "tcp-sim", "verbs-rc", "hybrid"] {
+        for mode in ["msg", "tagged"] {
+            for size in ["8", "65536", "1048576"] {
+                port += 1;
+                let o = run_bounded(
+                    Command::new(weft())
+                        .args(["run", "-n", "2", "--tag-output", "--"])
+                        .arg(&pp)
+                        .arg(port.to_string())
+                        .args(["-p", "weft", "-e", "rdm", "-d", domain, "-m", mode])
+                        .args(["-I", "20", "-S", size, "-c"])
+                        .env("FI_PROVIDER_PATH", &dir)
+                        .env("WEFT_VERBS_DEVICE", "soft"),
+                    180,
+                );
+                let out = stdout(&o);
+                let what = format!("{domain} {mode} {size} B");
+                assert!(o.status.success(), "{what}: {out}{}", stderr(&o));
+                // Both sides print the table; rank 0's row says 20 sent and 20 acknowledged.
+                assert!(
+                    out.lines()
+                        .any(|l| l.starts_with("[0] ") && l.contains(" 20 ") && l.contains("=20")),
+                    "{what}: {out}"
+                );
+                assert!(
+                    !out.contains("error") && !out.contains("rror:"),
+                    "{what}: {out}"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -124,3 +124,47 @@ fn fi_pingpong_runs_over_weft_with_its_data_checks() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `export/libfabric/tests/c/errors.c`, a libfabric program of weft's own, checks the error
+/// paths a libfabric application meets: the two-step `fi_getname`, a name from another job,
+/// an unknown `fi_addr`, truncation (`FI_ETRUNC` with `olen`), cancellation, calls on closed
+/// objects.
+#[test]
+fn libfabric_error_paths_are_error_codes() {
+    if !have("cc") || !Path::new("/usr/include/rdma/fi_tagged.h").exists() {
+        return skip("a C compiler and libfabric's headers (libfabric-dev)");
+    }
+    let dir = provider_dir("errors");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/errors.c");
+    let bin = dir.join("errors");
+    let o = run_bounded(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(&bin)
+            .arg(&src)
+            .arg("-lfabric"),
+        120,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for domain in ["shm", "tcp-sim"] {
+        let names = dir.join(format!("names-{domain}"));
+        let o = run_bounded(
+            Command::new(weft())
+                .args(["run", "-n", "2", "--tag-output", "--"])
+                .arg(&bin)
+                .arg(&names)
+                .env("FI_PROVIDER_PATH", &dir)
+                .env("DOMAIN", domain),
+            120,
+        );
+        let out = stdout(&o);
+        assert!(o.status.success(), "{domain}: {out}{}", stderr(&o));
+        for r in 0..2 {
+            assert!(
+                out.contains(&format!("rank {r}: all checks passed")),
+                "{domain}: {out}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,162 @@
+/* weft-fi's error paths as a libfabric program meets them, under `weft run -n 2`: the
+ * two-step fi_getname, a name from another job, an unknown fi_addr, truncation (FI_ETRUNC with
+ * olen), cancellation (FI_ECANCELED), a call on a closed object. Prints "ok" lines and exits 0,
+ * or names the first check that failed and exits 1. Names are exchanged through a file
+ * (argv[1]) that each rank writes and the other waits for (bounded). */
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_tagged.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CHECK(cond, what)                                                   \
+	do {                                                                \
+		if (!(cond)) {                                              \
+			fprintf(stderr, "rank %d: FAILED: %s (line %d)\n", rank, what, \
+				__LINE__);                                  \
+			exit(1);                                            \
+		}                                                           \
+		printf("rank %d: ok: %s\n", rank, what);                    \
+	} while (0)
+
+static int rank;
+
+static double now(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* Read a completion or an error entry (bounded); returns 1, or -FI_EAVAIL with *e filled. */
+static ssize_t wait_cq(struct fid_cq *cq, struct fi_cq_tagged_entry *c, struct fi_cq_err_entry *e)
+{
+	double t0 = now();
+	for (;;) {
+		ssize_t r = fi_cq_read(cq, c, 1);
+		if (r == 1)
+			return 1;
+		if (r == -FI_EAVAIL) {
+			memset(e, 0, sizeof(*e));
+			if (fi_cq_readerr(cq, e, 0) == 1)
+				return -FI_EAVAIL;
+		} else if (r != -FI_EAGAIN) {
+			return r;
+		}
+		if (now() - t0 > 30) {
+			fprintf(stderr, "rank %d: no completion within 30 s\n", rank);
+			exit(1);
+		}
+	}
+}
+
+int main(int argc, char **argv)
+{
+	const char *env = getenv("PMI_RANK");
+	rank = env ? atoi(env) : 0;
+	char path[512];
+	struct fi_info *hints = fi_allocinfo(), *info;
+	hints->ep_attr->type = FI_EP_RDM;
+	hints->caps = FI_TAGGED;
+	hints->domain_attr->name = strdup(getenv("DOMAIN") ? getenv("DOMAIN") : "shm");
+	/* libfabric's own shm provider has a domain "shm" too. */
+	hints->fabric_attr->prov_name = strdup("weft");
+	CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info) == 0, "fi_getinfo");
+	struct fid_fabric *fab;
+	struct fid_domain *dom;
+	struct fid_ep *ep;
+	struct fid_cq *cq;
+	struct fid_av *av;
+	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED};
+	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+	CHECK(fi_fabric(info->fabric_attr, &fab, NULL) == 0, "fi_fabric");
+	CHECK(fi_domain(fab, info, &dom, NULL) == 0, "fi_domain");
+	CHECK(fi_cq_open(dom, &cq_attr, &cq, NULL) == 0, "fi_cq_open");
+	CHECK(fi_av_open(dom, &av_attr, &av, NULL) == 0, "fi_av_open");
+	CHECK(fi_endpoint(dom, info, &ep, NULL) == 0, "fi_endpoint");
+	CHECK(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0, "bind cq");
+	CHECK(fi_ep_bind(ep, &av->fid, 0) == 0, "bind av");
+	CHECK(fi_enable(ep) == 0, "fi_enable");
+
+	char name[64];
+	size_t len = 4;
+	CHECK(fi_getname(&ep->fid, name, &len) == -FI_ETOOSMALL && len > 4,
+	      "fi_getname with a small buffer says -FI_ETOOSMALL and the size");
+	CHECK(fi_getname(&ep->fid, name, &len) == 0, "fi_getname");
+
+	/* Exchange names through files, as fi_pingpong does through a socket. */
+	snprintf(path, sizeof(path), "%s.%d", argv[1], rank);
+	FILE *f = fopen(path, "wb");
+	fwrite(name, 1, len, f);
+	fclose(f);
+	snprintf(path, sizeof(path), "%s.%d", argv[1], 1 - rank);
+	char peer[64];
+	double t0 = now();
+	for (;;) {
+		f = fopen(path, "rb");
+		if (f && fread(peer, 1, len, f) == len)
+			break;
+		if (f)
+			fclose(f);
+		CHECK(now() - t0 < 30, "the peer's name arrived");
+		usleep(1000);
+	}
+	fclose(f);
+
+	/* A name of another job: the entry fails, never a wrong peer. */
+	char alien[64];
+	memcpy(alien, peer, len);
+	alien[8] ^= 0x5a;
+	fi_addr_t bad = 0;
+	fi_addr_t a;
+	CHECK(fi_av_insert(av, peer, 1, &a, 0, NULL) == 1, "fi_av_insert of the peer");
+	CHECK(fi_av_insert(av, alien, 1, &bad, 0, NULL) == 0 && bad == FI_ADDR_NOTAVAIL,
+	      "a name from another job is refused");
+
+	char buf[256];
+	CHECK(fi_tsend(ep, buf, 8, NULL, a + 1000, 1, NULL) == -FI_EINVAL,
+	      "a send to an unknown fi_addr is -FI_EINVAL");
+
+	struct fi_cq_tagged_entry c;
+	struct fi_cq_err_entry e;
+	if (rank == 0) {
+		memset(buf, 7, sizeof(buf));
+		CHECK(fi_tsend(ep, buf, 200, NULL, a, 5, buf) == 0, "fi_tsend");
+		CHECK(wait_cq(cq, &c, &e) == 1 && c.op_context == buf, "send completion");
+		/* Wait for the peer's answer before closing. */
+		CHECK(fi_trecv(ep, buf, 8, NULL, FI_ADDR_UNSPEC, 6, 0, buf) == 0, "fi_trecv");
+		CHECK(wait_cq(cq, &c, &e) == 1 && c.len == 8, "the peer says it is done");
+	} else {
+		char small[64];
+		CHECK(fi_trecv(ep, small, sizeof(small), NULL, FI_ADDR_UNSPEC, 5, 0, small) == 0,
+		      "fi_trecv into a buffer too small");
+		CHECK(wait_cq(cq, &c, &e) == -FI_EAVAIL && e.err == FI_ETRUNC && e.len == 64 &&
+			      e.olen == 136 && e.op_context == small,
+		      "truncation is an FI_ETRUNC error entry with olen");
+		CHECK(fi_trecv(ep, buf, 8, NULL, FI_ADDR_UNSPEC, 99, 0, &e) == 0,
+		      "a receive nothing matches");
+		CHECK(fi_cancel(&ep->fid, &e) == 0, "fi_cancel");
+		struct fi_cq_err_entry e2;
+		CHECK(wait_cq(cq, &c, &e2) == -FI_EAVAIL && e2.err == FI_ECANCELED &&
+			      e2.op_context == &e,
+		      "the cancelled receive is an FI_ECANCELED error entry");
+		CHECK(fi_tsend(ep, buf, 8, NULL, a, 6, buf) == 0, "fi_tsend");
+		CHECK(wait_cq(cq, &c, &e) == 1, "send completion");
+	}
+	CHECK(fi_close(&ep->fid) == 0, "close the endpoint");
+	CHECK(fi_tsend(ep, buf, 8, NULL, a, 1, NULL) < 0, "a send on a closed endpoint fails");
+	CHECK(fi_close(&ep->fid) == -FI_EINVAL, "closing it again is -FI_EINVAL");
+	CHECK(fi_close(&av->fid) == 0 && fi_close(&cq->fid) == 0, "close av and cq");
+	CHECK(fi_cq_read(cq, &c, 1) == -FI_EINVAL, "reading a closed CQ is -FI_EINVAL");
+	CHECK(fi_close(&dom->fid) == 0 && fi_close(&fab->fid) == 0, "close domain and fabric");
+	fi_freeinfo(info);
+	fi_freeinfo(hints);
+	printf("rank %d: all checks passed\n", rank);
+	return 0;
+}

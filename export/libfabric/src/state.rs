@@ -262,30 +262,44 @@ impl Global {
                 d.report,
             );
             if r != 0 {
-                if let Some(q) = self
-                    .eps
-                    .get(&d.ep)
-                    .map(|e| e.rx_cq)
-                    .and_then(|c| self.cqs.get_mut(&c))
-                {
-                    q.err.push_back(Entry {
-                        ctx: d.ctx,
-                        flags: fi::FI_RECV | if d.tagged { fi::FI_TAGGED } else { fi::FI_MSG },
-                        len: 0,
-                        buf: d.buf,
-                        tag: 0,
-                        src: None,
-                        err: (-r) as u64,
-                        olen: 0,
-                    });
-                }
+                self.fail_deferred(&d, (-r) as u64);
             }
         }
         Ok(())
     }
 
-    /// Finalize the world (every operation still in flight completes first).
+    /// An error entry on its endpoint's receive queue for a deferred receive that will not run.
+    fn fail_deferred(&mut self, d: &Deferred, err: u64) {
+        if let Some(q) = self
+            .eps
+            .get(&d.ep)
+            .map(|e| e.rx_cq)
+            .and_then(|c| self.cqs.get_mut(&c))
+        {
+            q.err.push_back(Entry {
+                ctx: d.ctx,
+                flags: fi::FI_RECV | if d.tagged { fi::FI_TAGGED } else { fi::FI_MSG },
+                len: 0,
+                buf: d.buf,
+                tag: 0,
+                src: None,
+                err,
+                olen: 0,
+            });
+        }
+    }
+
+    /// Finalize the world. Receives still posted (an endpoint whose close gave up, or one
+    /// never closed) are cancelled and given a bounded time to finish first, so that no late
+    /// message lands in a buffer the application may free once the domain is closed.
     pub fn close_world(&mut self) {
+        let eps: Vec<usize> = self.ops.iter().map(|o| o.ep).collect();
+        let t0 = std::time::Instant::now();
+        for ep in eps {
+            while self.drain_ep(ep) > 0 && t0.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::yield_now();
+            }
+        }
         self.ops.clear();
         self.msg = None;
         if let Some(w) = self.world.take() {
@@ -540,23 +554,7 @@ impl Global {
             .position(|d| d.ep == ep && d.ctx == ctx && ctx != NULL)
         {
             let d = self.deferred.remove(i);
-            if let Some(q) = self
-                .eps
-                .get(&ep)
-                .map(|e| e.rx_cq)
-                .and_then(|c| self.cqs.get_mut(&c))
-            {
-                q.err.push_back(Entry {
-                    ctx: d.ctx,
-                    flags: fi::FI_RECV | if d.tagged { fi::FI_TAGGED } else { fi::FI_MSG },
-                    len: 0,
-                    buf: d.buf,
-                    tag: 0,
-                    src: None,
-                    err: fi::FI_ECANCELED,
-                    olen: 0,
-                });
-            }
+            self.fail_deferred(&d, fi::FI_ECANCELED);
             return 0;
         }
         let Some(w) = self.world.as_ref() else {

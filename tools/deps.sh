@@ -28,8 +28,10 @@ group() { # label, then pairs of (condition, package)
 }
 group "MPICH's Hydra (interop, two-host tests)" \
   'command -v mpiexec.hydra' mpich
-group "Open MPI's mpirun and PMIx (PMIx launch tests)" \
+group "Open MPI's mpirun, mpicc and PMIx (PMIx launch tests, Open MPI over weft-fi)" \
   'command -v mpirun.openmpi' openmpi-bin \
+  'command -v mpicc.openmpi' libopenmpi-dev \
+  'command -v NPopenmpi' netpipe-openmpi \
   '[ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ]' libpmix-dev
 group "single-node Slurm (srun launch tests, start-up table)" \
   'command -v munged || [ -x /usr/sbin/munged ]' munge \

@@ -2,8 +2,9 @@
 //! unmodified, run over weft's providers. `fi_info -p weft` lists a domain per weft provider;
 //! `fi_pingpong` (Debian's libfabric-bin) runs with its data checks (`-c`), untagged and
 //! tagged, rank 0 the server and rank 1 the client under `weft run -n 2`, over shm, tcp-sim,
-//! verbs-rc and hybrid (the soft HCA). Skipped without libfabric's tools, unless
-//! `WEFT_REQUIRE_TOOLS=1`.
+//! verbs-rc and hybrid (the soft HCA); Open MPI (`pml cm`, `mtl ofi`) runs weft's own MPI
+//! checks and NetPIPE's `NPopenmpi` over it. Skipped without libfabric's tools (or Open MPI's),
+//! unless `WEFT_REQUIRE_TOOLS=1`.
 
 mod common;
 use common::*;
@@ -146,7 +147,7 @@ fn libfabric_error_paths_are_error_codes() {
         120,
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    for domain in ["shm", "tcp-sim"] {
+    for domain in ["shm", "tcp-sim", "verbs-rc", "hybrid"] {
         let names = dir.join(format!("names-{domain}"));
         let o = run_bounded(
             Command::new(weft())
@@ -154,6 +155,7 @@ fn libfabric_error_paths_are_error_codes() {
                 .arg(&bin)
                 .arg(&names)
                 .env("FI_PROVIDER_PATH", &dir)
+                .env("WEFT_VERBS_DEVICE", "soft")
                 .env("DOMAIN", domain),
             120,
         );
@@ -166,5 +168,134 @@ fn libfabric_error_paths_are_error_codes() {
             );
         }
     }
+    // A peer killed while the other waits for its message: an FI_EIO error entry, within the
+    // provider's configured timeout (verbs-rc: 4 x 67 ms of silence here), never a hang.
+    for domain in ["shm", "tcp-sim", "verbs-rc"] {
+        let names = dir.join(format!("names-killed-{domain}"));
+        let o = run_bounded(
+            Command::new(weft())
+                .args(["run", "--keep-going", "-n", "2", "--tag-output", "--"])
+                .arg(&bin)
+                .arg(&names)
+                .env("FI_PROVIDER_PATH", &dir)
+                .env("WEFT_VERBS_DEVICE", "soft")
+                .env("WEFT_VERBS_RC_TIMEOUT", "14")
+                .env("WEFT_VERBS_RC_RETRY", "3")
+                .env("KILL_AT_END", "1")
+                .env("DOMAIN", domain),
+            120,
+        );
+        let out = stdout(&o);
+        assert_eq!(o.status.code(), Some(137), "{domain}: {out}{}", stderr(&o));
+        assert!(
+            out.contains(
+                "rank 0: ok: the receive the killed peer would have matched is an FI_EIO entry"
+            ) && out.contains("rank 0: all checks passed"),
+            "{domain}: {out}{}",
+            stderr(&o)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `mpirun` of Open MPI with its `cm` PML over `mtl/ofi`, restricted to libfabric's `weft`
+/// provider and the weft provider `domain`.
+fn ompi(dir: &Path, n: u32, domain: &str) -> Command {
+    let mut c = Command::new("mpirun.openmpi");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &n.to_string(),
+    ])
+    .args([
+        "--mca", "pml", "cm", "--mca", "mtl", "ofi", "--mca", "btl", "self",
+    ])
+    // Only libfabric's weft provider, and say which domain the MTL took.
+    .args(["--mca", "mtl_ofi_provider_include", "weft"])
+    .args(["--mca", "mtl_base_verbose", "10"])
+    .args(["-x", "FI_PROVIDER=weft", "-x"])
+    .arg(format!("FI_PROVIDER_PATH={}", dir.display()))
+    .args(["-x", &format!("WEFT_PROVIDER={domain}")])
+    .args(["-x", "WEFT_VERBS_DEVICE=soft"]);
+    c.env_remove("WEFT_PROVIDER");
+    c
+}
+
+/// The MTL's own words that it runs over weft's `domain` (not over a fallback).
+fn ran_over_weft(out: &str, domain: &str) -> bool {
+    out.contains(&format!("mtl:ofi:provider: {domain}"))
+        && out.contains("select: component ofi selected")
+}
+
+/// Open MPI over weft-fi: `export/libfabric/tests/c/mpi_checks.c` (ping-pong 0 B–4 MiB with
+/// data checks, wildcards, non-overtaking order, Probe/Iprobe/Mprobe, cancel, truncation as
+/// `MPI_ERR_TRUNCATE`, Ssend, barrier/bcast/allreduce/alltoall) at 2 and 8 ranks over shm,
+/// tcp-sim, verbs-rc and hybrid.
+#[test]
+fn open_mpi_runs_over_weft_fi() {
+    if !have("mpicc.openmpi") || !have("mpirun.openmpi") {
+        return skip("Open MPI's mpicc and mpirun (Debian's libopenmpi-dev, openmpi-bin)");
+    }
+    let dir = provider_dir("ompi");
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/mpi_checks.c");
+    let bin = dir.join("mpi_checks");
+    let o = run_bounded(
+        Command::new("mpicc.openmpi")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(&bin)
+            .arg(&src),
+        120,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for domain in ["shm", "tcp-sim", "verbs-rc", "hybrid"] {
+        for n in [2, 8] {
+            let o = run_bounded(ompi(&dir, n, domain).arg(&bin), 300);
+            let (out, err) = (stdout(&o), stderr(&o));
+            let what = format!("{domain} at {n} ranks");
+            assert!(o.status.success(), "{what}: {out}{err}");
+            assert!(
+                ran_over_weft(&format!("{out}{err}"), domain),
+                "{what}: {out}{err}"
+            );
+            assert!(
+                out.contains(&format!("all passed at {n} ranks")),
+                "{what}: {out}{err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// NetPIPE's `NPopenmpi` (Debian's netpipe-openmpi), unmodified, to completion (1 B to 8 MiB)
+/// over Open MPI over weft-fi on shm.
+#[test]
+fn netpipe_runs_over_open_mpi_over_weft_fi() {
+    if !have("NPopenmpi") || !have("mpirun.openmpi") {
+        return skip("NetPIPE's NPopenmpi (Debian's netpipe-openmpi) and Open MPI's mpirun");
+    }
+    let dir = provider_dir("netpipe");
+    let table = dir.join("np.out");
+    let o = run_bounded(
+        ompi(&dir, 2, "shm").args(["NPopenmpi", "-o"]).arg(&table),
+        600,
+    );
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}{err}");
+    assert!(ran_over_weft(&format!("{out}{err}"), "shm"), "{out}{err}");
+    // The table's last row is 8 MiB + 3 bytes, with a positive rate.
+    let rows = std::fs::read_to_string(&table).unwrap();
+    let last: Vec<f64> = rows
+        .lines()
+        .last()
+        .unwrap_or("")
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    assert!(
+        last.len() == 3 && last[0] == 8388611.0 && last[1] > 0.0,
+        "{rows}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

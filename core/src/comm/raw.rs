@@ -137,6 +137,22 @@ impl<P: Provider> Comm<P> {
         }
     }
 
+    /// How many peers have failed so far (cheap: a binding polls it to notice a new failure).
+    pub fn failed_peers(&self) -> u32 {
+        self.sh.engine.borrow().st.am.nfailed
+    }
+
+    /// Why world rank `r` failed, if it did.
+    pub fn peer_failure(&self, r: Rank) -> Option<String> {
+        self.sh
+            .engine
+            .borrow()
+            .st
+            .am
+            .peer_failure(r)
+            .map(str::to_string)
+    }
+
     /// The launcher's name for this job: peers' names for a process carry it, so a name from
     /// another job is told apart.
     pub fn job_id(&self) -> String {

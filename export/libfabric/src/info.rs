@@ -12,8 +12,10 @@ pub const PRIMARY: u64 = fi::FI_MSG | fi::FI_TAGGED;
 pub const ON_REQUEST: u64 = fi::FI_DIRECTED_RECV | fi::FI_SOURCE;
 /// Secondary capabilities always offered.
 pub const ALWAYS: u64 = fi::FI_SEND | fi::FI_RECV | fi::FI_LOCAL_COMM | fi::FI_REMOTE_COMM;
-/// The largest tag: weft's tags are 31 bits (an MPI tag's range).
-pub const TAG_BITS: u64 = 0x7fff_ffff;
+/// Tag bits an application may use: all 64 (weft-fi matches libfabric's tags itself).
+pub const TAG_BITS: u64 = u64::MAX;
+/// Bytes of remote CQ data a message may carry.
+pub const CQ_DATA: usize = 8;
 /// Bytes a message may be: weft sends any size (large ones by rendezvous).
 pub const MAX_MSG: usize = 1 << 40;
 /// `fi_inject` copies up to this many bytes.
@@ -67,12 +69,11 @@ pub unsafe fn admit(hints: *const fi::fi_info, domain: &str) -> Option<u64> {
             if ep.type_ != fi::FI_EP_UNSPEC && ep.type_ != fi::FI_EP_RDM {
                 return None;
             }
-            if ep.mem_tag_format != 0 && ep.mem_tag_format & !TAG_BITS != 0 {
-                // A tag layout wider than weft's 31 bits.
-                return None;
-            }
         }
         if let Some(d) = h.domain_attr.as_ref() {
+            if d.cq_data_size > CQ_DATA {
+                return None;
+            }
             let name = cstr(d.name);
             if !name.is_empty() && name != domain {
                 return None;
@@ -187,7 +188,7 @@ pub unsafe fn build(hints: *const fi::fi_info, domain: &str, caps: u64) -> *mut 
         };
         d.mr_mode = 0;
         d.mr_key_size = 8;
-        d.cq_data_size = 0;
+        d.cq_data_size = CQ_DATA;
         d.cq_cnt = 256;
         d.ep_cnt = 1;
         d.tx_ctx_cnt = 1;
@@ -321,8 +322,13 @@ mod t {
             assert_eq!(admit(&*h, "shm"), None, "RMA");
             h.caps = fi::FI_MSG;
             (*h.ep_attr).mem_tag_format = u64::MAX;
-            assert_eq!(admit(&*h, "shm"), None, "64-bit tags");
+            assert!(admit(&*h, "shm").is_some(), "64-bit tags are met");
             (*h.ep_attr).mem_tag_format = 0;
+            (*h.domain_attr).cq_data_size = 4;
+            assert!(admit(&*h, "shm").is_some(), "4 bytes of CQ data are met");
+            (*h.domain_attr).cq_data_size = 16;
+            assert_eq!(admit(&*h, "shm"), None, "16 bytes of CQ data");
+            (*h.domain_attr).cq_data_size = 0;
             let name = std::ffi::CString::new("tcp-sim").unwrap();
             (*h.domain_attr).name = name.as_ptr() as *mut _;
             assert_eq!(admit(&*h, "shm"), None, "another domain");

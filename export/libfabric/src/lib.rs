@@ -3,17 +3,21 @@
 //! libfabric loads `libweft-fi.so` from `FI_PROVIDER_PATH` and calls [`fi_prov_ini`]; the
 //! provider is named `weft` and offers one `fi_info` per weft provider usable here, the domain
 //! named after it (`shm`, `tcp-sim`, `verbs-rc`, `hybrid`, ...). Its endpoints are reliable
-//! datagram (`FI_EP_RDM`) with `FI_MSG` and `FI_TAGGED` over weft's matching engine: a
-//! process joins its job through weft's bootstrap when it opens a domain (`weft run`, Hydra,
-//! Open MPI's `mpirun`, `srun`), and its libfabric names identify it within that job.
+//! datagram (`FI_EP_RDM`) with `FI_MSG` and `FI_TAGGED` (64-bit tags, any ignore mask, remote
+//! CQ data, `FI_PEEK`/`FI_CLAIM`/`FI_DISCARD`): a process finds its job through weft's
+//! bootstrap when it opens a domain (`weft run`, Hydra, Open MPI's `mpirun`, `srun`) and
+//! meets it at its first `fi_av_insert`; its libfabric names identify it within that job.
 //!
 //! * [`info`]: the `fi_info` lists, matched against hints (what weft cannot meet is
 //!   `-FI_ENODATA`), allocated with `calloc`/`strdup` because `fi_freeinfo` frees them.
 //! * [`obj`]: fabric, domain, endpoint, completion queue, address vector, event queue and
 //!   memory region objects, each a `#[repr(C)]` struct that begins with libfabric's `fid_*`
 //!   and carries its own operation tables.
-//! * [`state`]: the process's weft world and the operations in flight, behind one lock (the
-//!   provider is `FI_THREAD_SAFE`).
+//! * [`data`]: the data-path entry points (`fi_send`, `fi_tsenddata`, `fi_trecvmsg`, ...).
+//! * [`matching`]: libfabric's matching rules and the header weft-fi's messages carry over
+//!   weft (why weft-fi matches itself rather than through the core: that module's doc).
+//! * [`state`]: the process's weft world, the queues and the operations in flight, behind one
+//!   lock (the provider is `FI_THREAD_SAFE`).
 //!
 //! Every entry point runs inside [`guard`]: a Rust panic becomes `-FI_EOTHER`, never an
 //! unwind into C.
@@ -29,7 +33,9 @@ use weft_tcp_sim as _;
 use weft_verbs_rc as _;
 use weft_verbs_ud as _;
 
+pub mod data;
 pub mod info;
+pub mod matching;
 pub mod obj;
 pub mod state;
 

@@ -5,6 +5,7 @@
 //! [`crate::state`]. Every table entry is filled: libfabric's inline calls do not check for
 //! null, so what weft does not offer answers `-FI_ENOSYS`.
 
+use crate::data;
 use crate::state::{self, Entry, NAME_LEN};
 use crate::{err, guard, serr, NULL};
 use std::os::raw::{c_char, c_int, c_void};
@@ -12,7 +13,7 @@ use weft_ofi_sys as fi;
 
 type Fid = *mut fi::fid;
 
-fn addr<T>(p: *const T) -> usize {
+pub(crate) fn addr<T>(p: *const T) -> usize {
     p as usize
 }
 
@@ -576,7 +577,7 @@ unsafe fn put(buf: *mut c_void, i: usize, format: u32, e: &Entry) {
                 (*o).flags = e.flags;
                 (*o).len = e.len;
                 (*o).buf = e.buf;
-                (*o).data = 0;
+                (*o).data = e.data;
             }
             _ => {
                 let o = (buf as *mut fi::fi_cq_tagged_entry).add(i);
@@ -584,7 +585,7 @@ unsafe fn put(buf: *mut c_void, i: usize, format: u32, e: &Entry) {
                 (*o).flags = e.flags;
                 (*o).len = e.len;
                 (*o).buf = e.buf;
-                (*o).data = 0;
+                (*o).data = e.data;
                 (*o).tag = e.tag;
             }
         }
@@ -666,7 +667,7 @@ unsafe extern "C" fn cq_readerr(
                 o.flags = e.flags;
                 o.len = e.len;
                 o.buf = e.buf;
-                o.data = 0;
+                o.data = e.data;
                 o.tag = e.tag;
                 o.olen = e.olen;
                 o.err = e.err as c_int;
@@ -1043,27 +1044,27 @@ unsafe extern "C" fn ep_open(
             },
             msg: fi::fi_ops_msg {
                 size: std::mem::size_of::<fi::fi_ops_msg>(),
-                recv: Some(msg_recv),
-                recvv: Some(msg_recvv),
-                recvmsg: Some(msg_recvmsg),
-                send: Some(msg_send),
-                sendv: Some(msg_sendv),
-                sendmsg: Some(msg_sendmsg),
-                inject: Some(msg_inject),
-                senddata: Some(msg_senddata),
-                injectdata: Some(msg_injectdata),
+                recv: Some(data::msg_recv),
+                recvv: Some(data::msg_recvv),
+                recvmsg: Some(data::msg_recvmsg),
+                send: Some(data::msg_send),
+                sendv: Some(data::msg_sendv),
+                sendmsg: Some(data::msg_sendmsg),
+                inject: Some(data::msg_inject),
+                senddata: Some(data::msg_senddata),
+                injectdata: Some(data::msg_injectdata),
             },
             tagged: fi::fi_ops_tagged {
                 size: std::mem::size_of::<fi::fi_ops_tagged>(),
-                recv: Some(t_recv),
-                recvv: Some(t_recvv),
-                recvmsg: Some(t_recvmsg),
-                send: Some(t_send),
-                sendv: Some(t_sendv),
-                sendmsg: Some(t_sendmsg),
-                inject: Some(t_inject),
-                senddata: Some(t_senddata),
-                injectdata: Some(t_injectdata),
+                recv: Some(data::t_recv),
+                recvv: Some(data::t_recvv),
+                recvmsg: Some(data::t_recvmsg),
+                send: Some(data::t_send),
+                sendv: Some(data::t_sendv),
+                sendmsg: Some(data::t_sendmsg),
+                inject: Some(data::t_inject),
+                senddata: Some(data::t_senddata),
+                injectdata: Some(data::t_injectdata),
             },
         });
         b.fid.fid.fclass = fi::FI_CLASS_EP as usize;
@@ -1286,288 +1287,4 @@ unsafe extern "C" fn cm_join(
     _: *mut c_void,
 ) -> c_int {
     err(fi::FI_ENOSYS)
-}
-
-// ---- data path ------------------------------------------------------------------------
-
-#[allow(clippy::too_many_arguments)]
-fn send(
-    ep: *mut fi::fid_ep,
-    tagged: bool,
-    buf: *const c_void,
-    len: usize,
-    dest: u64,
-    tag: u64,
-    ctx: *mut c_void,
-    flags: Option<u64>,
-    inject: bool,
-) -> isize {
-    guard(serr(fi::FI_EOTHER as u64), || {
-        state::with(|g| g.send(addr(ep), tagged, buf, len, dest, tag, ctx, flags, inject))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn recv(
-    ep: *mut fi::fid_ep,
-    tagged: bool,
-    buf: *mut c_void,
-    len: usize,
-    src: u64,
-    tag: u64,
-    ignore: u64,
-    ctx: *mut c_void,
-    flags: Option<u64>,
-) -> isize {
-    guard(serr(fi::FI_EOTHER as u64), || {
-        state::with(|g| g.recv(addr(ep), tagged, buf, len, src, tag, ignore, ctx, flags))
-    })
-}
-
-/// The one buffer of an iovec of at most one entry.
-///
-/// # Safety
-/// `iov` holds `count` entries.
-unsafe fn one(iov: *const fi::iovec, count: usize) -> Option<(*mut c_void, usize)> {
-    match count {
-        0 => Some((NULL, 0)),
-        // SAFETY: per the contract.
-        1 => unsafe { iov.as_ref() }.map(|v| (v.iov_base, v.iov_len)),
-        _ => None,
-    }
-}
-
-unsafe extern "C" fn msg_recv(
-    ep: *mut fi::fid_ep,
-    buf: *mut c_void,
-    len: usize,
-    _desc: *mut c_void,
-    src: fi::fi_addr_t,
-    ctx: *mut c_void,
-) -> isize {
-    recv(ep, false, buf, len, src, 0, 0, ctx, None)
-}
-unsafe extern "C" fn msg_recvv(
-    ep: *mut fi::fid_ep,
-    iov: *const fi::iovec,
-    _desc: *mut *mut c_void,
-    count: usize,
-    src: fi::fi_addr_t,
-    ctx: *mut c_void,
-) -> isize {
-    // SAFETY: fi_recvv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => recv(ep, false, b, l, src, 0, 0, ctx, None),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn msg_recvmsg(ep: *mut fi::fid_ep, m: *const fi::fi_msg, flags: u64) -> isize {
-    // SAFETY: fi_recvmsg's message.
-    let Some(m) = (unsafe { m.as_ref() }) else {
-        return serr(fi::FI_EINVAL);
-    };
-    // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => recv(ep, false, b, l, m.addr, 0, 0, m.context, Some(flags)),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn msg_send(
-    ep: *mut fi::fid_ep,
-    buf: *const c_void,
-    len: usize,
-    _desc: *mut c_void,
-    dest: fi::fi_addr_t,
-    ctx: *mut c_void,
-) -> isize {
-    send(ep, false, buf, len, dest, 0, ctx, None, false)
-}
-unsafe extern "C" fn msg_sendv(
-    ep: *mut fi::fid_ep,
-    iov: *const fi::iovec,
-    _desc: *mut *mut c_void,
-    count: usize,
-    dest: fi::fi_addr_t,
-    ctx: *mut c_void,
-) -> isize {
-    // SAFETY: fi_sendv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => send(ep, false, b, l, dest, 0, ctx, None, false),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn msg_sendmsg(ep: *mut fi::fid_ep, m: *const fi::fi_msg, flags: u64) -> isize {
-    // SAFETY: fi_sendmsg's message.
-    let Some(m) = (unsafe { m.as_ref() }) else {
-        return serr(fi::FI_EINVAL);
-    };
-    if flags & fi::FI_REMOTE_CQ_DATA != 0 {
-        return serr(fi::FI_ENOSYS);
-    }
-    // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => send(ep, false, b, l, m.addr, 0, m.context, Some(flags), false),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn msg_inject(
-    ep: *mut fi::fid_ep,
-    buf: *const c_void,
-    len: usize,
-    dest: fi::fi_addr_t,
-) -> isize {
-    send(ep, false, buf, len, dest, 0, NULL, None, true)
-}
-unsafe extern "C" fn msg_senddata(
-    _: *mut fi::fid_ep,
-    _: *const c_void,
-    _: usize,
-    _: *mut c_void,
-    _: u64,
-    _: fi::fi_addr_t,
-    _: *mut c_void,
-) -> isize {
-    serr(fi::FI_ENOSYS)
-}
-unsafe extern "C" fn msg_injectdata(
-    _: *mut fi::fid_ep,
-    _: *const c_void,
-    _: usize,
-    _: u64,
-    _: fi::fi_addr_t,
-) -> isize {
-    serr(fi::FI_ENOSYS)
-}
-
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn t_recv(
-    ep: *mut fi::fid_ep,
-    buf: *mut c_void,
-    len: usize,
-    _desc: *mut c_void,
-    src: fi::fi_addr_t,
-    tag: u64,
-    ignore: u64,
-    ctx: *mut c_void,
-) -> isize {
-    recv(ep, true, buf, len, src, tag, ignore, ctx, None)
-}
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn t_recvv(
-    ep: *mut fi::fid_ep,
-    iov: *const fi::iovec,
-    _desc: *mut *mut c_void,
-    count: usize,
-    src: fi::fi_addr_t,
-    tag: u64,
-    ignore: u64,
-    ctx: *mut c_void,
-) -> isize {
-    // SAFETY: fi_trecvv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => recv(ep, true, b, l, src, tag, ignore, ctx, None),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn t_recvmsg(
-    ep: *mut fi::fid_ep,
-    m: *const fi::fi_msg_tagged,
-    flags: u64,
-) -> isize {
-    // SAFETY: fi_trecvmsg's message.
-    let Some(m) = (unsafe { m.as_ref() }) else {
-        return serr(fi::FI_EINVAL);
-    };
-    // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => recv(
-            ep,
-            true,
-            b,
-            l,
-            m.addr,
-            m.tag,
-            m.ignore,
-            m.context,
-            Some(flags),
-        ),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn t_send(
-    ep: *mut fi::fid_ep,
-    buf: *const c_void,
-    len: usize,
-    _desc: *mut c_void,
-    dest: fi::fi_addr_t,
-    tag: u64,
-    ctx: *mut c_void,
-) -> isize {
-    send(ep, true, buf, len, dest, tag, ctx, None, false)
-}
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn t_sendv(
-    ep: *mut fi::fid_ep,
-    iov: *const fi::iovec,
-    _desc: *mut *mut c_void,
-    count: usize,
-    dest: fi::fi_addr_t,
-    tag: u64,
-    ctx: *mut c_void,
-) -> isize {
-    // SAFETY: fi_tsendv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => send(ep, true, b, l, dest, tag, ctx, None, false),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn t_sendmsg(
-    ep: *mut fi::fid_ep,
-    m: *const fi::fi_msg_tagged,
-    flags: u64,
-) -> isize {
-    // SAFETY: fi_tsendmsg's message.
-    let Some(m) = (unsafe { m.as_ref() }) else {
-        return serr(fi::FI_EINVAL);
-    };
-    if flags & fi::FI_REMOTE_CQ_DATA != 0 {
-        return serr(fi::FI_ENOSYS);
-    }
-    // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => send(ep, true, b, l, m.addr, m.tag, m.context, Some(flags), false),
-        None => serr(fi::FI_EINVAL),
-    }
-}
-unsafe extern "C" fn t_inject(
-    ep: *mut fi::fid_ep,
-    buf: *const c_void,
-    len: usize,
-    dest: fi::fi_addr_t,
-    tag: u64,
-) -> isize {
-    send(ep, true, buf, len, dest, tag, NULL, None, true)
-}
-#[allow(clippy::too_many_arguments)]
-unsafe extern "C" fn t_senddata(
-    _: *mut fi::fid_ep,
-    _: *const c_void,
-    _: usize,
-    _: *mut c_void,
-    _: u64,
-    _: fi::fi_addr_t,
-    _: u64,
-    _: *mut c_void,
-) -> isize {
-    serr(fi::FI_ENOSYS)
-}
-unsafe extern "C" fn t_injectdata(
-    _: *mut fi::fid_ep,
-    _: *const c_void,
-    _: usize,
-    _: u64,
-    _: fi::fi_addr_t,
-    _: u64,
-) -> isize {
-    serr(fi::FI_ENOSYS)
 }

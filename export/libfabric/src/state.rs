@@ -5,12 +5,12 @@
 //! All mutable state lives here, keyed by the object's address: the objects themselves are
 //! written once, when they are made.
 
-use crate::info::TAG_BITS;
+use crate::matching::{Arrived, Hdr, Queues, Recv, EAGER, HDR};
 use crate::{serr, NULL};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::raw::c_void;
 use std::sync::Mutex;
-use weft::{RawRequest, Source, Status, TagSel};
+use weft::{RawRequest, Source, TagSel};
 use weft_ofi_sys as fi;
 
 /// What a queue holds for one finished operation.
@@ -23,6 +23,8 @@ pub struct Entry {
     pub tag: u64,
     /// World rank of the sender (receives).
     pub src: Option<u32>,
+    /// Remote CQ data (with `FI_REMOTE_CQ_DATA` in `flags`).
+    pub data: u64,
     /// For error entries: the positive libfabric error and the bytes that did not fit.
     pub err: u64,
     pub olen: usize,
@@ -57,29 +59,73 @@ pub struct Ep {
     pub directed: bool,
 }
 
-/// One operation in flight.
+/// What a finished operation reports.
+enum What {
+    Send {
+        tagged: bool,
+    },
+    /// A long message's data arriving in the receive its header matched.
+    Recv {
+        tagged: bool,
+        r: Recv,
+        hdr: Hdr,
+        src: u32,
+    },
+    /// Nothing: a long message's header, a discarded message's data.
+    Quiet,
+}
+
+/// One weft operation in flight.
 pub struct Op {
     req: RawRequest,
     ep: usize,
-    recv: bool,
-    tagged: bool,
+    what: What,
     ctx: *mut c_void,
-    buf: *mut c_void,
     /// Report to the queue (false: inject, or a selective completion not asked for).
     report: bool,
-    /// The copy an inject sends from, kept until weft is done with it.
+    /// The bytes a send goes from when weft-fi made them (header and inline payload), kept
+    /// until weft is done with them.
     _owned: Option<Vec<u8>>,
 }
 
-/// A receive posted before the job met.
-struct Deferred {
-    ep: usize,
-    tagged: bool,
-    buf: *mut c_void,
-    len: usize,
-    sel: TagSel,
-    ctx: *mut c_void,
-    report: bool,
+/// A control-tag receive kept posted for arriving headers.
+struct Bounce {
+    req: RawRequest,
+    buf: Vec<u8>,
+}
+
+/// Control receives kept posted (more arriving headers wait in weft's unexpected queue).
+const BOUNCES: usize = 32;
+/// The weft tag of headers (on the world communicator); long payloads use their own tags on
+/// a communicator of their own.
+const CTRL: i32 = 0;
+
+/// A send as the entry points give it.
+pub struct SendArgs {
+    pub tagged: bool,
+    pub buf: *const c_void,
+    pub len: usize,
+    pub dest: u64,
+    pub tag: u64,
+    /// Remote CQ data.
+    pub data: Option<u64>,
+    pub ctx: *mut c_void,
+    /// `*msg` calls' flags; the endpoint's default otherwise.
+    pub flags: Option<u64>,
+    /// `fi_inject*`: copy now, report nothing.
+    pub inject: bool,
+}
+
+/// A receive as the entry points give it.
+pub struct RecvArgs {
+    pub tagged: bool,
+    pub buf: *mut c_void,
+    pub len: usize,
+    pub src: u64,
+    pub tag: u64,
+    pub ignore: u64,
+    pub ctx: *mut c_void,
+    pub flags: Option<u64>,
 }
 
 /// The world and the objects, for one process.
@@ -90,8 +136,8 @@ pub struct Global {
     /// (rank, size) in the job.
     me: (u32, u32),
     world: Option<weft::World>,
-    /// A communicator of its own for `FI_MSG`, so untagged messages never match tagged ones.
-    msg: Option<weft::Comm>,
+    /// A communicator of its own for long payloads, each on a tag of its own.
+    data: Option<weft::Comm>,
     pub domain: String,
     job: u64,
     pub live: HashSet<usize>,
@@ -99,7 +145,14 @@ pub struct Global {
     pub cqs: HashMap<usize, Cq>,
     pub avs: HashMap<usize, Av>,
     ops: Vec<Op>,
-    deferred: Vec<Deferred>,
+    bounces: VecDeque<Bounce>,
+    /// Matching of `FI_TAGGED` and of `FI_MSG` messages.
+    tagq: Queues,
+    msgq: Queues,
+    /// The next long-payload tag towards each rank.
+    next_long: Vec<u32>,
+    /// Peer failures already acted on.
+    failures_seen: u32,
 }
 
 /// A bootstrap whose collective part may still be ahead.
@@ -154,7 +207,7 @@ pub fn with<T>(f: impl FnOnce(&mut Global) -> T) -> T {
         boot: None,
         me: (0, 0),
         world: None,
-        msg: None,
+        data: None,
         domain: String::new(),
         job: 0,
         live: HashSet::new(),
@@ -162,7 +215,11 @@ pub fn with<T>(f: impl FnOnce(&mut Global) -> T) -> T {
         cqs: HashMap::new(),
         avs: HashMap::new(),
         ops: Vec::new(),
-        deferred: Vec::new(),
+        bounces: VecDeque::new(),
+        tagq: Queues::default(),
+        msgq: Queues::default(),
+        next_long: Vec::new(),
+        failures_seen: 0,
     });
     f(g)
 }
@@ -227,7 +284,9 @@ impl Global {
     }
 
     /// Open the provider with every process of the job (collective): at the first address
-    /// inserted, when each process has its endpoint and has handed its name on.
+    /// inserted, when each process has its endpoint and has handed its name on (fi_pingpong's
+    /// client opens its endpoint only once it has the server's name; Open MPI inserts its
+    /// peers' addresses in `MPI_Init`). Receives posted before wait in weft-fi's queues.
     pub fn join(&mut self) -> Result<(), u64> {
         if self.world.is_some() {
             return Ok(());
@@ -244,69 +303,65 @@ impl Global {
             eprintln!("weft-fi: cannot open domain {}: {e}", self.domain);
             fi::FI_ENODATA
         })?;
-        let msg = world.dup().map_err(|e| {
+        let data = world.dup().map_err(|e| {
             eprintln!("weft-fi: {e}");
             fi::FI_EOTHER as u64
         })?;
+        self.next_long = vec![0; world.size() as usize];
         self.world = Some(world);
-        self.msg = Some(msg);
-        for d in std::mem::take(&mut self.deferred) {
-            let r = self.post_recv(
-                d.ep,
-                d.tagged,
-                d.buf,
-                d.len,
-                Source::Any,
-                d.sel,
-                d.ctx,
-                d.report,
-            );
-            if r != 0 {
-                self.fail_deferred(&d, (-r) as u64);
-            }
+        self.data = Some(data);
+        for _ in 0..BOUNCES {
+            self.post_bounce(vec![0u8; HDR + EAGER])?;
         }
         Ok(())
     }
 
-    /// An error entry on its endpoint's receive queue for a deferred receive that will not run.
-    fn fail_deferred(&mut self, d: &Deferred, err: u64) {
-        if let Some(q) = self
-            .eps
-            .get(&d.ep)
-            .map(|e| e.rx_cq)
-            .and_then(|c| self.cqs.get_mut(&c))
-        {
-            q.err.push_back(Entry {
-                ctx: d.ctx,
-                flags: fi::FI_RECV | if d.tagged { fi::FI_TAGGED } else { fi::FI_MSG },
-                len: 0,
-                buf: d.buf,
-                tag: 0,
-                src: None,
-                err,
-                olen: 0,
-            });
-        }
+    /// Keep one more control receive posted, into `buf`.
+    fn post_bounce(&mut self, buf: Vec<u8>) -> Result<(), u64> {
+        let w = self.world.as_ref().ok_or(fi::FI_EOPBADSTATE as u64)?;
+        let mut buf = buf;
+        // SAFETY: the buffer is owned by the `Bounce` that holds the request, which stays in
+        // `bounces` until the request has completed (or the world is finalized); a Vec's heap
+        // block does not move when the Vec does.
+        let req =
+            unsafe { w.irecv_raw(buf.as_mut_ptr(), buf.len(), Source::Any, TagSel::Tag(CTRL)) }
+                .map_err(|e| code_of(&e))?;
+        self.bounces.push_back(Bounce { req, buf });
+        Ok(())
     }
 
-    /// Finalize the world. Receives still posted (an endpoint whose close gave up, or one
-    /// never closed) are cancelled and given a bounded time to finish first, so that no late
-    /// message lands in a buffer the application may free once the domain is closed.
+    /// Finalize the world. Operations still in flight (an endpoint whose close gave up, or one
+    /// never closed) are given a bounded time to finish first, so that no late message lands
+    /// in a buffer the application may free once the domain is closed.
     pub fn close_world(&mut self) {
-        let eps: Vec<usize> = self.ops.iter().map(|o| o.ep).collect();
+        let eps: Vec<usize> = self.eps.keys().copied().collect();
         let t0 = std::time::Instant::now();
         for ep in eps {
             while self.drain_ep(ep) > 0 && t0.elapsed() < std::time::Duration::from_secs(10) {
                 std::thread::yield_now();
             }
         }
-        self.ops.clear();
-        self.msg = None;
+        if let Some(w) = self.world.as_ref() {
+            for b in &self.bounces {
+                let _ = w.cancel_raw(&b.req);
+            }
+        }
+        // The buffers weft may still read or write (bounces, send copies) go only once the
+        // world is finalized, which completes every request still open.
+        let ops = std::mem::take(&mut self.ops);
+        let bounces = std::mem::take(&mut self.bounces);
+        self.data = None;
         if let Some(w) = self.world.take() {
             if let Err(e) = w.finalize() {
                 eprintln!("weft-fi: finalize: {e}");
             }
         }
+        drop((ops, bounces));
+        // Receives still posted (on endpoints never closed) are never completed: a domain
+        // opened later must not write into their buffers.
+        self.tagq = Queues::default();
+        self.msgq = Queues::default();
+        self.failures_seen = 0;
         if let Some(b) = self.boot.take() {
             if let Ok(mut b) = b.ready() {
                 let _ = b.finalize();
@@ -373,20 +428,34 @@ impl Global {
             .map_or(0, |e| e.av)
     }
 
-    /// Post a send. `inject`: copy the data now and report nothing.
-    #[allow(clippy::too_many_arguments)]
-    pub fn send(
-        &mut self,
-        ep: usize,
-        tagged: bool,
-        buf: *const c_void,
-        len: usize,
-        dest: u64,
-        tag: u64,
-        ctx: *mut c_void,
-        flags: Option<u64>,
-        inject: bool,
-    ) -> isize {
+    fn queue(&mut self, tagged: bool) -> &mut Queues {
+        if tagged {
+            &mut self.tagq
+        } else {
+            &mut self.msgq
+        }
+    }
+
+    /// Put `e` on the receive (`rx`) or transmit queue of endpoint `ep`.
+    fn report(&mut self, ep: usize, rx: bool, e: Entry) {
+        let Some(cq) = self
+            .eps
+            .get(&ep)
+            .map(|e| if rx { e.rx_cq } else { e.tx_cq })
+        else {
+            return;
+        };
+        if let Some(q) = self.cqs.get_mut(&cq) {
+            if e.err == 0 {
+                q.ok.push_back(e);
+            } else {
+                q.err.push_back(e);
+            }
+        }
+    }
+
+    /// Post a send.
+    pub fn send(&mut self, ep: usize, a: SendArgs) -> isize {
         if self.ops.len() >= crate::info::QUEUE * 2 {
             self.poll();
             if self.ops.len() >= crate::info::QUEUE * 2 {
@@ -399,207 +468,366 @@ impl Global {
         if !e.enabled {
             return serr(fi::FI_EOPBADSTATE as u64);
         }
-        if tag & !TAG_BITS != 0 {
-            return serr(fi::FI_EINVAL);
-        }
-        if inject && len > crate::info::INJECT {
+        let flags = a.flags.unwrap_or(e.tx_op_flags);
+        let inject = a.inject || flags & fi::FI_INJECT != 0;
+        if inject && a.len > crate::info::INJECT {
             return serr(fi::FI_EMSGSIZE);
         }
-        let Some(rank) = self.rank_at(e, dest) else {
+        if a.len > 0 && a.buf.is_null() {
+            return serr(fi::FI_EINVAL);
+        }
+        let Some(rank) = self.rank_at(e, a.dest) else {
             return serr(fi::FI_EINVAL);
         };
-        let flags = flags.unwrap_or(e.tx_op_flags);
-        let report = !inject
+        let report = !a.inject
             && flags & fi::FI_INJECT == 0
             && (!e.tx_selective || flags & fi::FI_COMPLETION != 0);
-        let owned = (inject || flags & fi::FI_INJECT != 0).then(|| {
-            if len == 0 || buf.is_null() {
-                Vec::new()
-            } else {
-                // SAFETY: libfabric's contract: `buf` holds `len` readable bytes for the call.
-                unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec()
-            }
+        if self.world.is_none() || self.data.is_none() {
+            return serr(fi::FI_EOPBADSTATE as u64);
+        }
+        let long = (a.len > EAGER).then(|| {
+            let n = &mut self.next_long[rank as usize];
+            let t = *n & 0x7fff_ffff;
+            *n = n.wrapping_add(1);
+            t
         });
-        let ptr = owned.as_ref().map_or(buf as *const u8, |v| v.as_ptr());
-        let comm: &weft::Comm = match if tagged {
-            self.world.as_deref()
-        } else {
-            self.msg.as_ref()
-        } {
-            Some(c) => c,
-            // No address inserted yet: no peer to send to.
-            None => return serr(fi::FI_EINVAL),
+        let hdr = Hdr {
+            tagged: a.tagged,
+            tag: if a.tagged { a.tag } else { 0 },
+            data: a.data,
+            len: a.len as u64,
+            long,
         };
-        // SAFETY: the buffer is the application's until the completion this op reports
-        // (libfabric's rule for fi_send), or our own copy, kept in the op until weft is done.
-        let req = match unsafe { comm.isend_raw(ptr, len, rank, tag as i32, false) } {
+        let mut msg = Vec::with_capacity(HDR + if long.is_none() { a.len } else { 0 });
+        msg.extend_from_slice(&hdr.encode());
+        if long.is_none() && a.len > 0 {
+            // SAFETY: libfabric's contract: `buf` holds `len` readable bytes for the call.
+            msg.extend_from_slice(unsafe { std::slice::from_raw_parts(a.buf as *const u8, a.len) });
+        }
+        let w: &weft::Comm = self.world.as_deref().expect("checked");
+        // SAFETY: `msg` is weft-fi's own, kept in the op until weft is done with it (a Vec's
+        // heap block does not move when the Vec does).
+        let head = match unsafe { w.isend_raw(msg.as_ptr(), msg.len(), rank, CTRL, false) } {
             Ok(r) => r,
             Err(e) => return serr(code_of(&e)),
         };
+        let body = match long {
+            None => None,
+            // SAFETY: the buffer is the application's until the completion this op reports
+            // (libfabric's rule for fi_send); a long message is never an inject.
+            Some(t) => match unsafe {
+                self.data.as_ref().expect("checked").isend_raw(
+                    a.buf as *const u8,
+                    a.len,
+                    rank,
+                    t as i32,
+                    false,
+                )
+            } {
+                Ok(r) => Some(r),
+                Err(e) => return serr(code_of(&e)),
+            },
+        };
+        let sent = What::Send { tagged: a.tagged };
+        let quiet = body.is_some();
         self.ops.push(Op {
-            req,
+            req: head,
             ep,
-            recv: false,
-            tagged,
-            ctx,
-            buf: buf as *mut c_void,
-            report,
-            _owned: owned,
+            what: if quiet { What::Quiet } else { sent },
+            ctx: a.ctx,
+            report: report && !quiet,
+            _owned: Some(msg),
         });
+        if let Some(req) = body {
+            self.ops.push(Op {
+                req,
+                ep,
+                what: What::Send { tagged: a.tagged },
+                ctx: a.ctx,
+                report,
+                _owned: None,
+            });
+        }
         0
     }
 
-    /// Post a receive.
-    #[allow(clippy::too_many_arguments)]
-    pub fn recv(
-        &mut self,
-        ep: usize,
-        tagged: bool,
-        buf: *mut c_void,
-        len: usize,
-        src: u64,
-        tag: u64,
-        ignore: u64,
-        ctx: *mut c_void,
-        flags: Option<u64>,
-    ) -> isize {
+    /// Post a receive (or, with `FI_PEEK`, look for a message; with `FI_CLAIM`, receive the
+    /// message an earlier peek claimed).
+    pub fn recv(&mut self, ep: usize, a: RecvArgs) -> isize {
         let Some(e) = self.eps.get(&ep) else {
             return serr(fi::FI_EINVAL);
         };
         if !e.enabled {
             return serr(fi::FI_EOPBADSTATE as u64);
         }
-        let flags = flags.unwrap_or(e.rx_op_flags);
-        if flags & (fi::FI_PEEK | fi::FI_CLAIM | fi::FI_DISCARD | fi::FI_MULTI_RECV) != 0 {
+        let flags = a.flags.unwrap_or(e.rx_op_flags);
+        if flags & fi::FI_MULTI_RECV != 0
+            || (!a.tagged && flags & (fi::FI_PEEK | fi::FI_CLAIM | fi::FI_DISCARD) != 0)
+        {
             return serr(fi::FI_ENOSYS);
         }
-        let sel = if !tagged || ignore & TAG_BITS == 0 {
-            if tag & !TAG_BITS != 0 {
-                return serr(fi::FI_EINVAL);
-            }
-            TagSel::Tag(if tagged { tag as i32 } else { 0 })
-        } else if ignore & TAG_BITS == TAG_BITS {
-            TagSel::Any
-        } else {
-            // A partial ignore mask: weft matches whole tags or any tag.
+        if a.len > 0 && a.buf.is_null() && flags & (fi::FI_PEEK | fi::FI_DISCARD) == 0 {
             return serr(fi::FI_EINVAL);
-        };
-        let source = if src == fi::FI_ADDR_UNSPEC || !e.directed {
-            Source::Any
+        }
+        let src = if a.src == fi::FI_ADDR_UNSPEC || !e.directed {
+            None
         } else {
-            match self.rank_at(e, src) {
-                Some(r) => Source::Rank(r),
+            match self.rank_at(e, a.src) {
+                Some(r) => Some(r),
                 None => return serr(fi::FI_EINVAL),
             }
         };
-        let report = !e.rx_selective || flags & fi::FI_COMPLETION != 0;
-        if self.world.is_none() {
-            // Before the job has met (no address inserted yet): posted when it does.
-            self.deferred.push(Deferred {
-                ep,
-                tagged,
-                buf,
-                len,
-                sel,
-                ctx,
-                report,
-            });
+        let r = Recv {
+            ep,
+            buf: a.buf,
+            len: a.len,
+            src,
+            tag: if a.tagged { a.tag } else { 0 },
+            ignore: if a.tagged { a.ignore } else { 0 },
+            ctx: a.ctx,
+            report: !e.rx_selective || flags & fi::FI_COMPLETION != 0,
+        };
+        let kind = if a.tagged { fi::FI_TAGGED } else { fi::FI_MSG };
+        if flags & fi::FI_PEEK != 0 {
+            let claim = flags & fi::FI_CLAIM != 0;
+            let found = self.queue(a.tagged).peek(&r, claim);
+            let mut entry = Entry {
+                ctx: a.ctx,
+                flags: fi::FI_RECV | kind,
+                ..Entry::default()
+            };
+            match found {
+                Some((src, hdr)) => {
+                    entry.fill(&hdr, src, hdr.len as usize);
+                    if flags & fi::FI_DISCARD != 0 {
+                        if let Some(m) = self.queue(a.tagged).take_unexpected(&r) {
+                            self.discard(ep, m);
+                        }
+                    }
+                }
+                None => entry.err = fi::FI_ENOMSG,
+            }
+            self.report(ep, true, entry);
             return 0;
         }
-        self.post_recv(ep, tagged, buf, len, source, sel, ctx, report)
+        let found = if flags & fi::FI_CLAIM != 0 {
+            match self.queue(a.tagged).take_claimed(a.ctx) {
+                Some(m) => Some(m),
+                None => return serr(fi::FI_EINVAL),
+            }
+        } else {
+            self.queue(a.tagged).take_unexpected(&r)
+        };
+        match found {
+            Some(m) if flags & fi::FI_DISCARD != 0 => {
+                let mut entry = Entry {
+                    ctx: a.ctx,
+                    flags: fi::FI_RECV | kind,
+                    ..Entry::default()
+                };
+                entry.fill(&m.hdr, m.src, 0);
+                self.discard(ep, m);
+                self.report(ep, true, entry);
+            }
+            Some(m) => self.deliver(r, m.src, m.hdr, &m.payload),
+            None => self.queue(a.tagged).post(r),
+        }
+        0
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn post_recv(
-        &mut self,
-        ep: usize,
-        tagged: bool,
-        buf: *mut c_void,
-        len: usize,
-        source: Source,
-        sel: TagSel,
-        ctx: *mut c_void,
-        report: bool,
-    ) -> isize {
-        let comm: &weft::Comm = if tagged {
-            self.world.as_deref()
+    /// A matched message into its receive: an inline payload is copied now; a long one is
+    /// asked of weft, straight into the receive's buffer.
+    fn deliver(&mut self, r: Recv, src: u32, hdr: Hdr, payload: &[u8]) {
+        let kind = if hdr.tagged {
+            fi::FI_TAGGED
         } else {
-            self.msg.as_ref()
-        }
-        .expect("posted only once the job has met");
-        // SAFETY: libfabric's rule for fi_recv: the buffer is the provider's until the
-        // operation's completion (or its cancellation's) is reported.
-        let req = match unsafe { comm.irecv_raw(buf as *mut u8, len, source, sel) } {
-            Ok(r) => r,
-            Err(e) => return serr(code_of(&e)),
+            fi::FI_MSG
         };
-        self.ops.push(Op {
-            req,
-            ep,
-            recv: true,
-            tagged,
-            ctx,
-            buf,
-            report,
-            _owned: None,
-        });
-        0
+        let mut entry = Entry {
+            ctx: r.ctx,
+            flags: fi::FI_RECV | kind,
+            buf: r.buf,
+            ..Entry::default()
+        };
+        match hdr.long {
+            None => {
+                let n = payload.len().min(r.len);
+                if n > 0 {
+                    // SAFETY: libfabric's rule for fi_recv: the buffer holds `r.len` >= n
+                    // writable bytes and is the provider's until this completion is reported;
+                    // `payload` is weft-fi's own bounce buffer, so the two do not overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), r.buf as *mut u8, n) };
+                }
+                entry.fill(&hdr, src, n);
+                if n < payload.len() {
+                    entry.err = fi::FI_ETRUNC as u64;
+                    entry.olen = payload.len() - n;
+                }
+                if r.report || entry.err != 0 {
+                    self.report(r.ep, true, entry);
+                }
+            }
+            Some(t) => {
+                let Some(dc) = self.data.as_ref() else { return };
+                // SAFETY: as above: the application's buffer of `r.len` bytes is weft's until
+                // this op's completion is reported.
+                match unsafe {
+                    dc.irecv_raw(
+                        r.buf as *mut u8,
+                        r.len,
+                        Source::Rank(src),
+                        TagSel::Tag(t as i32),
+                    )
+                } {
+                    Ok(req) => self.ops.push(Op {
+                        req,
+                        ep: r.ep,
+                        what: What::Recv {
+                            tagged: hdr.tagged,
+                            r,
+                            hdr,
+                            src,
+                        },
+                        ctx: r.ctx,
+                        report: r.report,
+                        _owned: None,
+                    }),
+                    Err(e) => {
+                        entry.fill(&hdr, src, 0);
+                        entry.err = code_of(&e);
+                        self.report(r.ep, true, entry);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drop an unexpected message (`FI_DISCARD`): a long one's data is received into nothing
+    /// (weft truncates it), so its sender completes.
+    fn discard(&mut self, ep: usize, m: Arrived) {
+        let (Some(t), Some(dc)) = (m.hdr.long, self.data.as_ref()) else {
+            return;
+        };
+        // SAFETY: a receive of no bytes writes nothing.
+        if let Ok(req) = unsafe {
+            dc.irecv_raw(
+                std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                0,
+                Source::Rank(m.src),
+                TagSel::Tag(t as i32),
+            )
+        } {
+            self.ops.push(Op {
+                req,
+                ep,
+                what: What::Quiet,
+                ctx: NULL,
+                report: false,
+                _owned: None,
+            });
+        }
     }
 
     /// Cancel the receive posted with `ctx` on `ep`.
     pub fn cancel(&mut self, ep: usize, ctx: *mut c_void) -> isize {
-        if let Some(i) = self
-            .deferred
-            .iter()
-            .position(|d| d.ep == ep && d.ctx == ctx && ctx != NULL)
-        {
-            let d = self.deferred.remove(i);
-            self.fail_deferred(&d, fi::FI_ECANCELED);
-            return 0;
-        }
-        let Some(w) = self.world.as_ref() else {
-            return serr(fi::FI_ENOENT);
-        };
-        match self
-            .ops
-            .iter()
-            .find(|o| o.ep == ep && o.recv && o.ctx == ctx && ctx != NULL)
-        {
-            Some(o) => match w.cancel_raw(&o.req) {
-                Ok(()) => 0,
-                Err(e) => serr(code_of(&e)),
-            },
+        let hit = self
+            .tagq
+            .cancel(ep, ctx)
+            .map(|r| (r, true))
+            .or_else(|| self.msgq.cancel(ep, ctx).map(|r| (r, false)));
+        match hit {
+            Some((r, tagged)) => {
+                self.report(
+                    ep,
+                    true,
+                    Entry {
+                        ctx: r.ctx,
+                        flags: fi::FI_RECV | if tagged { fi::FI_TAGGED } else { fi::FI_MSG },
+                        buf: r.buf,
+                        err: fi::FI_ECANCELED,
+                        ..Entry::default()
+                    },
+                );
+                0
+            }
+            // Matched already (its data on the way) or never posted.
             None => serr(fi::FI_ENOENT),
         }
     }
 
-    /// Cancel the receives endpoint `ep` still has posted and make progress; how many of its
-    /// operations weft still holds (their buffers are not the application's yet).
+    /// Take back the receives endpoint `ep` still has posted and make progress; how many of
+    /// its operations weft still holds (their buffers are not the application's yet).
     pub fn drain_ep(&mut self, ep: usize) -> usize {
-        self.deferred.retain(|d| d.ep != ep);
+        self.tagq.drain_ep(ep);
+        self.msgq.drain_ep(ep);
         if let Some(w) = self.world.as_ref() {
-            for o in self.ops.iter().filter(|o| o.ep == ep && o.recv) {
-                let _ = w.cancel_raw(&o.req);
+            // A long message's data already matched completes (or fails with its sender).
+            for o in self.ops.iter().filter(|o| o.ep == ep) {
+                if matches!(o.what, What::Recv { .. }) {
+                    let _ = w.cancel_raw(&o.req);
+                }
             }
         }
         self.poll();
         self.ops.iter().filter(|o| o.ep == ep).count()
     }
 
-    /// One step of progress, and every finished operation onto its queue.
+    /// One step of progress: arrived headers matched (in arrival order), finished operations
+    /// onto their queues, receives that only a failed peer could match failed.
     pub fn poll(&mut self) {
         let Some(w) = self.world.as_ref() else {
             return;
         };
         let _ = w.progress();
+        while let Some(b) = self.bounces.front_mut() {
+            let Some(w) = self.world.as_ref() else { return };
+            let res = match w.take_raw(&mut b.req) {
+                Ok(Some(r)) => r,
+                _ => break,
+            };
+            let b = self.bounces.pop_front().expect("front");
+            if let Ok(st) = res {
+                if !st.cancelled {
+                    self.arrived(st.source, &b.buf[..st.bytes.min(b.buf.len())]);
+                }
+            }
+            if self.post_bounce(b.buf).is_err() {
+                break;
+            }
+        }
+        self.finish_ops();
+        self.check_failures();
+    }
+
+    /// A control message from `src`.
+    fn arrived(&mut self, src: u32, msg: &[u8]) {
+        let Some((hdr, payload)) = Hdr::decode(msg) else {
+            eprintln!("weft-fi: a malformed message from rank {src} was dropped");
+            return;
+        };
+        match self.queue(hdr.tagged).arrive(src, hdr.tag) {
+            Some(r) => self.deliver(r, src, hdr, payload),
+            None => self.queue(hdr.tagged).stash(Arrived {
+                src,
+                hdr,
+                payload: payload.to_vec(),
+                claimed: None,
+            }),
+        }
+    }
+
+    fn finish_ops(&mut self) {
+        let Some(w) = self.world.as_ref() else {
+            return;
+        };
         let mut done = vec![];
         let mut i = 0;
         while i < self.ops.len() {
             match w.take_raw(&mut self.ops[i].req) {
-                Ok(Some(r)) => done.push((self.ops.remove(i), r)),
+                Ok(Some(r)) => done.push((self.ops.swap_remove(i), r)),
                 Ok(None) => i += 1,
                 Err(_) => {
-                    self.ops.remove(i);
+                    self.ops.swap_remove(i);
                 }
             }
         }
@@ -607,51 +835,101 @@ impl Global {
             if !op.report {
                 continue;
             }
-            let Some(ep) = self.eps.get(&op.ep) else {
-                continue;
-            };
-            let cq = if op.recv { ep.rx_cq } else { ep.tx_cq };
-            let Some(q) = self.cqs.get_mut(&cq) else {
-                continue;
-            };
-            let kind = if op.tagged { fi::FI_TAGGED } else { fi::FI_MSG };
-            let dir = if op.recv { fi::FI_RECV } else { fi::FI_SEND };
             let mut e = Entry {
                 ctx: op.ctx,
-                flags: kind | dir,
-                len: 0,
-                buf: if op.recv { op.buf } else { NULL },
-                tag: 0,
-                src: None,
-                err: 0,
-                olen: 0,
+                ..Entry::default()
+            };
+            let rx = match &op.what {
+                What::Quiet => continue,
+                What::Send { tagged } => {
+                    e.flags = fi::FI_SEND | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
+                    false
+                }
+                What::Recv {
+                    tagged,
+                    r,
+                    hdr,
+                    src,
+                } => {
+                    e.flags = fi::FI_RECV | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
+                    e.buf = r.buf;
+                    e.fill(hdr, *src, (hdr.len as usize).min(r.len));
+                    true
+                }
             };
             match r {
-                Ok(Status {
-                    cancelled: true, ..
-                }) => {
-                    e.err = fi::FI_ECANCELED;
-                    q.err.push_back(e);
-                }
-                Ok(st) => {
-                    if op.recv {
-                        e.len = st.bytes;
-                        e.tag = if op.tagged { st.tag as u64 } else { 0 };
-                        e.src = Some(st.source);
-                    }
-                    q.ok.push_back(e);
-                }
+                Ok(st) if st.cancelled => e.err = fi::FI_ECANCELED,
+                Ok(_) => {}
                 Err(err) => {
                     e.err = code_of(&err);
-                    if let Some((st, cap)) = err.truncated() {
+                    if let (Some((st, cap)), What::Recv { .. }) = (err.truncated(), &op.what) {
                         e.len = cap;
                         e.olen = st.bytes.saturating_sub(cap);
-                        e.tag = if op.tagged { st.tag as u64 } else { 0 };
-                        e.src = Some(st.source);
                     }
-                    q.err.push_back(e);
                 }
             }
+            self.report(op.ep, rx, e);
+        }
+    }
+
+    /// Fail the posted receives only a newly failed peer could have matched (those from any
+    /// source too, once no peer is left), with `FI_EIO`.
+    fn check_failures(&mut self) {
+        let Some(w) = self.world.as_ref() else {
+            return;
+        };
+        let n = w.failed_peers();
+        if n == self.failures_seen {
+            return;
+        }
+        self.failures_seen = n;
+        let size = w.size();
+        let failed: Vec<u32> = (0..size).filter(|r| w.peer_failure(*r).is_some()).collect();
+        let none_left = failed.len() as u32 + 1 >= size;
+        for rank in failed {
+            for tagged in [true, false] {
+                let q = self.queue(tagged);
+                q.forget_long_from(rank);
+                for r in q.fail_source(rank, none_left) {
+                    let e = Entry {
+                        ctx: r.ctx,
+                        flags: fi::FI_RECV | if tagged { fi::FI_TAGGED } else { fi::FI_MSG },
+                        buf: r.buf,
+                        err: fi::FI_EIO,
+                        ..Entry::default()
+                    };
+                    self.report(r.ep, true, e);
+                }
+            }
+        }
+    }
+}
+
+impl Entry {
+    /// A receive's fields from the message's header.
+    fn fill(&mut self, hdr: &Hdr, src: u32, len: usize) {
+        self.len = len;
+        self.tag = if hdr.tagged { hdr.tag } else { 0 };
+        self.src = Some(src);
+        if let Some(d) = hdr.data {
+            self.data = d;
+            self.flags |= fi::FI_REMOTE_CQ_DATA;
+        }
+    }
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Entry {
+            ctx: NULL,
+            flags: 0,
+            len: 0,
+            buf: NULL,
+            tag: 0,
+            data: 0,
+            src: None,
+            err: 0,
+            olen: 0,
         }
     }
 }

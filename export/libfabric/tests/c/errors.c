@@ -9,6 +9,8 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,6 +150,108 @@ int main(int argc, char **argv)
 		      "the cancelled receive is an FI_ECANCELED error entry");
 		CHECK(fi_tsend(ep, buf, 8, NULL, a, 6, buf) == 0, "fi_tsend");
 		CHECK(wait_cq(cq, &c, &e) == 1, "send completion");
+	}
+	/* libfabric's matching: 64-bit tags with a partial ignore mask, remote CQ data, FI_PEEK,
+	 * FI_CLAIM and FI_DISCARD, on short and long (rendezvous) messages. */
+	static unsigned char big[100000], got[100000];
+	const uint64_t T1 = 0x123456789abcdef0ull, T2 = 0xaaaa000000000001ull,
+		       T3 = 0xaaaa000000000002ull, T4 = 0xbbbb00000000ffffull;
+	if (rank == 0) {
+		for (size_t i = 0; i < sizeof(big); i++)
+			big[i] = (unsigned char)(i * 7 + 1);
+		memset(buf, 9, sizeof(buf));
+		CHECK(fi_tsenddata(ep, buf, 16, NULL, 0xfeedbeefcafeull, a, T1, buf) == 0,
+		      "fi_tsenddata");
+		CHECK(wait_cq(cq, &c, &e) == 1, "senddata completion");
+		CHECK(fi_tinject(ep, buf, 4, a, T2) == 0, "fi_tinject (to be peeked and claimed)");
+		CHECK(fi_tinjectdata(ep, buf, 4, 42, a, T3) == 0, "fi_tinjectdata (to be discarded)");
+		CHECK(fi_tsend(ep, big, sizeof(big), NULL, a, T4, big) == 0, "a long fi_tsend");
+		CHECK(wait_cq(cq, &c, &e) == 1 && c.op_context == big, "long send completion");
+		CHECK(fi_trecv(ep, buf, 8, NULL, FI_ADDR_UNSPEC, 7, 0, buf) == 0, "fi_trecv");
+		if (getenv("KILL_AT_END")) {
+			double t1 = now();
+			CHECK(wait_cq(cq, &c, &e) == -FI_EAVAIL && e.err == FI_EIO &&
+				      e.op_context == buf,
+			      "the receive the killed peer would have matched is an FI_EIO entry");
+			printf("rank 0: the error entry came %.0f ms after the receive\n",
+			       (now() - t1) * 1e3);
+		} else {
+			CHECK(wait_cq(cq, &c, &e) == 1, "the peer's matching checks are done");
+		}
+	} else {
+		char r[64];
+		CHECK(fi_trecv(ep, r, sizeof(r), NULL, FI_ADDR_UNSPEC, 0x1234000000000000ull,
+			       0x0000ffffffffffffull, r) == 0,
+		      "fi_trecv with a partial ignore mask");
+		CHECK(wait_cq(cq, &c, &e) == 1 && c.tag == T1 && c.len == 16 &&
+			      (c.flags & FI_REMOTE_CQ_DATA) && c.data == 0xfeedbeefcafeull,
+		      "it matched, with the whole tag and the remote CQ data");
+		struct fi_msg_tagged m = {0};
+		struct iovec iov = {.iov_base = r, .iov_len = sizeof(r)};
+		struct fi_context pc;
+		m.addr = FI_ADDR_UNSPEC;
+		m.context = &pc;
+		/* Peek until the message is there (-FI_ENOMSG error entries until then). */
+		ssize_t got_one;
+		double t1 = now();
+		do {
+			m.tag = T2;
+			CHECK(fi_trecvmsg(ep, &m, FI_PEEK) == 0, "FI_PEEK");
+			got_one = wait_cq(cq, &c, &e);
+			if (got_one != 1)
+				CHECK(e.err == FI_ENOMSG && now() - t1 < 30,
+				      "a peek that finds nothing is FI_ENOMSG");
+		} while (got_one != 1);
+		CHECK(c.tag == T2 && c.len == 4 && c.op_context == &pc, "FI_PEEK finds the message");
+		CHECK(fi_trecvmsg(ep, &m, FI_PEEK | FI_CLAIM) == 0 && wait_cq(cq, &c, &e) == 1,
+		      "FI_PEEK | FI_CLAIM");
+		CHECK(fi_trecvmsg(ep, &m, FI_PEEK) == 0 && wait_cq(cq, &c, &e) == -FI_EAVAIL &&
+			      e.err == FI_ENOMSG,
+		      "a claimed message is no longer seen by a peek");
+		m.msg_iov = &iov;
+		m.iov_count = 1;
+		memset(r, 0, sizeof(r));
+		CHECK(fi_trecvmsg(ep, &m, FI_CLAIM) == 0 && wait_cq(cq, &c, &e) == 1 &&
+			      c.len == 4 && r[0] == 9,
+		      "FI_CLAIM receives the claimed message");
+		m.msg_iov = NULL;
+		m.iov_count = 0;
+		m.tag = T3;
+		t1 = now();
+		do {
+			CHECK(fi_trecvmsg(ep, &m, FI_PEEK | FI_DISCARD) == 0, "FI_PEEK | FI_DISCARD");
+			got_one = wait_cq(cq, &c, &e);
+			CHECK(got_one == 1 || now() - t1 < 30, "the discarded message arrives");
+		} while (got_one != 1);
+		CHECK((c.flags & FI_REMOTE_CQ_DATA) && c.data == 42, "the discarded one had its data");
+		CHECK(fi_trecvmsg(ep, &m, FI_PEEK) == 0 && wait_cq(cq, &c, &e) == -FI_EAVAIL &&
+			      e.err == FI_ENOMSG,
+		      "a discarded message is gone");
+		m.tag = T4;
+		t1 = now();
+		do {
+			CHECK(fi_trecvmsg(ep, &m, FI_PEEK | FI_CLAIM) == 0, "FI_PEEK | FI_CLAIM, long");
+			got_one = wait_cq(cq, &c, &e);
+			CHECK(got_one == 1 || now() - t1 < 30, "the long message arrives");
+		} while (got_one != 1);
+		CHECK(c.len == sizeof(big), "a peek tells a long message's length");
+		struct iovec giov = {.iov_base = got, .iov_len = sizeof(got)};
+		m.msg_iov = &giov;
+		m.iov_count = 1;
+		CHECK(fi_trecvmsg(ep, &m, FI_CLAIM) == 0 && wait_cq(cq, &c, &e) == 1 &&
+			      c.len == sizeof(got),
+		      "FI_CLAIM receives the long message");
+		size_t i = 0;
+		while (i < sizeof(got) && got[i] == (unsigned char)(i * 7 + 1))
+			i++;
+		CHECK(i == sizeof(got), "its data");
+		if (getenv("KILL_AT_END")) {
+			/* The peer must see an error entry for its pending receive, not hang. */
+			fflush(stdout);
+			raise(SIGKILL);
+		}
+		CHECK(fi_tsend(ep, buf, 8, NULL, a, 7, buf) == 0 && wait_cq(cq, &c, &e) == 1,
+		      "matching checks done");
 	}
 	CHECK(fi_close(&ep->fid) == 0, "close the endpoint");
 	CHECK(fi_tsend(ep, buf, 8, NULL, a, 1, NULL) < 0, "a send on a closed endpoint fails");

@@ -231,7 +231,7 @@ fn ran_over_weft(out: &str, domain: &str) -> bool {
 /// Open MPI over weft-fi: `export/libfabric/tests/c/mpi_checks.c` (ping-pong 0 B–4 MiB with
 /// data checks, wildcards, non-overtaking order, Probe/Iprobe/Mprobe, cancel, truncation as
 /// `MPI_ERR_TRUNCATE`, Ssend, barrier/bcast/allreduce/alltoall) at 2 and 8 ranks over shm,
-/// tcp-sim, verbs-rc and hybrid.
+/// tcp-sim, verbs-rc and hybrid, in each of the MTL's three tag layouts.
 #[test]
 fn open_mpi_runs_over_weft_fi() {
     if !have("mpicc.openmpi") || !have("mpirun.openmpi") {
@@ -264,6 +264,19 @@ fn open_mpi_runs_over_weft_fi() {
                 "{what}: {out}{err}"
             );
         }
+    }
+    // The MTL's other tag layouts: the source rank in the tag (matched under partial ignore
+    // masks) instead of in the remote CQ data (the default, `ofi_tag_full`, above).
+    for mode in ["ofi_tag_1", "ofi_tag_2"] {
+        let o = run_bounded(
+            ompi(&dir, 4, "shm")
+                .args(["--mca", "mtl_ofi_tag_mode", mode])
+                .arg(&bin),
+            300,
+        );
+        let (out, err) = (stdout(&o), stderr(&o));
+        assert!(o.status.success(), "{mode}: {out}{err}");
+        assert!(out.contains("all passed at 4 ranks"), "{mode}: {out}{err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -26,6 +26,12 @@ use hashbrown::HashMap;
 const ANY_SRC: u32 = u32::MAX;
 /// Wildcard tag in keys.
 const ANY_TAG: i32 = -1;
+
+/// The pattern of a posted key: 0 exact, 1 any tag, 2 any source, 3 both.
+#[inline]
+fn kind(src: u32, tag: i32) -> usize {
+    ((src == ANY_SRC) as usize) << 1 | (tag == ANY_TAG) as usize
+}
 const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -225,7 +231,10 @@ pub struct Matcher<R, M> {
     pnodes: Vec<PNode<R>>,
     pfree: Vec<u32>,
     posted: Buckets<PKey>,
-    wild_posted: usize,
+    /// Posted receives by pattern ([`kind`]): exact, any tag, any source, both. An arrival
+    /// looks only at the buckets of patterns that have receives posted (a job that posts only
+    /// `MPI_ANY_SOURCE` receives pays one lookup per message, not four).
+    by_kind: [usize; 4],
     posted_count: usize,
 
     unodes: Vec<UNode<M>>,
@@ -270,7 +279,7 @@ impl<R, M> Matcher<R, M> {
             pnodes: Vec::new(),
             pfree: Vec::new(),
             posted: Buckets::new(),
-            wild_posted: 0,
+            by_kind: [0; 4],
             posted_count: 0,
             unodes: Vec::new(),
             ufree: Vec::new(),
@@ -317,9 +326,7 @@ impl<R, M> Matcher<R, M> {
         };
         let idx = place(&mut self.pnodes, &mut self.pfree, node);
         self.posted.push(&mut self.pnodes, bucket, idx, 0);
-        if src.is_none() || tag.is_none() {
-            self.wild_posted += 1;
-        }
+        self.by_kind[kind(key.src, key.tag)] += 1;
         self.posted_count += 1;
         PostedHandle { idx, seq }
     }
@@ -329,9 +336,7 @@ impl<R, M> Matcher<R, M> {
         let n = &self.pnodes[idx as usize];
         let (key, bucket) = (n.key, n.bucket);
         self.posted.unlink(&mut self.pnodes, bucket, idx, 0);
-        if key.src == ANY_SRC || key.tag == ANY_TAG {
-            self.wild_posted -= 1;
-        }
+        self.by_kind[kind(key.src, key.tag)] -= 1;
         self.posted_count -= 1;
         self.pfree.push(idx);
         self.pnodes[idx as usize]
@@ -343,28 +348,28 @@ impl<R, M> Matcher<R, M> {
     /// A message `(ctx, src, tag)` arrived: take the earliest posted receive it matches.
     #[inline]
     pub fn take_posted(&mut self, ctx: u32, src: u32, tag: i32) -> Option<R> {
-        let exact = self.posted.head(&PKey { ctx, src, tag });
-        if self.wild_posted == 0 {
+        let [exact_n, any_tag_n, any_src_n, both_n] = self.by_kind;
+        let exact = if exact_n > 0 {
+            self.posted.head(&PKey { ctx, src, tag })
+        } else {
+            None
+        };
+        if any_tag_n + any_src_n + both_n == 0 {
             return exact.map(|idx| self.remove_posted(idx));
         }
+        let head = |n: usize, src: u32, tag: i32| {
+            if n > 0 {
+                self.posted.head(&PKey { ctx, src, tag })
+            } else {
+                None
+            }
+        };
         let mut best: Option<(u64, u32)> = None;
         for head in [
             exact,
-            self.posted.head(&PKey {
-                ctx,
-                src,
-                tag: ANY_TAG,
-            }),
-            self.posted.head(&PKey {
-                ctx,
-                src: ANY_SRC,
-                tag,
-            }),
-            self.posted.head(&PKey {
-                ctx,
-                src: ANY_SRC,
-                tag: ANY_TAG,
-            }),
+            head(any_tag_n, src, ANY_TAG),
+            head(any_src_n, ANY_SRC, tag),
+            head(both_n, ANY_SRC, ANY_TAG),
         ]
         .into_iter()
         .flatten()

@@ -137,6 +137,13 @@ impl<P: Provider> Comm<P> {
         }
     }
 
+    /// One step of progress, and how many arrivals and completions it handled (0: nothing
+    /// happened that a caller polling its requests needs to look at, save what its own calls
+    /// did since).
+    pub fn progress_events(&self) -> Result<usize> {
+        self.sh.engine.borrow_mut().progress()
+    }
+
     /// How many peers have failed so far (cheap: a binding polls it to notice a new failure).
     pub fn failed_peers(&self) -> u32 {
         self.sh.engine.borrow().st.am.nfailed

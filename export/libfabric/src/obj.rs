@@ -598,7 +598,6 @@ fn read_into(cq: usize, buf: *mut c_void, count: usize, src: *mut fi::fi_addr_t)
             return serr(fi::FI_EINVAL);
         }
         g.poll();
-        let av = g.av_of_cq(cq);
         let q = g.cqs.get(&cq).expect("checked");
         if q.ok.is_empty() {
             return if q.err.is_empty() {
@@ -610,17 +609,26 @@ fn read_into(cq: usize, buf: *mut c_void, count: usize, src: *mut fi::fi_addr_t)
         if buf.is_null() || count == 0 {
             return serr(fi::FI_EINVAL);
         }
-        let n = count.min(q.ok.len());
-        let entries: Vec<Entry> = g.cqs.get_mut(&cq).expect("checked").ok.drain(..n).collect();
-        let format = g.cqs[&cq].format;
-        for (i, e) in entries.iter().enumerate() {
-            // SAFETY: the application's buffer holds `count` >= n entries of the CQ's format.
-            unsafe { put(buf, i, format, e) };
-            if !src.is_null() {
-                let a = e.src.map_or(fi::FI_ADDR_UNSPEC, |r| g.addr_of(av, r));
-                // SAFETY: fi_cq_readfrom's array has `count` addresses.
-                unsafe { *src.add(i) = a };
+        let av = if src.is_null() { 0 } else { g.av_of_cq(cq) };
+        let (n, format) = (count.min(q.ok.len()), q.format);
+        let mut entries = [Entry::default(); 16];
+        let mut done = 0;
+        while done < n {
+            let q = g.cqs.get_mut(&cq).expect("checked");
+            let k = (n - done).min(entries.len());
+            for (slot, e) in entries.iter_mut().zip(q.ok.drain(..k)) {
+                *slot = e;
             }
+            for (i, e) in entries[..k].iter().enumerate() {
+                // SAFETY: the application's buffer holds `count` >= n entries of the format.
+                unsafe { put(buf, done + i, format, e) };
+                if !src.is_null() {
+                    let a = e.src.map_or(fi::FI_ADDR_UNSPEC, |r| g.addr_of(av, r));
+                    // SAFETY: fi_cq_readfrom's array has `count` addresses.
+                    unsafe { *src.add(done + i) = a };
+                }
+            }
+            done += k;
         }
         n as isize
     })

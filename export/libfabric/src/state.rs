@@ -7,9 +7,13 @@
 
 use crate::matching::{Arrived, Hdr, Queues, Recv, EAGER, HDR};
 use crate::{serr, NULL};
-use std::collections::{HashMap, HashSet, VecDeque};
+// hashbrown's default hasher: these maps are keyed by object addresses and looked up several
+// times per message, where std's SipHash cost more than the rest of the lookup.
+use hashbrown::{HashMap, HashSet};
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
 use std::os::raw::c_void;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use weft::{RawRequest, Source, TagSel};
 use weft_ofi_sys as fi;
 
@@ -153,7 +157,17 @@ pub struct Global {
     next_long: Vec<u32>,
     /// Peer failures already acted on.
     failures_seen: u32,
+    /// Send buffers of finished short messages, for the next ones (no allocation per message).
+    spare: Vec<Vec<u8>>,
+    /// Something was posted or delivered since the requests were last looked at.
+    dirty: bool,
+    /// Progress rounds in a row that handled nothing (the requests are looked at anyway every
+    /// [`LOOK_EVERY`] rounds).
+    idle: u32,
 }
+
+/// Idle progress rounds between two looks at the requests when nothing seemed to happen.
+const LOOK_EVERY: u32 = 64;
 
 /// A bootstrap whose collective part may still be ahead.
 enum Pending {
@@ -191,19 +205,62 @@ impl Pending {
     }
 }
 
-struct Cell(Option<Global>);
+/// The process's state behind a lock taken with one atomic and given back with a plain store
+/// (std's `Mutex` also swaps on release, to wake sleepers: on a ping-pong over shm the two
+/// atomics of every call cost more than the rest of the bridge). Waiters spin, then yield.
+struct Lock {
+    held: AtomicBool,
+    state: UnsafeCell<Option<Global>>,
+}
 
-// SAFETY: the world holds `Rc`s and raw pointers and is not `Send`; every access goes through
-// `STATE`'s mutex, which serialises it and orders it between threads, and nothing obtained
-// from it (no `Rc`, no `Comm`) leaves a `with` call.
-unsafe impl Send for Cell {}
+// SAFETY: the world holds `Rc`s and raw pointers and is neither `Send` nor `Sync`; `state` is
+// reached only through a `Held` guard, which exists for one thread at a time (taken by the
+// Acquire compare-exchange, given back by the Release store, which order every access between
+// threads), and nothing obtained from it (no `Rc`, no `Comm`) leaves a `with` call.
+unsafe impl Sync for Lock {}
 
-static STATE: Mutex<Cell> = Mutex::new(Cell(None));
+static STATE: Lock = Lock {
+    held: AtomicBool::new(false),
+    state: UnsafeCell::new(None),
+};
 
-/// Run `f` on the process's state (made on first use).
+/// The lock, held until dropped (also when a panic unwinds through `with`).
+struct Held;
+
+impl Held {
+    fn take() -> Held {
+        let mut spins = 0u32;
+        while STATE
+            .held
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            while STATE.held.load(Ordering::Relaxed) {
+                spins += 1;
+                if spins < 128 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        Held
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        STATE.held.store(false, Ordering::Release);
+    }
+}
+
+/// Run `f` on the process's state (made on first use). Not reentrant: `f` never calls `with`.
 pub fn with<T>(f: impl FnOnce(&mut Global) -> T) -> T {
-    let mut g = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    let g = g.0.get_or_insert_with(|| Global {
+    let _held = Held::take();
+    // SAFETY: `_held` makes this thread the only one in `STATE.state` until it drops, after
+    // `f` returns (or unwinds); the reference does not outlive this call.
+    let g = unsafe { &mut *STATE.state.get() };
+    let g = g.get_or_insert_with(|| Global {
         boot: None,
         me: (0, 0),
         world: None,
@@ -220,6 +277,9 @@ pub fn with<T>(f: impl FnOnce(&mut Global) -> T) -> T {
         msgq: Queues::default(),
         next_long: Vec::new(),
         failures_seen: 0,
+        spare: Vec::new(),
+        dirty: true,
+        idle: 0,
     });
     f(g)
 }
@@ -327,6 +387,7 @@ impl Global {
             unsafe { w.irecv_raw(buf.as_mut_ptr(), buf.len(), Source::Any, TagSel::Tag(CTRL)) }
                 .map_err(|e| code_of(&e))?;
         self.bounces.push_back(Bounce { req, buf });
+        self.dirty = true;
         Ok(())
     }
 
@@ -436,6 +497,11 @@ impl Global {
         }
     }
 
+    fn push_op(&mut self, op: Op) {
+        self.ops.push(op);
+        self.dirty = true;
+    }
+
     /// Put `e` on the receive (`rx`) or transmit queue of endpoint `ep`.
     fn report(&mut self, ep: usize, rx: bool, e: Entry) {
         let Some(cq) = self
@@ -498,7 +564,8 @@ impl Global {
             len: a.len as u64,
             long,
         };
-        let mut msg = Vec::with_capacity(HDR + if long.is_none() { a.len } else { 0 });
+        let mut msg = self.spare.pop().unwrap_or_default();
+        msg.clear();
         msg.extend_from_slice(&hdr.encode());
         if long.is_none() && a.len > 0 {
             // SAFETY: libfabric's contract: `buf` holds `len` readable bytes for the call.
@@ -530,6 +597,7 @@ impl Global {
         };
         let sent = What::Send { tagged: a.tagged };
         let quiet = body.is_some();
+        self.dirty = true;
         self.ops.push(Op {
             req: head,
             ep,
@@ -679,7 +747,7 @@ impl Global {
                         TagSel::Tag(t as i32),
                     )
                 } {
-                    Ok(req) => self.ops.push(Op {
+                    Ok(req) => self.push_op(Op {
                         req,
                         ep: r.ep,
                         what: What::Recv {
@@ -717,7 +785,7 @@ impl Global {
                 TagSel::Tag(t as i32),
             )
         } {
-            self.ops.push(Op {
+            self.push_op(Op {
                 req,
                 ep,
                 what: What::Quiet,
@@ -778,7 +846,15 @@ impl Global {
         let Some(w) = self.world.as_ref() else {
             return;
         };
-        let _ = w.progress();
+        let events = w.progress_events().unwrap_or(1);
+        if events == 0 && !self.dirty && self.idle < LOOK_EVERY {
+            // Nothing arrived or completed: the requests need no look (the cheap round of a
+            // spinning fi_cq_read).
+            self.idle += 1;
+            return;
+        }
+        self.idle = 0;
+        self.dirty = false;
         while let Some(b) = self.bounces.front_mut() {
             let Some(w) = self.world.as_ref() else { return };
             let res = match w.take_raw(&mut b.req) {
@@ -817,59 +893,72 @@ impl Global {
     }
 
     fn finish_ops(&mut self) {
-        let Some(w) = self.world.as_ref() else {
-            return;
-        };
-        let mut done = vec![];
         let mut i = 0;
         while i < self.ops.len() {
-            match w.take_raw(&mut self.ops[i].req) {
-                Ok(Some(r)) => done.push((self.ops.swap_remove(i), r)),
-                Ok(None) => i += 1,
+            let Some(w) = self.world.as_ref() else {
+                return;
+            };
+            let r = match w.take_raw(&mut self.ops[i].req) {
+                Ok(Some(r)) => r,
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
                 Err(_) => {
                     self.ops.swap_remove(i);
+                    continue;
+                }
+            };
+            let op = self.ops.swap_remove(i);
+            self.finished(op, r);
+        }
+    }
+
+    /// Report a finished operation (and keep its send buffer for the next sends).
+    fn finished(&mut self, mut op: Op, r: weft::Result<weft::Status>) {
+        // weft is done with the bytes: keep small buffers for the next sends.
+        if let Some(b) = op._owned.take() {
+            if b.capacity() <= HDR + EAGER && self.spare.len() < 64 {
+                self.spare.push(b);
+            }
+        }
+        if !op.report {
+            return;
+        }
+        let mut e = Entry {
+            ctx: op.ctx,
+            ..Entry::default()
+        };
+        let rx = match &op.what {
+            What::Quiet => return,
+            What::Send { tagged } => {
+                e.flags = fi::FI_SEND | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
+                false
+            }
+            What::Recv {
+                tagged,
+                r,
+                hdr,
+                src,
+            } => {
+                e.flags = fi::FI_RECV | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
+                e.buf = r.buf;
+                e.fill(hdr, *src, (hdr.len as usize).min(r.len));
+                true
+            }
+        };
+        match r {
+            Ok(st) if st.cancelled => e.err = fi::FI_ECANCELED,
+            Ok(_) => {}
+            Err(err) => {
+                e.err = code_of(&err);
+                if let (Some((st, cap)), What::Recv { .. }) = (err.truncated(), &op.what) {
+                    e.len = cap;
+                    e.olen = st.bytes.saturating_sub(cap);
                 }
             }
         }
-        for (op, r) in done {
-            if !op.report {
-                continue;
-            }
-            let mut e = Entry {
-                ctx: op.ctx,
-                ..Entry::default()
-            };
-            let rx = match &op.what {
-                What::Quiet => continue,
-                What::Send { tagged } => {
-                    e.flags = fi::FI_SEND | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
-                    false
-                }
-                What::Recv {
-                    tagged,
-                    r,
-                    hdr,
-                    src,
-                } => {
-                    e.flags = fi::FI_RECV | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
-                    e.buf = r.buf;
-                    e.fill(hdr, *src, (hdr.len as usize).min(r.len));
-                    true
-                }
-            };
-            match r {
-                Ok(st) if st.cancelled => e.err = fi::FI_ECANCELED,
-                Ok(_) => {}
-                Err(err) => {
-                    e.err = code_of(&err);
-                    if let (Some((st, cap)), What::Recv { .. }) = (err.truncated(), &op.what) {
-                        e.len = cap;
-                        e.olen = st.bytes.saturating_sub(cap);
-                    }
-                }
-            }
-            self.report(op.ep, rx, e);
-        }
+        self.report(op.ep, rx, e);
     }
 
     /// Fail the posted receives only a newly failed peer could have matched (those from any

@@ -44,6 +44,10 @@ group "plot font (weft bench --plot)" '[ -f /usr/share/fonts/truetype/dejavu/Dej
 group "libfabric (ofi provider at run time, fi_pingpong baselines, headers for the bindings test)" \
   'command -v fi_pingpong' libfabric-bin \
   '[ -f /usr/include/rdma/fi_tagged.h ]' libfabric-dev
+group "verbs programs over the soft HCA's libibverbs.so.1 (ibverbs-utils, perftest, UCX)" \
+  'command -v ibv_rc_pingpong' ibverbs-utils \
+  'command -v ib_write_lat' perftest \
+  'command -v ucx_info' ucx-utils
 group "rdma-core backend (cargo feature rdma-core)" \
   '[ -f /usr/include/infiniband/verbs.h ]' libibverbs-dev \
   'command -v cmake' cmake \

@@ -34,6 +34,17 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+enum SoftHcaCmd {
+    /// Install libibverbs.so.1 into DIR (default: soft-hca/ next to this program) and print
+    /// the shell lines that point programs at it.
+    Env {
+        /// Where to put libibverbs.so.1.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<std::path::PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Cmd {
     /// List providers (capabilities, limits, native atomics); -e lists every parameter.
     Info {
@@ -112,6 +123,12 @@ enum Cmd {
         /// under test carries traffic between hosts, WEFT_SHM_PROVIDER within one.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
         hosts: u32,
+    },
+    /// The soft HCA as a drop-in libibverbs.so.1 (export/ibverbs): `eval "$(weft soft-hca
+    /// env)"` points unmodified verbs programs (ibv_rc_pingpong, perftest) at it.
+    SoftHca {
+        #[command(subcommand)]
+        cmd: SoftHcaCmd,
     },
     /// (internal) The rank side of `weft test`.
     #[command(hide = true)]
@@ -444,6 +461,40 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
     }
 }
 
+/// Install the drop-in libibverbs.so.1 (built by `cargo build -p weft-ibverbs` next to this
+/// program, or named by WEFT_IBVERBS_LIB) into `dir` and say how to use it.
+fn soft_hca_env(dir: Option<std::path::PathBuf>) -> Result<String, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("where am I: {e}"))?;
+    let here = exe.parent().ok_or("this program has no directory")?;
+    let lib = match std::env::var_os("WEFT_IBVERBS_LIB") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => here.join("libweft_ibverbs.so"),
+    };
+    if !lib.is_file() {
+        return Err(format!(
+            "{} is missing: build it with `cargo build -p weft-ibverbs` (the profile of this \
+             program), or name it with WEFT_IBVERBS_LIB",
+            lib.display()
+        ));
+    }
+    let dir = dir.unwrap_or_else(|| here.join("soft-hca"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let dir = dir
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    let dst = dir.join("libibverbs.so.1");
+    // A copy beside, then a rename: a program running with the old file keeps its mapping.
+    let tmp = dir.join(format!(".libibverbs.so.1.{}", std::process::id()));
+    std::fs::copy(&lib, &tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &dst).map_err(|e| format!("{}: {e}", dst.display()))?;
+    Ok(format!(
+        "# weft's soft HCA as libibverbs.so.1: device weft0, one RoCE-style port (address by \
+         GID: rdma-core's examples take -g 0)\n\
+         export LD_LIBRARY_PATH={}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\n",
+        dir.display()
+    ))
+}
+
 fn main() -> ExitCode {
     weft::init_logging();
     let cli = Cli::parse();
@@ -500,6 +551,18 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Cmd::SoftHca {
+            cmd: SoftHcaCmd::Env { dir },
+        } => match soft_hca_env(dir) {
+            Ok(s) => {
+                print!("{s}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("weft soft-hca env: {e}");
+                ExitCode::from(2)
+            }
+        },
         Cmd::Info { env, verbose } => {
             if env {
                 let (s, ok) = info::params_report();

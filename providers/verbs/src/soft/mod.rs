@@ -401,6 +401,29 @@ impl SoftHca {
         Ok(h)
     }
 
+    /// Whether `cq` holds a completion (or is overrun) that [`Hca::poll_cq`] would report;
+    /// consumes nothing. What a completion channel's notifier watches (`export/ibverbs`).
+    pub fn cq_ready(&self, cq: Cq) -> bool {
+        let Some(at) = self
+            .cq_at
+            .get(cq.0 as usize)
+            .map(|a| a.load(Ordering::Acquire))
+        else {
+            return false;
+        };
+        if at == 0 {
+            return false;
+        }
+        let (off, cap) = (at >> 8, 1u32 << ((at & 0xff) - 1));
+        self.seg
+            .cq(cq.0 as usize)
+            .is_some_and(|e| e.overrun.load(SC) != 0)
+            || self
+                .seg
+                .ring::<CQE_WORDS>(off, cap)
+                .is_some_and(|r| r.ready() || !r.is_empty())
+    }
+
     pub fn with_config(cfg: Config) -> Result<SoftHca> {
         let lay = Layout::new(
             cfg.max_peers,

@@ -9,6 +9,8 @@ use weft_provider::Result;
 
 weft_provider::param!(pub DEVICE: Str = "verbs", "DEVICE", "auto",
     "HCA to open: `soft`, an rdma-core device name (mlx5_0), or `auto` (the first real HCA, else soft)");
+weft_provider::param!(pub IBV_VERBOSE: Bool = "verbs", "IBV_VERBOSE", "0",
+    "the soft HCA as libibverbs.so.1 (export/ibverbs): print on stderr why each failing verbs call failed");
 weft_provider::param!(MAX_QP: Uint[1, 65_535] = "verbs", "SOFT_MAX_QP", "4096", "soft HCA: queue pairs per process");
 weft_provider::param!(MAX_MR: Uint[1, 65_535] = "verbs", "SOFT_MAX_MR", "8192", "soft HCA: memory regions per process");
 weft_provider::param!(MAX_CQ: Uint[1, 65_535] = "verbs", "SOFT_MAX_CQ", "1024", "soft HCA: completion queues per process");

@@ -1,0 +1,384 @@
+//! The soft HCA as a drop-in `libibverbs.so.1` (`export/ibverbs`), judged by unmodified
+//! programs: rdma-core's examples (Debian's ibverbs-utils) with their data checks (`-c`) and
+//! perftest, each server and client on this host (ranks 0 and 1 of `weft run -n 2`), loaded
+//! through the `LD_LIBRARY_PATH` that `weft soft-hca env` prints; and weft's own C checks of
+//! what a verbs program can get wrong (`export/ibverbs/tests/errors.c`). Skipped without
+//! Debian's tools, unless `WEFT_REQUIRE_TOOLS=1`.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Build the drop-in with the tests' profile and install it with `weft soft-hca env`.
+fn install(test: &str) -> PathBuf {
+    let dir = profile_dir();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "-p", "weft-ibverbs"]);
+    if dir.file_name().is_some_and(|f| f == "release") {
+        cmd.arg("--release");
+    }
+    let o = run_bounded(&mut cmd, 900);
+    assert!(o.status.success(), "building weft-ibverbs: {}", stderr(&o));
+    let out = std::env::temp_dir().join(format!("weft-ibv-{test}-{}", std::process::id()));
+    let o = run_bounded(
+        Command::new(weft())
+            .args(["soft-hca", "env", "--dir"])
+            .arg(&out),
+        60,
+    );
+    assert!(o.status.success(), "weft soft-hca env: {}", stderr(&o));
+    let text = stdout(&o);
+    let out = out.canonicalize().unwrap();
+    assert!(
+        text.contains(&format!("export LD_LIBRARY_PATH={}", out.display())),
+        "{text}"
+    );
+    assert!(out.join("libibverbs.so.1").is_file());
+    out
+}
+
+/// Rank 0 serves on `port`; rank 1 waits (bounded) until the port listens, then connects.
+fn wrapper(dir: &Path) -> PathBuf {
+    let p = dir.join("serve-or-connect.sh");
+    std::fs::write(
+        &p,
+        r#"#!/bin/sh
+port=$1; shift
+if [ "$PMI_RANK" = 0 ]; then exec "$@" -p "$port"; fi
+i=0
+until ss -Hltn "sport = :$port" | grep -q .; do
+  i=$((i + 1)); [ $i -gt 3000 ] && { echo "the server never listened on $port" >&2; exit 9; }
+  sleep 0.01
+done
+exec "$@" -p "$port" 127.0.0.1
+"#,
+    )
+    .unwrap();
+    let _ = Command::new("chmod").arg("+x").arg(&p).status();
+    p
+}
+
+/// Server and client of `args` over the drop-in; returns (success, stdout, stderr).
+fn pair(dir: &Path, port: u16, args: &[&str]) -> (bool, String, String) {
+    let o = run_bounded(
+        Command::new(weft())
+            .args(["run", "-n", "2", "--tag-output", "--timeout", "120", "--"])
+            .arg(wrapper(dir))
+            .arg(port.to_string())
+            .args(args)
+            .env("LD_LIBRARY_PATH", dir),
+        180,
+    );
+    (o.status.success(), stdout(&o), stderr(&o))
+}
+
+fn base_port() -> u16 {
+    40000 + (std::process::id() % 500) as u16 * 8
+}
+
+#[test]
+fn ibv_devices_and_ibv_devinfo_see_the_soft_hca() {
+    if !have("ibv_devinfo") {
+        return skip("ibv_devinfo (Debian's ibverbs-utils)");
+    }
+    let dir = install("devinfo");
+    let o = run_bounded(Command::new("ibv_devices").env("LD_LIBRARY_PATH", &dir), 60);
+    assert!(
+        o.status.success() && stdout(&o).contains("weft0"),
+        "{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    let o = run_bounded(
+        Command::new("ibv_devinfo")
+            .arg("-v")
+            .env("LD_LIBRARY_PATH", &dir),
+        60,
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for want in [
+        "hca_id:\tweft0",
+        "PORT_ACTIVE",
+        "link_layer:\t\tEthernet",
+        "RoCE v2",
+        "atomic_cap:\t\t\tATOMIC_HCA",
+    ] {
+        assert!(out.contains(want), "no {want:?} in:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn rdma_cores_examples_run_with_their_data_checks() {
+    if !have("ibv_rc_pingpong") || !have("ss") {
+        return skip("ibv_rc_pingpong (Debian's ibverbs-utils) and ss (iproute2)");
+    }
+    let dir = install("pingpong");
+    let mut port = base_port();
+    for args in [
+        &["ibv_rc_pingpong", "-g", "0", "-c", "-n", "200"][..],
+        &[
+            "ibv_rc_pingpong",
+            "-g",
+            "0",
+            "-c",
+            "-n",
+            "200",
+            "-s",
+            "65536",
+        ],
+        &["ibv_rc_pingpong", "-g", "0", "-c", "-n", "200", "-e"],
+        &["ibv_ud_pingpong", "-g", "0", "-c", "-n", "200"],
+        &["ibv_srq_pingpong", "-g", "0", "-c", "-n", "200"],
+        &[
+            "ibv_srq_pingpong",
+            "-g",
+            "0",
+            "-c",
+            "-n",
+            "200",
+            "-e",
+            "-q",
+            "4",
+        ],
+    ] {
+        port += 1;
+        let (ok, out, err) = pair(&dir, port, args);
+        let what = args.join(" ");
+        assert!(ok, "{what}:\n{out}{err}");
+        for r in ["[0] ", "[1] "] {
+            assert!(
+                out.lines()
+                    .any(|l| l.starts_with(r) && l.contains("iters in")),
+                "{what}: rank {r} reported no rate:\n{out}"
+            );
+        }
+    }
+    // Without a GID the port cannot address the peer (RoCE-style): both sides fail, with the
+    // reason, in bounded time.
+    port += 1;
+    let (ok, out, err) = pair(&dir, port, &["ibv_rc_pingpong", "-n", "10"]);
+    assert!(!ok, "ran without a GID:\n{out}");
+    assert!(err.contains("addresses peers by GID"), "{out}{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn perftest_runs_to_completion() {
+    if !have("ib_write_lat") || !have("ss") {
+        return skip("perftest (Debian's perftest) and ss (iproute2)");
+    }
+    let dir = install("perftest");
+    let mut port = base_port() + 4000;
+    for args in [
+        &["ib_write_lat", "-n", "200"][..],
+        &["ib_write_bw", "-n", "200"],
+        &["ib_read_lat", "-n", "200"],
+        &["ib_read_bw", "-n", "200"],
+        &["ib_send_lat", "-n", "200"],
+        &["ib_send_bw", "-n", "200"],
+        &["ib_send_lat", "-c", "UD", "-n", "200"],
+        &["ib_send_bw", "-c", "UD", "-n", "200"],
+        &["ib_atomic_lat", "-n", "200"],
+        &["ib_atomic_bw", "-n", "200"],
+        &["ib_write_bw", "-n", "200", "-a"],
+    ] {
+        port += 1;
+        let (ok, out, err) = pair(&dir, port, args);
+        let what = args.join(" ");
+        assert!(ok, "{what}:\n{out}{err}");
+        // The client prints its table: a header and at least one row of figures.
+        let rows = out
+            .lines()
+            .skip_while(|l| !(l.starts_with("[1] ") && l.contains("#bytes")))
+            .skip(1)
+            .filter(|l| {
+                l.starts_with("[1] ")
+                    && l[4..]
+                        .split_whitespace()
+                        .next()
+                        .is_some_and(|w| w.parse::<u64>().is_ok())
+            })
+            .count();
+        assert!(rows >= 1, "{what}: no result row:\n{out}");
+        assert!(
+            !out.contains("Couldn't") && !out.contains("Failed"),
+            "{what}:\n{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn verbs_mistakes_are_errors_and_completions_as_on_a_real_hca() {
+    if !have("cc") || !Path::new("/usr/include/infiniband/verbs.h").exists() {
+        return skip("cc and libibverbs-dev");
+    }
+    let dir = install("errors");
+    let bin = dir.join("errors");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/ibverbs/tests/errors.c");
+    let o = run_bounded(
+        Command::new("cc")
+            .args(["-Wall", "-Werror", "-o"])
+            .arg(&bin)
+            .arg(&src)
+            .arg("-libverbs"),
+        120,
+    );
+    assert!(o.status.success(), "cc errors.c: {}", stderr(&o));
+    let o = run_bounded(Command::new(&bin).env("LD_LIBRARY_PATH", &dir), 120);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    assert!(out.contains("all ok"), "{out}");
+    assert!(
+        out.lines().filter(|l| l.starts_with("ok ")).count() >= 39,
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two named network namespaces joined by a veth pair, deleted on drop.
+struct TwoHosts {
+    ns: [String; 2],
+}
+
+impl TwoHosts {
+    fn new() -> Result<TwoHosts, String> {
+        let id = std::process::id();
+        let t = TwoHosts {
+            ns: [format!("weft-ibv-a{id}"), format!("weft-ibv-b{id}")],
+        };
+        let (va, vb) = (
+            format!("wiva{}", id % 100_000),
+            format!("wivb{}", id % 100_000),
+        );
+        let ip = |args: &[&str]| -> Result<(), String> {
+            let o = Command::new("ip")
+                .args(args)
+                .output()
+                .map_err(|e| e.to_string())?;
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(format!("ip {}: {}", args.join(" "), stderr(&o)))
+            }
+        };
+        for n in &t.ns {
+            ip(&["netns", "add", n])?;
+        }
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        for (i, (dev, addr)) in [(&va, "10.79.0.1/24"), (&vb, "10.79.0.2/24")]
+            .into_iter()
+            .enumerate()
+        {
+            let n = t.ns[i].as_str();
+            ip(&["link", "set", dev, "netns", n])?;
+            ip(&["-n", n, "addr", "add", addr, "dev", dev])?;
+            ip(&["-n", n, "link", "set", dev, "up"])?;
+            ip(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(t)
+    }
+
+    fn cmd(&self, host: usize, dir: &Path, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns[host]])
+            .arg("env")
+            .arg(format!("LD_LIBRARY_PATH={}", dir.display()))
+            .args(args);
+        c
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for n in &self.ns {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+/// Server in one namespace, client in the other: every verb crosses the soft HCA's UDP path.
+#[test]
+fn verbs_programs_run_between_two_hosts() {
+    if !have("ibv_rc_pingpong") || !have("ib_send_lat") || !have("ip") {
+        return skip("ibverbs-utils, perftest and ip (iproute2)");
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("root (network namespaces)");
+    }
+    let hosts = match TwoHosts::new() {
+        Ok(h) => h,
+        Err(e) => return skip(&format!("network namespaces: {e}")),
+    };
+    let dir = install("twohosts");
+    let mut port = base_port() + 6000;
+    for args in [
+        &["ibv_rc_pingpong", "-g", "0", "-c", "-n", "100"][..],
+        &["ibv_ud_pingpong", "-g", "0", "-c", "-n", "100"],
+        &["ib_write_bw", "-n", "100"],
+        &["ib_send_lat", "-c", "UD", "-n", "100"],
+        &["ib_atomic_lat", "-n", "100"],
+    ] {
+        port += 1;
+        let p = port.to_string();
+        let mut srv_args = args.to_vec();
+        srv_args.extend(["-p", &p]);
+        let server = hosts
+            .cmd(0, &dir, &srv_args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("server");
+        // Bounded wait until the server listens, in its namespace.
+        let listening = (0..3000).any(|_| {
+            let o = hosts
+                .cmd(0, &dir, &["ss", "-Hltn", &format!("sport = :{p}")])
+                .output();
+            if o.is_ok_and(|o| !o.stdout.is_empty()) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            false
+        });
+        let mut cli_args = srv_args.clone();
+        cli_args.push("10.79.0.1");
+        let client = listening.then(|| run_bounded(&mut hosts.cmd(1, &dir, &cli_args), 120));
+        let srv = run_bounded_child(server, 120);
+        let what = args.join(" ");
+        assert!(listening, "{what}: the server never listened");
+        let client = client.unwrap();
+        assert!(
+            client.status.success() && srv.status.success(),
+            "{what}:\nclient {}{}\nserver {}{}",
+            stdout(&client),
+            stderr(&client),
+            stdout(&srv),
+            stderr(&srv)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Wait (bounded) for a spawned child; kill it when the bound passes.
+fn run_bounded_child(mut c: std::process::Child, secs: u64) -> std::process::Output {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < end {
+        if c.try_wait().ok().flatten().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = c.kill();
+    c.wait_with_output().expect("child output")
+}

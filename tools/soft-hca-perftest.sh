@@ -47,15 +47,19 @@ for r in $(seq "$rounds"); do
   echo "read_lat_8 direct $(wb verbs_read_lat 8)" >> "$work/rows"
   echo "atomic_lat_8 drop-in $(pt ib_atomic_lat -n 5000 | awk '{print $5}')" >> "$work/rows"
   echo "atomic_lat_8 direct $(wb verbs_atomic_lat 8)" >> "$work/rows"
+  echo "write_lat_1M drop-in $(pt ib_write_lat -s 1048576 -n 500 | awk '{print $5}')" >> "$work/rows"
+  echo "write_lat_1M direct $(wb verbs_write_lat 1M)" >> "$work/rows"
   echo "write_bw_64K drop-in $(pt ib_write_bw -s 65536 -n 5000 | awk '{print $4 * 1.048576}')" >> "$work/rows"
   echo "write_bw_64K direct $(wb verbs_write_bw 64K)" >> "$work/rows"
+  echo "write_bw_1M drop-in $(pt ib_write_bw -s 1048576 -n 1000 | awk '{print $4 * 1.048576}')" >> "$work/rows"
+  echo "write_bw_1M direct $(wb verbs_write_bw 1M)" >> "$work/rows"
 done
 echo "# soft HCA: perftest over the drop-in libibverbs.so.1 against weft bench on weft-verbs"
 echo "# $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) CPUs, $(uname -r), $(date -u '+%Y-%m-%d %H:%M UTC'), medians of $rounds interleaved rounds"
 echo "# write/send latency: half the round trip, read/atomic: the whole, µs (perftest's t_typical,
 # the median); bandwidth: MB/s (10^6 bytes)"
 printf '%-14s %10s %10s %8s\n' test drop-in direct ratio
-for t in write_lat_8 send_lat_8 read_lat_8 atomic_lat_8 write_bw_64K; do
+for t in write_lat_8 write_lat_1M send_lat_8 read_lat_8 atomic_lat_8 write_bw_64K write_bw_1M; do
   med() { grep "^$t $1 " "$work/rows" | awk '{print $3}' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
   d=$(med drop-in); w=$(med direct)
   printf '%-14s %10s %10s %8s\n' "$t" "$d" "$w" "$(awk -v a="$d" -v b="$w" 'BEGIN {printf "%.2f", a / b}')"

@@ -382,3 +382,70 @@ fn run_bounded_child(mut c: std::process::Child, secs: u64) -> std::process::Out
     let _ = c.kill();
     c.wait_with_output().expect("child output")
 }
+
+/// A server killed in the middle of a transfer: the client's requests complete with an error
+/// (the soft HCA sees the process gone: transport retries exhausted, then flushes), perftest
+/// says so and exits, in bounded time; nothing hangs.
+#[test]
+fn a_peer_killed_mid_transfer_ends_in_error_completions() {
+    if !have("ib_write_bw") || !have("ss") {
+        return skip("perftest and ss (iproute2)");
+    }
+    let dir = install("killed");
+    let port = (base_port() + 7000).to_string();
+    let args = ["ib_write_bw", "-D", "30", "-p", &port];
+    let mut server = Command::new(args[0])
+        .args(&args[1..])
+        .env("LD_LIBRARY_PATH", &dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("server");
+    let listening = (0..3000).any(|_| {
+        let o = Command::new("ss")
+            .args(["-Hltn", &format!("sport = :{port}")])
+            .output();
+        if o.is_ok_and(|o| !o.stdout.is_empty()) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        false
+    });
+    assert!(listening, "the server never listened");
+    let out = dir.join("client.out");
+    // Line-buffered (stdbuf), so that its table header shows when the transfer starts.
+    let client = Command::new("stdbuf")
+        .arg("-oL")
+        .args(args)
+        .arg("127.0.0.1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(dir.join("client.err")).unwrap())
+        .spawn()
+        .expect("client");
+    // Kill the server once the client has printed its table header (the transfer is running).
+    let running = (0..3000).any(|_| {
+        if std::fs::read_to_string(&out).is_ok_and(|s| s.contains("#bytes")) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        false
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let _ = server.kill();
+    let _ = server.wait();
+    let t0 = std::time::Instant::now();
+    let o = run_bounded_child(client, 60);
+    let took = t0.elapsed();
+    let text = std::fs::read_to_string(&out).unwrap_or_default()
+        + &std::fs::read_to_string(dir.join("client.err")).unwrap_or_default();
+    assert!(running, "the transfer never started:\n{text}");
+    assert!(!o.status.success(), "the client did not notice:\n{text}");
+    assert!(
+        took < std::time::Duration::from_secs(30),
+        "the client took {took:?} to notice"
+    );
+    assert!(text.contains("Completion with error"), "{text}");
+    eprintln!("the client noticed its peer's death after {took:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

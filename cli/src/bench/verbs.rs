@@ -141,8 +141,8 @@ impl Conn {
                 sq_sig_all: false,
             },
         )?;
-        let mut sbuf = vec![0u8; max];
-        let mut rbuf = vec![0u8; if dm { 0 } else { max }];
+        let mut sbuf = touched(max);
+        let mut rbuf = touched(if dm { 0 } else { max });
         // SAFETY: both buffers live in the Conn until the job ends; nothing borrows them.
         let smr = unsafe { hca.reg_mr(pd, sbuf.as_mut_ptr(), max, Access::ALL) }?;
         let (rp, rmr) = if dm {
@@ -410,8 +410,8 @@ fn cma(
     use weft_provider::cma::{copy, Dir, Range};
     let max = sizes.iter().copied().max().unwrap_or(8).max(8);
     let me = c.rank();
-    let sbuf = vec![0u8; max];
-    let rbuf = vec![0u8; max];
+    let sbuf = touched(max);
+    let rbuf = touched(max);
     let peer = exchange(
         c,
         format!("{} {:x}", std::process::id(), rbuf.as_ptr() as u64),
@@ -502,9 +502,51 @@ fn cma(
     Ok(out)
 }
 
+/// A benchmark buffer of `len` zero bytes whose every page is this process's own: `vec![0; n]`
+/// is calloc'd memory that maps the kernel's shared zero page until written, so a transfer
+/// *from* it reads one cached page over and over and measures nothing real.
+fn touched(len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let base = v.as_ptr() as usize;
+    // One store in every page the vector touches: its first byte, then each page start.
+    let mut i = 0;
+    while i < len {
+        // SAFETY: a byte of our own vector (i < len); volatile so that the store of an
+        // unchanged value is not optimised away.
+        unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 0) };
+        i = ((base + i) / 4096 + 1) * 4096 - base;
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every page of `b` is present and mapped by this process alone (pagemap bits 63 and 56):
+    /// not absent, not the shared zero page.
+    fn own_pages(b: &[u8]) -> bool {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        (b.as_ptr() as usize / 4096..=(b.as_ptr() as usize + b.len() - 1) / 4096).all(|pg| {
+            let mut e = [0u8; 8];
+            f.seek(SeekFrom::Start(pg as u64 * 8)).unwrap();
+            f.read_exact(&mut e).unwrap();
+            let e = u64::from_le_bytes(e);
+            e & (1 << 63) != 0 && e & (1 << 56) != 0
+        })
+    }
+
+    #[test]
+    fn benchmark_buffers_are_real_memory() {
+        let b = touched(4 << 20);
+        // A read of every page (what a transfer from it does) must not change the answer.
+        assert_eq!(b.iter().step_by(4096).map(|x| *x as u64).sum::<u64>(), 0);
+        assert!(
+            own_pages(&b),
+            "a benchmark buffer is (partly) the zero page"
+        );
+    }
 
     fn wc(opcode: WcOpcode, status: WcStatus) -> Wc {
         Wc {

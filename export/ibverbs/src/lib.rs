@@ -1261,19 +1261,21 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, a: *mut ibv_qp_init_attr
     }
     // SAFETY: (caller) live and readable.
     let (p, a) = unsafe { (&*(pd as *mut PdBox), &mut *a) };
+    if a.send_cq.is_null() || a.recv_cq.is_null() {
+        return null_with(libc::EINVAL);
+    }
     let ty = match a.qp_type {
         2 => QpType::Rc,
         4 => QpType::Ud,
-        _ => {
+        // UC, raw packet, XRC send and receive, driver-specific: types the device lacks.
+        3 | 8 | 9 | 10 | 0xff => {
             if verbose() {
                 hint("create_qp: the soft HCA offers RC and UD QPs");
             }
             return null_with(libc::EOPNOTSUPP);
         }
+        _ => return null_with(libc::EINVAL),
     };
-    if a.send_cq.is_null() || a.recv_cq.is_null() {
-        return null_with(libc::EINVAL);
-    }
     // SAFETY: (caller) our CQs and SRQ.
     let (scq, rcq, srq) = unsafe {
         (

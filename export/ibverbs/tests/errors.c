@@ -254,8 +254,43 @@ int main(void)
 	ibv_destroy_qp(b);
 
 	pair(&a, &b, 7);
-	CHECK("write_outside_the_region",
-	      post(a, IBV_WR_RDMA_WRITE, mr, 0, 64, (uintptr_t)buf + (1 << 16) - 32, mr->rkey) == 0 &&
+	{
+		/* 64 bytes at 32 before the region's end: refused whole, the 32 inside untouched. */
+		char *tail = buf + (1 << 16) - 32;
+		memset(tail, 0x5a, 32);
+		memset(buf, 0xa5, 64);
+		CHECK("write_outside_the_region",
+		      post(a, IBV_WR_RDMA_WRITE, mr, 0, 64, (uintptr_t)tail, mr->rkey) == 0 &&
+		      poll1(cq, &wc) == 1 && wc.status == IBV_WC_REM_ACCESS_ERR, "status %s",
+		      ibv_wc_status_str(wc.status));
+		int untouched = 1;
+		for (int i = 0; i < 32; i++)
+			untouched &= tail[i] == 0x5a;
+		CHECK("target_untouched", untouched, "the refused write changed the target");
+	}
+	while (ibv_poll_cq(cq, 1, &wc) > 0)
+		;
+	ibv_destroy_qp(a);
+	ibv_destroy_qp(b);
+
+	pair(&a, &b, 7);
+	{
+		struct ibv_sge s = { .addr = (uintptr_t)buf, .length = 16, .lkey = mr->lkey ^ 0x00ff0000 };
+		struct ibv_send_wr w = { .wr_id = 11, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+					 .send_flags = IBV_SEND_SIGNALED }, *bad;
+		w.wr.rdma.remote_addr = (uintptr_t)buf + 4096;
+		w.wr.rdma.rkey = mr->rkey;
+		CHECK("wrong_lkey", ibv_post_send(a, &w, &bad) == 0 && poll1(cq, &wc) == 1 &&
+		      wc.status == IBV_WC_LOC_PROT_ERR && wc.wr_id == 11, "status %s",
+		      ibv_wc_status_str(wc.status));
+	}
+	while (ibv_poll_cq(cq, 1, &wc) > 0)
+		;
+	ibv_destroy_qp(a);
+	ibv_destroy_qp(b);
+
+	pair(&a, &b, 7);
+	CHECK("wrong_rkey", post(a, IBV_WR_RDMA_WRITE, mr, 0, 16, (uintptr_t)buf + 4096, mr->rkey ^ 0x00ff0000) == 0 &&
 	      poll1(cq, &wc) == 1 && wc.status == IBV_WC_REM_ACCESS_ERR, "status %s",
 	      ibv_wc_status_str(wc.status));
 	while (ibv_poll_cq(cq, 1, &wc) > 0)
@@ -303,6 +338,17 @@ int main(void)
 		ibv_destroy_qp(x);
 		ibv_destroy_qp(y);
 		CHECK("destroy_srq", ibv_destroy_srq(srq) == 0, "refused");
+	}
+	{
+		/* NULLs where rdma-core checks them. */
+		errno = 0;
+		CHECK("null_pd", ibv_alloc_pd(NULL) == NULL && ibv_dealloc_pd(NULL) == EINVAL, "accepted");
+		struct ibv_qp_init_attr none = { 0 };
+		errno = 0;
+		CHECK("qp_without_cqs", ibv_create_qp(pd, &none) == NULL && errno == EINVAL, "errno %d", errno);
+		errno = 0;
+		CHECK("cq_of_no_entries", ibv_create_cq(ctx, 0, NULL, NULL, 0) == NULL && errno == EINVAL,
+		      "errno %d", errno);
 	}
 	CHECK("destroy_busy_channel", ibv_destroy_comp_channel(ch) == EBUSY, "a channel in use was destroyed");
 	CHECK("teardown", ibv_destroy_cq(cq) == 0 && ibv_destroy_comp_channel(ch) == 0 && ibv_dereg_mr(mr) == 0 &&

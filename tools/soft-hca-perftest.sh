@@ -12,7 +12,7 @@ cargo build -q --release -p weft-cli -p weft-ibverbs
 target=${CARGO_TARGET_DIR:-target}
 weft=$target/release/weft
 eval "$("$weft" soft-hca env)"
-port=$(( 42000 + $$ % 1000 ))
+port=$(( 22000 + $$ % 1000 ))  # below the ephemeral range (32768 up)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

@@ -88,16 +88,7 @@ fn reap(
         return Ok(());
     }
     let t0 = Instant::now();
-    let mut w = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: 0,
-        src_qp: 0,
-        grh: false,
-    }; 1];
+    let mut w = [Wc::EMPTY; 1];
     loop {
         if poll(&mut w)? == 1 {
             if w[0].status != WcStatus::Success {

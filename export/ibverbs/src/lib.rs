@@ -23,10 +23,16 @@
 //! - A Rust panic in an `extern "C"` function aborts the process (Rust's rule since 1.81); the
 //!   calls below return errors for everything a program can cause.
 
+// Every exported function stays in this module: a `.symver` binding (symver.rs, included
+// below) must be assembled in the object that defines its symbol, and a module of its own may
+// land in another codegen unit ("default version symbol ... must be defined"). What is not
+// exported by name lives beside it: the structures (abi) and the notifier thread (notify).
 pub mod abi;
+mod notify;
 
 use abi::*;
 use libc::{c_char, c_int, c_uint, c_void};
+use notify::{notify_loop, take};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::mem::offset_of;
@@ -189,6 +195,37 @@ unsafe fn ctx<'a>(c: *mut ibv_context) -> &'a Ctx {
     unsafe { &*((c as *mut u8).sub(off) as *const Ctx) }
 }
 
+/// Destroy the object `p` (a box from `Box::into_raw`) with `f`, and free the box only if
+/// that succeeded; an errno otherwise (EINVAL for NULL).
+///
+/// # Safety
+/// `p` is NULL or a live box of this library, not used again once this returns 0.
+unsafe fn destroy<B>(p: *mut B, f: impl FnOnce(&B) -> weft_provider::Result<()>) -> c_int {
+    if p.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: (caller) live.
+    match f(unsafe { &*p }) {
+        Ok(()) => {
+            // SAFETY: made by Box::into_raw; freed once, as the caller uses it no more.
+            drop(unsafe { Box::from_raw(p) });
+            0
+        }
+        Err(e) => errno_of(&e),
+    }
+}
+
+/// The capacities a QP got, as the header has them.
+fn cap_out(c: QpCap) -> ibv_qp_cap {
+    ibv_qp_cap {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
+        max_inline_data: c.max_inline_data,
+    }
+}
+
 /// # Safety
 /// `c` must be a context this library opened and not yet closed.
 unsafe fn hca<'a>(c: *mut ibv_context) -> &'a SoftHca {
@@ -344,97 +381,6 @@ pub unsafe extern "C" fn ibv_close_device(c: *mut ibv_context) -> c_int {
     // SAFETY: our eventfd, closed once.
     unsafe { libc::close(b.sh.async_fd) };
     0
-}
-
-/// The notifier: raises completion events of armed CQs and SRQ limit events, and drives the
-/// context's requests while anything is armed.
-fn notify_loop(sh: &Shared) {
-    // Sleeps of 20 µs, not the default 50 µs of timer slack more (an event's latency).
-    // SAFETY: PR_SET_TIMERSLACK takes a number and affects this thread only.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-    let mut st = lock(&sh.st);
-    // Rounds since a CQ was armed or fired: the first ones only yield (an event-driven program
-    // is blocked in ibv_get_cq_event meanwhile, so the core is free), then 20 µs sleeps.
-    let (mut quiet, mut was_armed) = (0u32, 0usize);
-    loop {
-        if st.stop {
-            return;
-        }
-        if st.armed.is_empty() && st.srqs.is_empty() {
-            st = sh
-                .cv
-                .wait_timeout(st, std::time::Duration::from_millis(200))
-                .map(|r| r.0)
-                .unwrap_or_else(|p| p.into_inner().0);
-            continue;
-        }
-        if st.armed.len() > was_armed {
-            quiet = 0;
-        }
-        let mut fired: SmallVec<[(usize, usize); 4]> = SmallVec::new();
-        st.armed.retain(|&(cq, h, ch)| {
-            let ready = sh.hca.cq_ready(h);
-            if ready {
-                fired.push((cq, ch));
-            }
-            !ready
-        });
-        let mut raised = 0u64;
-        let mut srqs = std::mem::take(&mut st.srqs);
-        srqs.retain(|&(s, h)| {
-            if sh.hca.srq_limit_reached(h).unwrap_or(false) {
-                st.events.push_back((s, EVENT_SRQ_LIMIT_REACHED));
-                raised += 1;
-                false
-            } else {
-                true
-            }
-        });
-        st.srqs = srqs;
-        // Still under the watch lock, which ibv_destroy_cq and ibv_destroy_comp_channel take
-        // too: neither the CQ nor its channel can go away before its event is queued (and a
-        // queued event is taken back by ibv_destroy_cq).
-        let fired_any = !fired.is_empty();
-        for (cq, ch) in fired {
-            // SAFETY: a channel outlives the CQs that name it (ibv_destroy_comp_channel refuses
-            // while any does), and an armed CQ is unarmed, under this lock, before it is
-            // destroyed.
-            let chan = unsafe { &*(ch as *const Chan) };
-            lock(&chan.q).push_back(cq);
-            bump(chan.ch.fd, 1);
-        }
-        was_armed = st.armed.len();
-        drop(st);
-        if raised > 0 {
-            bump(sh.async_fd, raised);
-        }
-        sh.hca.progress();
-        if fired_any {
-            quiet = 0;
-        }
-        quiet = quiet.saturating_add(1);
-        if quiet < SPIN_ROUNDS {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
-        st = lock(&sh.st);
-    }
-}
-
-/// Notifier rounds that only yield after a CQ was armed or an event raised (about 100 µs).
-const SPIN_ROUNDS: u32 = 200;
-
-fn bump(fd: c_int, n: u64) {
-    // SAFETY: writing 8 bytes from a local to an eventfd we own.
-    unsafe { libc::write(fd, &n as *const u64 as *const c_void, 8) };
-}
-
-/// Take one count of a semaphore eventfd (blocking unless the program made it non-blocking).
-fn take(fd: c_int) -> bool {
-    let mut v = 0u64;
-    // SAFETY: reading 8 bytes into a local.
-    unsafe { libc::read(fd, &mut v as *mut u64 as *mut c_void, 8) == 8 }
 }
 
 // ---------------------------------------------------------------- queries
@@ -670,20 +616,9 @@ pub unsafe extern "C" fn ibv_alloc_pd(c: *mut ibv_context) -> *mut ibv_pd {
 /// `pd` from `ibv_alloc_pd`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
-    if pd.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: (caller) a live PdBox.
-    let b = unsafe { &*(pd as *mut PdBox) };
-    // SAFETY: its context is live.
-    match unsafe { hca(b.pd.context) }.dealloc_pd(b.h) {
-        Ok(()) => {
-            // SAFETY: made by Box::into_raw; freed once.
-            drop(unsafe { Box::from_raw(pd as *mut PdBox) });
-            0
-        }
-        Err(e) => errno_of(&e),
-    }
+    // SAFETY: (caller) `pd` is NULL or ours, not used after it is destroyed; its context
+    // is live.
+    unsafe { destroy(pd as *mut PdBox, |b| hca(b.pd.context).dealloc_pd(b.h)) }
 }
 
 /// # Safety
@@ -767,20 +702,9 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
 /// `mr` from `ibv_reg_mr`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
-    if mr.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: (caller) a live MrBox.
-    let b = unsafe { &*(mr as *mut MrBox) };
-    // SAFETY: its context is live.
-    match unsafe { hca(b.mr.context) }.dereg_mr(b.h) {
-        Ok(()) => {
-            // SAFETY: made by Box::into_raw; freed once.
-            drop(unsafe { Box::from_raw(mr as *mut MrBox) });
-            0
-        }
-        Err(e) => errno_of(&e),
-    }
+    // SAFETY: (caller) `mr` is NULL or ours, not used after it is destroyed; its context
+    // is live.
+    unsafe { destroy(mr as *mut MrBox, |b| hca(b.mr.context).dereg_mr(b.h)) }
 }
 
 // ---------------------------------------------------------------- CQs and channels
@@ -982,17 +906,6 @@ fn wc_out(w: &Wc) -> ibv_wc {
     }
 }
 
-const NO_WC: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm: None,
-    qp_num: 0,
-    src_qp: 0,
-    grh: false,
-};
-
 unsafe extern "C" fn op_poll_cq(cq: *mut ibv_cq, n: c_int, out: *mut ibv_wc) -> c_int {
     if cq.is_null() || n < 0 || (out.is_null() && n > 0) {
         return -1;
@@ -1001,7 +914,7 @@ unsafe extern "C" fn op_poll_cq(cq: *mut ibv_cq, n: c_int, out: *mut ibv_wc) -> 
     let b = unsafe { &*(cq as *mut CqBox) };
     // SAFETY: its context is live.
     let h = unsafe { hca(b.cq.context) };
-    let mut buf = [NO_WC; 16];
+    let mut buf = [Wc::EMPTY; 16];
     let mut got = 0usize;
     while got < n as usize {
         let want = (n as usize - got).min(buf.len());
@@ -1305,13 +1218,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, a: *mut ibv_qp_init_attr
         Err(e) => return null_with(errno_of(&e)),
     };
     if let Ok(c) = h.query_qp_cap(q) {
-        a.cap = ibv_qp_cap {
-            max_send_wr: c.max_send_wr,
-            max_recv_wr: c.max_recv_wr,
-            max_send_sge: c.max_send_sge,
-            max_recv_sge: c.max_recv_sge,
-            max_inline_data: c.max_inline_data,
-        };
+        a.cap = cap_out(c);
     }
     // SAFETY: all-zero is a valid ibv_qp_attr.
     let mut saved: ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -1552,13 +1459,7 @@ pub unsafe extern "C" fn ibv_query_qp(
     o.cur_qp_state = st;
     o.port_num = PORT;
     if let Ok(c) = h.query_qp_cap(b.h) {
-        o.cap = ibv_qp_cap {
-            max_send_wr: c.max_send_wr,
-            max_recv_wr: c.max_recv_wr,
-            max_send_sge: c.max_send_sge,
-            max_recv_sge: c.max_recv_sge,
-            max_inline_data: c.max_inline_data,
-        };
+        o.cap = cap_out(c);
     }
     // SAFETY: (caller) writable.
     unsafe {
@@ -1580,20 +1481,9 @@ pub unsafe extern "C" fn ibv_query_qp(
 /// `qp` from `ibv_create_qp`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
-    if qp.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: (caller) live.
-    let b = unsafe { &*(qp as *mut QpBox) };
-    // SAFETY: its context is live.
-    match unsafe { hca(b.qp.context) }.destroy_qp(b.h) {
-        Ok(()) => {
-            // SAFETY: made by Box::into_raw; freed once.
-            drop(unsafe { Box::from_raw(qp as *mut QpBox) });
-            0
-        }
-        Err(e) => errno_of(&e),
-    }
+    // SAFETY: (caller) `qp` is NULL or ours, not used after it is destroyed; its context
+    // is live.
+    unsafe { destroy(qp as *mut QpBox, |b| hca(b.qp.context).destroy_qp(b.h)) }
 }
 
 #[no_mangle]
@@ -1769,20 +1659,9 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, a: *mut ibv_ah_attr) -> 
 /// `ah` from `ibv_create_ah`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
-    if ah.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: (caller) live.
-    let b = unsafe { &*(ah as *mut AhBox) };
-    // SAFETY: its context is live.
-    match unsafe { hca(b.ah.context) }.destroy_ah(b.h) {
-        Ok(()) => {
-            // SAFETY: made by Box::into_raw; freed once.
-            drop(unsafe { Box::from_raw(ah as *mut AhBox) });
-            0
-        }
-        Err(e) => errno_of(&e),
-    }
+    // SAFETY: (caller) `ah` is NULL or ours, not used after it is destroyed; its context
+    // is live.
+    unsafe { destroy(ah as *mut AhBox, |b| hca(b.ah.context).destroy_ah(b.h)) }
 }
 
 /// # Safety

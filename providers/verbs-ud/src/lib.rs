@@ -45,7 +45,7 @@ use weft_provider::provider::{
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
 use weft_verbs::reliable::{self, Header, Instant, Link};
-use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus};
+use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcStatus};
 
 weft_provider::param!(MTU: Uint[256, 4096] check(weft_provider::param::checks::power_of_two) = "verbs", "UD_MTU", "2048",
     "verbs-ud: bytes of one packet (the path MTU; 256 to 4096, a power of two, at most the port's active MTU; the default is lowered to it)");
@@ -413,19 +413,7 @@ impl VerbsUd {
             addrs: vec![None; size as usize],
             failures: VecDeque::new(),
             gone: std::collections::HashMap::new(),
-            wcs: vec![
-                verbs::Wc {
-                    wr_id: 0,
-                    status: WcStatus::Success,
-                    opcode: WcOpcode::Send,
-                    byte_len: 0,
-                    imm: None,
-                    qp_num: 0,
-                    src_qp: 0,
-                    grh: false,
-                };
-                POLL
-            ],
+            wcs: vec![verbs::Wc::EMPTY; POLL],
             next_keepalive: Instant::now(),
             ka_next: 0,
             stats: Stats::default(),

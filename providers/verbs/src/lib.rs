@@ -335,16 +335,7 @@ pub fn activate_ud(hca: &dyn Hca, qp: Qp, qkey: u32) -> Result<()> {
 pub fn wait_cq(hca: &dyn Hca, cq: Cq, n: usize, timeout: std::time::Duration) -> Result<Vec<Wc>> {
     let t0 = std::time::Instant::now();
     let mut got = Vec::with_capacity(n);
-    let mut buf = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: 0,
-        src_qp: 0,
-        grh: false,
-    }; 16];
+    let mut buf = [Wc::EMPTY; 16];
     while got.len() < n {
         let k = hca.poll_cq(cq, &mut buf[..(n - got.len()).min(16)])?;
         got.extend_from_slice(&buf[..k]);

@@ -553,6 +553,20 @@ pub struct Wc {
     pub grh: bool,
 }
 
+impl Wc {
+    /// A placeholder, for arrays that `poll_cq` fills.
+    pub const EMPTY: Wc = Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: 0,
+        src_qp: 0,
+        grh: false,
+    };
+}
+
 /// Sizes of a QP's queues (`struct ibv_qp_cap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpCap {

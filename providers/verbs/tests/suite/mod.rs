@@ -143,16 +143,7 @@ fn no_completion(s: &Side) {
 }
 
 fn one_dummy() -> Wc {
-    Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: 0,
-        src_qp: 0,
-        grh: false,
-    }
+    Wc::EMPTY
 }
 
 /// `poll_cq` looks at an empty CQ without the context's lock; a CQ destroyed must still poll

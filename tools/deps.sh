@@ -33,6 +33,8 @@ group "Open MPI's mpirun, mpicc and PMIx (PMIx launch tests, Open MPI over weft-
   'command -v mpicc.openmpi' libopenmpi-dev \
   'command -v NPopenmpi' netpipe-openmpi \
   '[ -f /usr/lib/x86_64-linux-gnu/pmix2/include/pmix_common.h ]' libpmix-dev
+group "mpi4py (its own test suite over Open MPI over weft-fi)" \
+  '/usr/bin/python3 -c "import mpi4py"' python3-mpi4py
 group "single-node Slurm (srun launch tests, start-up table)" \
   'command -v munged || [ -x /usr/sbin/munged ]' munge \
   '[ -x /usr/sbin/slurmctld ]' slurmctld \
@@ -55,29 +57,60 @@ group "rdma-core backend (cargo feature rdma-core)" \
   'ls /usr/lib/llvm-*/lib/libclang.so' libclang-dev \
   '[ -f /usr/include/libnl3/netlink/netlink.h ]' libnl-3-dev \
   '[ -f /usr/include/libnl3/netlink/route/link.h ]' libnl-route-3-dev
-if [ ${#need[@]} -eq 0 ]; then
-  exit 0
+install_packages() {
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "tools/deps.sh: cannot install ${need[*]} (not root or no apt-get); the tests that need them skip" >&2
+    return 0
+  fi
+  mkdir -p target
+  log=$PWD/target/deps.log
+  : > "$log"
+  t0=$(date +%s)
+  echo "tools/deps.sh: updating Debian's package lists (apt's output: $log)"
+  if ! apt-get update -qq >>"$log" 2>&1; then
+    tail -20 "$log" >&2
+    echo "tools/deps.sh: apt-get update failed (the whole log: $log)" >&2
+    return 1
+  fi
+  total=$(apt-get install -s "${need[@]}" 2>/dev/null | grep -c '^Inst' || true)
+  echo "tools/deps.sh: installing ${#need[@]} packages, ${total} with their dependencies (about 2 min on a fresh machine):"
+  for g in "${groups[@]}"; do echo "  $g"; done
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >>"$log" 2>&1; then
+    tail -20 "$log" >&2
+    echo "tools/deps.sh: apt-get install failed (the whole log: $log)" >&2
+    return 1
+  fi
+  echo "tools/deps.sh: done in $(( $(date +%s) - t0 )) s"
+}
+
+# mpi4py's own test suite (its source distribution's test/; Debian's package has none), for
+# the version Debian installed, unpacked into target/mpi4py-VERSION/test.
+fetch_mpi4py_tests() {
+  local v dir
+  v=$(/usr/bin/python3 -c 'import mpi4py; print(mpi4py.__version__)' 2>/dev/null) || return 0
+  dir=target/mpi4py-$v
+  [ -f "$dir/test/runtests.py" ] && return 0
+  mkdir -p target
+  if /usr/bin/python3 - "$v" target <<'PY'
+import hashlib, io, re, sys, tarfile, urllib.request
+v, out = sys.argv[1], sys.argv[2]
+# PyPI's simple index names the file and its sha256.
+index = urllib.request.urlopen("https://pypi.org/simple/mpi4py/", timeout=60).read().decode()
+url, digest = re.search(rf'href="([^"#]*/mpi4py-{re.escape(v)}\.tar\.gz)#sha256=([0-9a-f]+)"', index).groups()
+data = urllib.request.urlopen(url, timeout=120).read()
+if hashlib.sha256(data).hexdigest() != digest:
+    sys.exit(f"mpi4py-{v}.tar.gz: sha256 mismatch")
+with tarfile.open(fileobj=io.BytesIO(data)) as t:
+    t.extractall(out, members=[m for m in t.getmembers() if m.name.startswith(f"mpi4py-{v}/test/")])
+PY
+  then
+    echo "tools/deps.sh: mpi4py $v's test suite in $dir/test (from PyPI)"
+  else
+    echo "tools/deps.sh: could not fetch mpi4py $v's test suite from PyPI; its test skips" >&2
+  fi
+}
+
+if [ ${#need[@]} -gt 0 ]; then
+  install_packages
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-  echo "tools/deps.sh: cannot install ${need[*]} (not root or no apt-get); the tests that need them skip" >&2
-  exit 0
-fi
-mkdir -p target
-log=$PWD/target/deps.log
-: > "$log"
-t0=$(date +%s)
-echo "tools/deps.sh: updating Debian's package lists (apt's output: $log)"
-if ! apt-get update -qq >>"$log" 2>&1; then
-  tail -20 "$log" >&2
-  echo "tools/deps.sh: apt-get update failed (the whole log: $log)" >&2
-  exit 1
-fi
-total=$(apt-get install -s "${need[@]}" 2>/dev/null | grep -c '^Inst' || true)
-echo "tools/deps.sh: installing ${#need[@]} packages, ${total} with their dependencies (about 2 min on a fresh machine):"
-for g in "${groups[@]}"; do echo "  $g"; done
-if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >>"$log" 2>&1; then
-  tail -20 "$log" >&2
-  echo "tools/deps.sh: apt-get install failed (the whole log: $log)" >&2
-  exit 1
-fi
-echo "tools/deps.sh: done in $(( $(date +%s) - t0 )) s"
+fetch_mpi4py_tests

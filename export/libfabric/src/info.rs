@@ -7,7 +7,11 @@ use std::os::raw::{c_char, c_int};
 use weft_ofi_sys as fi;
 
 /// Primary capabilities an endpoint offers.
-pub const PRIMARY: u64 = fi::FI_MSG | fi::FI_TAGGED;
+pub const PRIMARY: u64 = fi::FI_MSG | fi::FI_TAGGED | fi::FI_RMA | fi::FI_ATOMIC;
+/// The one-sided primary capabilities, and the secondary ones that go with them.
+pub const ONE_SIDED: u64 = fi::FI_RMA | fi::FI_ATOMIC;
+pub const ONE_SIDED_SIDES: u64 =
+    fi::FI_READ | fi::FI_WRITE | fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE;
 /// Secondary capabilities offered when asked.
 pub const ON_REQUEST: u64 = fi::FI_DIRECTED_RECV | fi::FI_SOURCE;
 /// Secondary capabilities always offered.
@@ -52,12 +56,13 @@ pub fn domains() -> Vec<String> {
 /// `hints` is null or a valid `fi_info` whose attribute pointers are null or valid.
 pub unsafe fn admit(hints: *const fi::fi_info, domain: &str) -> Option<u64> {
     if hints.is_null() {
-        return Some(PRIMARY | ALWAYS);
+        return Some(PRIMARY | ALWAYS | ONE_SIDED_SIDES);
     }
     // SAFETY: per the contract.
     let h = unsafe { &*hints };
     let wanted = h.caps;
-    if wanted & !(PRIMARY | ON_REQUEST | ALWAYS) != 0 {
+    let all = PRIMARY | ON_REQUEST | ALWAYS | ONE_SIDED_SIDES;
+    if wanted & !all != 0 {
         return None;
     }
     if h.addr_format != fi::FI_FORMAT_UNSPEC {
@@ -86,12 +91,12 @@ pub unsafe fn admit(hints: *const fi::fi_info, domain: &str) -> Option<u64> {
             }
         }
         if let Some(tx) = h.tx_attr.as_ref() {
-            if tx.inject_size > INJECT || tx.caps & !(PRIMARY | ON_REQUEST | ALWAYS) != 0 {
+            if tx.inject_size > INJECT || tx.caps & !all != 0 {
                 return None;
             }
         }
         if let Some(rx) = h.rx_attr.as_ref() {
-            if rx.caps & !(PRIMARY | ON_REQUEST | ALWAYS) != 0 {
+            if rx.caps & !all != 0 {
                 return None;
             }
         }
@@ -101,7 +106,24 @@ pub unsafe fn admit(hints: *const fi::fi_info, domain: &str) -> Option<u64> {
     } else {
         PRIMARY
     };
-    Some(primary | (wanted & ON_REQUEST) | ALWAYS)
+    let sides = if primary & ONE_SIDED != 0 {
+        ONE_SIDED_SIDES
+    } else {
+        0
+    };
+    Some(primary | (wanted & ON_REQUEST) | ALWAYS | sides)
+}
+
+/// The MR mode of an entry, from the modes the application says it supports: weft-fi needs
+/// none (it copies through weft), and with `FI_MR_PROV_KEY` or `FI_MR_VIRT_ADDR` allowed it
+/// chooses keys and takes virtual addresses (as Open MPI's `btl/ofi` asks); without them the
+/// application's requested keys and offsets into regions are used.
+pub fn mr_mode(hinted: u64) -> u64 {
+    if hinted == fi::FI_MR_BASIC as u64 || hinted == fi::FI_MR_SCALABLE as u64 {
+        hinted
+    } else {
+        hinted & (fi::FI_MR_PROV_KEY | fi::FI_MR_VIRT_ADDR)
+    }
 }
 
 /// One `fi_info` for `domain` with `caps`, allocated as `fi_freeinfo` frees it; null when out
@@ -137,18 +159,19 @@ pub unsafe fn build(hints: *const fi::fi_info, domain: &str, caps: u64) -> *mut 
         i.mode = 0;
         i.addr_format = fi::FI_FORMAT_UNSPEC;
         let tx = &mut *i.tx_attr;
-        tx.caps = caps & (PRIMARY | fi::FI_SEND);
+        tx.caps = caps & (PRIMARY | fi::FI_SEND | fi::FI_READ | fi::FI_WRITE);
         tx.msg_order = fi::FI_ORDER_SAS;
         tx.comp_order = fi::FI_ORDER_NONE;
         tx.inject_size = INJECT;
         tx.size = QUEUE;
         tx.iov_limit = 1;
-        tx.rma_iov_limit = 0;
+        tx.rma_iov_limit = if caps & ONE_SIDED != 0 { 1 } else { 0 };
         tx.op_flags = h.and_then(|h| h.tx_attr.as_ref()).map_or(0, |t| {
             t.op_flags & (fi::FI_COMPLETION | fi::FI_TRANSMIT_COMPLETE)
         });
         let rx = &mut *i.rx_attr;
-        rx.caps = caps & (PRIMARY | fi::FI_RECV | ON_REQUEST);
+        rx.caps =
+            caps & (PRIMARY | fi::FI_RECV | ON_REQUEST | fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE);
         rx.msg_order = fi::FI_ORDER_SAS;
         rx.comp_order = fi::FI_ORDER_NONE;
         rx.size = QUEUE;
@@ -186,7 +209,11 @@ pub unsafe fn build(hints: *const fi::fi_info, domain: &str, caps: u64) -> *mut 
         } else {
             fi::FI_AV_TABLE
         };
-        d.mr_mode = 0;
+        d.mr_mode = mr_mode(
+            h.and_then(|h| h.domain_attr.as_ref())
+                .map_or(0, |d| d.mr_mode as u64),
+        ) as i32;
+        d.mr_iov_limit = 1;
         d.mr_key_size = 8;
         d.cq_data_size = CQ_DATA;
         d.cq_cnt = 256;
@@ -308,7 +335,7 @@ mod t {
         // SAFETY: null hints.
         assert_eq!(
             unsafe { admit(std::ptr::null(), "shm") },
-            Some(PRIMARY | ALWAYS)
+            Some(PRIMARY | ALWAYS | ONE_SIDED_SIDES)
         );
         let mut h = hints();
         h.caps = fi::FI_TAGGED;
@@ -318,8 +345,14 @@ mod t {
             (*h.ep_attr).type_ = fi::FI_EP_MSG;
             assert_eq!(admit(&*h, "shm"), None, "message endpoints");
             (*h.ep_attr).type_ = fi::FI_EP_RDM;
-            h.caps = fi::FI_RMA;
-            assert_eq!(admit(&*h, "shm"), None, "RMA");
+            h.caps = fi::FI_RMA | fi::FI_ATOMIC;
+            assert_eq!(
+                admit(&*h, "shm"),
+                Some(fi::FI_RMA | fi::FI_ATOMIC | ALWAYS | ONE_SIDED_SIDES),
+                "RMA and atomics"
+            );
+            h.caps = fi::FI_MULTICAST;
+            assert_eq!(admit(&*h, "shm"), None, "multicast");
             h.caps = fi::FI_MSG;
             (*h.ep_attr).mem_tag_format = u64::MAX;
             assert!(admit(&*h, "shm").is_some(), "64-bit tags are met");
@@ -344,6 +377,7 @@ mod t {
         // SAFETY: null hints; the entry is built and freed here.
         unsafe {
             let i = build(std::ptr::null(), "shm", PRIMARY | ALWAYS);
+            assert_eq!((*(*i).domain_attr).mr_mode, 0, "application keys, offsets");
             assert!(!i.is_null());
             assert_eq!(cstr((*(*i).domain_attr).name), "shm");
             assert_eq!((*(*i).ep_attr).type_, fi::FI_EP_RDM);

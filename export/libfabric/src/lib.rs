@@ -4,7 +4,8 @@
 //! provider is named `weft` and offers one `fi_info` per weft provider usable here, the domain
 //! named after it (`shm`, `tcp-sim`, `verbs-rc`, `hybrid`, ...). Its endpoints are reliable
 //! datagram (`FI_EP_RDM`) with `FI_MSG` and `FI_TAGGED` (64-bit tags, any ignore mask, remote
-//! CQ data, `FI_PEEK`/`FI_CLAIM`/`FI_DISCARD`): a process finds its job through weft's
+//! CQ data, `FI_PEEK`/`FI_CLAIM`/`FI_DISCARD`), `FI_RMA` and `FI_ATOMIC` with counters: a
+//! process finds its job through weft's
 //! bootstrap when it opens a domain (`weft run`, Hydra, Open MPI's `mpirun`, `srun`) and
 //! meets it at its first `fi_av_insert`; its libfabric names identify it within that job.
 //!
@@ -18,6 +19,8 @@
 //!   weft (why weft-fi matches itself rather than through the core: that module's doc).
 //! * [`state`]: the process's weft world, the queues and the operations in flight, behind one
 //!   lock (the provider is `FI_THREAD_SAFE`).
+//! * [`rma`], [`remote`], [`oneside`], [`cntr`]: RMA and atomics over weft messages (why
+//!   weft-fi carries them itself: [`rma`]'s doc), both ends, their entry points, counters.
 //!
 //! Every entry point runs inside [`guard`]: a Rust panic becomes `-FI_EOTHER`, never an
 //! unwind into C.
@@ -33,10 +36,14 @@ use weft_tcp_sim as _;
 use weft_verbs_rc as _;
 use weft_verbs_ud as _;
 
+pub mod cntr;
 pub mod data;
 pub mod info;
 pub mod matching;
 pub mod obj;
+pub mod oneside;
+pub mod remote;
+pub mod rma;
 pub mod state;
 
 /// The libfabric API version weft-fi implements (libfabric skips a provider below the version

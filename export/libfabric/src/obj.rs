@@ -11,24 +11,24 @@ use crate::{err, guard, serr, NULL};
 use std::os::raw::{c_char, c_int, c_void};
 use weft_ofi_sys as fi;
 
-type Fid = *mut fi::fid;
+pub(crate) type Fid = *mut fi::fid;
 
 pub(crate) fn addr<T>(p: *const T) -> usize {
     p as usize
 }
 
 /// Leak `b` and register it live; its address.
-fn live<T>(b: Box<T>) -> *mut T {
+pub(crate) fn live<T>(b: Box<T>) -> *mut T {
     let p = Box::leak(b) as *mut T;
     state::with(|g| g.live.insert(addr(p)));
     p
 }
 
-fn is_live(p: usize) -> bool {
+pub(crate) fn is_live(p: usize) -> bool {
     state::with(|g| g.live.contains(&p))
 }
 
-fn fid_ops(close: unsafe extern "C" fn(Fid) -> c_int) -> fi::fi_ops {
+pub(crate) fn fid_ops(close: unsafe extern "C" fn(Fid) -> c_int) -> fi::fi_ops {
     fi::fi_ops {
         size: std::mem::size_of::<fi::fi_ops>(),
         close: Some(close),
@@ -57,7 +57,7 @@ unsafe extern "C" fn ops_open_none(
 }
 
 /// Close: the object leaves the live set (its memory stays).
-unsafe extern "C" fn close_plain(f: Fid) -> c_int {
+pub(crate) unsafe extern "C" fn close_plain(f: Fid) -> c_int {
     guard(err(fi::FI_EOTHER as u64), || {
         state::with(|g| {
             let a = addr(f);
@@ -66,6 +66,7 @@ unsafe extern "C" fn close_plain(f: Fid) -> c_int {
             }
             g.cqs.remove(&a);
             g.avs.remove(&a);
+            g.cntrs.remove(&a);
             0
         })
     })
@@ -193,6 +194,8 @@ unsafe extern "C" fn domain_open(
         if let Err(e) = state::with(|g| g.open_world(&name)) {
             return err(e);
         }
+        // SAFETY: as above.
+        let mr_mode = unsafe { (*info).domain_attr.as_ref() }.map_or(0, |d| d.mr_mode as u64);
         let mut b = Box::new(Domain {
             fid: fi::fid_domain::default(),
             ops: fid_ops(domain_close),
@@ -202,11 +205,11 @@ unsafe extern "C" fn domain_open(
                 cq_open: Some(cq_open),
                 endpoint: Some(ep_open),
                 scalable_ep: Some(scalable_ep_none),
-                cntr_open: Some(cntr_open_none),
+                cntr_open: Some(crate::cntr::open),
                 poll_open: Some(poll_open_none),
                 stx_ctx: Some(stx_none),
                 srx_ctx: Some(srx_none),
-                query_atomic: Some(query_atomic_none),
+                query_atomic: Some(query_atomic),
                 query_collective: Some(query_collective_none),
                 endpoint2: Some(ep_open2),
             },
@@ -220,6 +223,7 @@ unsafe extern "C" fn domain_open(
         b.fid.fid.fclass = fi::FI_CLASS_DOMAIN as usize;
         b.fid.fid.context = context;
         let p = live(b);
+        state::with(|g| g.domains.insert(addr(p), crate::info::mr_mode(mr_mode)));
         // SAFETY: `p` is the leaked box; the tables live inside it.
         unsafe {
             (*p).fid.fid.ops = &mut (*p).ops;
@@ -231,14 +235,19 @@ unsafe extern "C" fn domain_open(
     })
 }
 
-/// Closing the domain ends this process's part in the job (collective, like opening it).
+/// Closing the last domain ends this process's part in the job (collective, like opening it).
 unsafe extern "C" fn domain_close(f: Fid) -> c_int {
     guard(err(fi::FI_EOTHER as u64), || {
         state::with(|g| {
             if !g.live.remove(&addr(f)) {
                 return err(fi::FI_EINVAL);
             }
-            g.close_world();
+            // A process may have several domains open (Open MPI's mtl/ofi and btl/ofi each
+            // open one); they share the process's weft world, which ends with the last.
+            g.domains.remove(&addr(f));
+            if g.domains.is_empty() {
+                g.close_world();
+            }
             0
         })
     })
@@ -248,14 +257,6 @@ unsafe extern "C" fn scalable_ep_none(
     _: *mut fi::fid_domain,
     _: *mut fi::fi_info,
     _: *mut *mut fi::fid_ep,
-    _: *mut c_void,
-) -> c_int {
-    err(fi::FI_ENOSYS)
-}
-unsafe extern "C" fn cntr_open_none(
-    _: *mut fi::fid_domain,
-    _: *mut fi::fi_cntr_attr,
-    _: *mut *mut fi::fid_cntr,
     _: *mut c_void,
 ) -> c_int {
     err(fi::FI_ENOSYS)
@@ -283,14 +284,32 @@ unsafe extern "C" fn srx_none(
 ) -> c_int {
     err(fi::FI_ENOSYS)
 }
-unsafe extern "C" fn query_atomic_none(
-    _: *mut fi::fid_domain,
-    _: fi::fi_datatype,
-    _: fi::fi_op,
-    _: *mut fi::fi_atomic_attr,
-    _: u64,
+/// `fi_query_atomic`: whether weft-fi offers `op` on `dtype` for the call `flags` names
+/// (`FI_FETCH_ATOMIC`, `FI_COMPARE_ATOMIC`, else `fi_atomic`), and how many elements one
+/// operation may carry.
+unsafe extern "C" fn query_atomic(
+    d: *mut fi::fid_domain,
+    dtype: fi::fi_datatype,
+    op: fi::fi_op,
+    attr: *mut fi::fi_atomic_attr,
+    flags: u64,
 ) -> c_int {
-    err(fi::FI_ENOSYS)
+    guard(err(fi::FI_EOTHER as u64), || {
+        if !is_live(addr(d)) || attr.is_null() {
+            return err(fi::FI_EINVAL);
+        }
+        match crate::oneside::elements(flags, op, dtype) {
+            Some((count, size)) => {
+                // SAFETY: non-null, the caller's attribute struct.
+                unsafe {
+                    (*attr).count = count;
+                    (*attr).size = size;
+                }
+                0
+            }
+            None => err(fi::FI_EOPNOTSUPP),
+        }
+    })
 }
 unsafe extern "C" fn query_collective_none(
     _: *mut fi::fid_domain,
@@ -301,7 +320,7 @@ unsafe extern "C" fn query_collective_none(
     err(fi::FI_ENOSYS)
 }
 
-// ---- memory regions: weft needs no registration from the application ---------------------
+// ---- memory regions: the targets of RMA and atomics (messages need none) ---------------
 
 #[repr(C)]
 pub struct Mr {
@@ -309,62 +328,103 @@ pub struct Mr {
     ops: fi::fi_ops,
 }
 
-fn mr_new(key: u64, context: *mut c_void, out: *mut *mut fi::fid_mr) -> c_int {
-    if out.is_null() {
+/// Register `len` bytes at `buf` on domain `f` (the key requested or, in `FI_MR_PROV_KEY`
+/// mode, chosen).
+#[allow(clippy::too_many_arguments)]
+fn mr_new(
+    f: Fid,
+    buf: *const c_void,
+    len: usize,
+    access: u64,
+    offset: u64,
+    key: u64,
+    context: *mut c_void,
+    out: *mut *mut fi::fid_mr,
+) -> c_int {
+    if out.is_null() || !is_live(addr(f)) || (buf.is_null() && len > 0) {
         return err(fi::FI_EINVAL);
     }
     let mut b = Box::new(Mr {
         fid: fi::fid_mr::default(),
-        ops: fid_ops(close_plain),
+        ops: fid_ops(mr_close),
     });
     b.fid.fid.fclass = fi::FI_CLASS_MR as usize;
     b.fid.fid.context = context;
-    b.fid.key = key;
     b.fid.mem_desc = NULL;
-    let p = live(b);
+    let p = Box::leak(b) as *mut Mr;
+    let key = state::with(|g| {
+        let k = g.mr_reg(addr(f), addr(p), buf as usize, len, access, offset, key)?;
+        g.live.insert(addr(p));
+        Ok::<u64, u64>(k)
+    });
+    let key = match key {
+        Ok(k) => k,
+        Err(e) => return err(e),
+    };
     // SAFETY: the leaked box; `out` is non-null.
     unsafe {
+        (*p).fid.key = key;
         (*p).fid.fid.ops = &mut (*p).ops;
         *out = &mut (*p).fid;
     }
     0
 }
 
+/// Close a region: no remote access reaches it afterwards; waits (bounded) until the
+/// accesses already under way are done, so that the application may free the memory.
+unsafe extern "C" fn mr_close(f: Fid) -> c_int {
+    guard(err(fi::FI_EOTHER as u64), || {
+        let a = addr(f);
+        if !is_live(a) {
+            return err(fi::FI_EINVAL);
+        }
+        let t0 = std::time::Instant::now();
+        while state::with(|g| g.mr_close(a)) > 0 {
+            if t0.elapsed() > std::time::Duration::from_secs(10) {
+                return err(fi::FI_EBUSY);
+            }
+            std::thread::yield_now();
+        }
+        state::with(|g| g.live.remove(&a));
+        0
+    })
+}
+
 unsafe extern "C" fn mr_reg(
     f: Fid,
-    _buf: *const c_void,
-    _len: usize,
-    _access: u64,
-    _offset: u64,
+    buf: *const c_void,
+    len: usize,
+    access: u64,
+    offset: u64,
     key: u64,
     _flags: u64,
     out: *mut *mut fi::fid_mr,
     context: *mut c_void,
 ) -> c_int {
     guard(err(fi::FI_EOTHER as u64), || {
-        if !is_live(addr(f)) {
-            return err(fi::FI_EINVAL);
-        }
-        mr_new(key, context, out)
+        mr_new(f, buf, len, access, offset, key, context, out)
     })
 }
 
 unsafe extern "C" fn mr_regv(
     f: Fid,
-    _iov: *const fi::iovec,
-    _count: usize,
-    _access: u64,
-    _offset: u64,
+    iov: *const fi::iovec,
+    count: usize,
+    access: u64,
+    offset: u64,
     key: u64,
     _flags: u64,
     out: *mut *mut fi::fid_mr,
     context: *mut c_void,
 ) -> c_int {
     guard(err(fi::FI_EOTHER as u64), || {
-        if !is_live(addr(f)) {
-            return err(fi::FI_EINVAL);
-        }
-        mr_new(key, context, out)
+        // SAFETY: fi_mr_regv's iovec of `count` entries.
+        let (buf, len) = match (count, unsafe { iov.as_ref() }) {
+            (0, _) => (NULL as *const c_void, 0),
+            (1, Some(v)) => (v.iov_base as *const c_void, v.iov_len),
+            _ => return err(fi::FI_EINVAL),
+        };
+        mr_new(f, buf, len, access, offset, key, context, out)
     })
 }
 
@@ -375,12 +435,26 @@ unsafe extern "C" fn mr_regattr(
     out: *mut *mut fi::fid_mr,
 ) -> c_int {
     guard(err(fi::FI_EOTHER as u64), || {
-        if !is_live(addr(f)) || attr.is_null() {
+        // SAFETY: null or libfabric's attribute struct for the call.
+        let Some(a) = (unsafe { attr.as_ref() }) else {
             return err(fi::FI_EINVAL);
-        }
-        // SAFETY: non-null, libfabric's attribute struct for the call.
-        let (key, ctx) = unsafe { ((*attr).requested_key, (*attr).context) };
-        mr_new(key, ctx, out)
+        };
+        // SAFETY: the attribute's iovec of `iov_count` entries.
+        let (buf, len) = match (a.iov_count, unsafe { a.mr_iov.as_ref() }) {
+            (0, _) => (NULL as *const c_void, 0),
+            (1, Some(v)) => (v.iov_base as *const c_void, v.iov_len),
+            _ => return err(fi::FI_EINVAL),
+        };
+        mr_new(
+            f,
+            buf,
+            len,
+            a.access,
+            a.offset,
+            a.requested_key,
+            a.context,
+            out,
+        )
     })
 }
 
@@ -976,6 +1050,8 @@ pub struct Ep {
     cm: fi::fi_ops_cm,
     msg: fi::fi_ops_msg,
     tagged: fi::fi_ops_tagged,
+    rma: fi::fi_ops_rma,
+    atomic: fi::fi_ops_atomic,
 }
 
 unsafe extern "C" fn ep_open2(
@@ -1074,6 +1150,8 @@ unsafe extern "C" fn ep_open(
                 senddata: Some(data::t_senddata),
                 injectdata: Some(data::t_injectdata),
             },
+            rma: crate::oneside::rma_ops(),
+            atomic: crate::oneside::atomic_ops(),
         });
         b.fid.fid.fclass = fi::FI_CLASS_EP as usize;
         b.fid.fid.context = context;
@@ -1085,6 +1163,7 @@ unsafe extern "C" fn ep_open(
                     tx_op_flags: tx_flags,
                     rx_op_flags: rx_flags,
                     directed: caps & fi::FI_DIRECTED_RECV != 0,
+                    rma: caps & crate::info::ONE_SIDED != 0,
                     ..Default::default()
                 },
             )
@@ -1096,6 +1175,8 @@ unsafe extern "C" fn ep_open(
             (*p).fid.cm = &mut (*p).cm;
             (*p).fid.msg = &mut (*p).msg;
             (*p).fid.tagged = &mut (*p).tagged;
+            (*p).fid.rma = &mut (*p).rma;
+            (*p).fid.atomic = &mut (*p).atomic;
             *out = &mut (*p).fid;
         }
         0
@@ -1145,6 +1226,7 @@ unsafe extern "C" fn ep_bind(f: Fid, b: Fid, flags: u64) -> c_int {
             }
             let is_cq = g.cqs.contains_key(&o);
             let is_av = g.avs.contains_key(&o);
+            let is_cntr = g.cntrs.contains_key(&o);
             let Some(ep) = g.eps.get_mut(&a) else {
                 return err(fi::FI_EINVAL);
             };
@@ -1165,6 +1247,22 @@ unsafe extern "C" fn ep_bind(f: Fid, b: Fid, flags: u64) -> c_int {
                     0
                 }
                 c if c == fi::FI_CLASS_EQ => 0,
+                c if c == fi::FI_CLASS_CNTR && is_cntr => {
+                    let c = &mut ep.cntrs;
+                    for (bit, slot) in [
+                        (fi::FI_SEND, &mut c.send),
+                        (fi::FI_RECV, &mut c.recv),
+                        (fi::FI_READ, &mut c.read),
+                        (fi::FI_WRITE, &mut c.write),
+                        (fi::FI_REMOTE_READ, &mut c.remote_read),
+                        (fi::FI_REMOTE_WRITE, &mut c.remote_write),
+                    ] {
+                        if flags & bit != 0 {
+                            *slot = o;
+                        }
+                    }
+                    0
+                }
                 _ => err(fi::FI_ENOSYS),
             }
         })

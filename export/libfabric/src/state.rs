@@ -17,6 +17,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use weft::{RawRequest, Source, TagSel};
 use weft_ofi_sys as fi;
 
+weft::param!(STATS: Bool = "fi", "STATS", "0",
+    "weft-fi: when the domain closes, print what went through weft (messages sent and received, RMA and atomic operations issued and served) on stderr");
+
+/// What went through weft, for `WEFT_FI_STATS`.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct Stats {
+    pub sent: u64,
+    pub received: u64,
+    pub rma_issued: u64,
+    pub rma_served: u64,
+}
+
 /// What a queue holds for one finished operation.
 #[derive(Clone, Copy, Debug)]
 pub struct Entry {
@@ -48,6 +60,24 @@ pub struct Av {
     pub table: Vec<u32>,
 }
 
+/// A counter's values.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct Cntr {
+    pub value: u64,
+    pub err: u64,
+}
+
+/// The counters an endpoint is bound to (0: none), by what they count.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct Cntrs {
+    pub send: usize,
+    pub recv: usize,
+    pub read: usize,
+    pub write: usize,
+    pub remote_read: usize,
+    pub remote_write: usize,
+}
+
 /// An endpoint's bindings.
 #[derive(Default)]
 pub struct Ep {
@@ -61,10 +91,13 @@ pub struct Ep {
     pub enabled: bool,
     /// `FI_DIRECTED_RECV`: receives match their source address (else any source).
     pub directed: bool,
+    /// Asked for `FI_RMA` or `FI_ATOMIC`: the endpoint that reports remote accesses.
+    pub rma: bool,
+    pub cntrs: Cntrs,
 }
 
 /// What a finished operation reports.
-enum What {
+pub(crate) enum What {
     Send {
         tagged: bool,
     },
@@ -75,21 +108,36 @@ enum What {
         hdr: Hdr,
         src: u32,
     },
-    /// Nothing: a long message's header, a discarded message's data.
+    /// Nothing: a long message's header, a discarded message's data, an RMA control
+    /// message, a target's read data.
     Quiet,
+    /// The data of the origin's RMA operation `id` (a long write's or read's).
+    Part {
+        id: u64,
+    },
+    /// A long remote write's data arriving in a region of this process, for the origin's
+    /// operation `id` at rank `src`, which is answered once it is in.
+    TargetIn {
+        src: u32,
+        id: u64,
+        data: Option<u64>,
+    },
 }
 
 /// One weft operation in flight.
 pub struct Op {
-    req: RawRequest,
-    ep: usize,
-    what: What,
-    ctx: *mut c_void,
+    pub(crate) req: RawRequest,
+    pub(crate) ep: usize,
+    pub(crate) what: What,
+    pub(crate) ctx: *mut c_void,
     /// Report to the queue (false: inject, or a selective completion not asked for).
-    report: bool,
+    pub(crate) report: bool,
     /// The bytes a send goes from when weft-fi made them (header and inline payload), kept
     /// until weft is done with them.
-    _owned: Option<Vec<u8>>,
+    pub(crate) _owned: Option<Vec<u8>>,
+    /// The key of the region this operation reads or writes at its target (closing the
+    /// region waits for it).
+    pub(crate) key: Option<u64>,
 }
 
 /// A control-tag receive kept posted for arriving headers.
@@ -102,7 +150,7 @@ struct Bounce {
 const BOUNCES: usize = 32;
 /// The weft tag of headers (on the world communicator); long payloads use their own tags on
 /// a communicator of their own.
-const CTRL: i32 = 0;
+pub(crate) const CTRL: i32 = 0;
 
 /// A send as the entry points give it.
 pub struct SendArgs {
@@ -139,28 +187,42 @@ pub struct Global {
     boot: Option<Pending>,
     /// (rank, size) in the job.
     me: (u32, u32),
-    world: Option<weft::World>,
+    pub(crate) world: Option<weft::World>,
     /// A communicator of its own for long payloads, each on a tag of its own.
-    data: Option<weft::Comm>,
+    pub(crate) data: Option<weft::Comm>,
     pub domain: String,
     job: u64,
     pub live: HashSet<usize>,
     pub eps: HashMap<usize, Ep>,
     pub cqs: HashMap<usize, Cq>,
     pub avs: HashMap<usize, Av>,
-    ops: Vec<Op>,
+    pub cntrs: HashMap<usize, Cntr>,
+    /// Each domain's MR mode (`FI_MR_BASIC`, `FI_MR_SCALABLE` or the mode bits).
+    pub domains: HashMap<usize, u64>,
+    /// This process's registered regions by key, and the key of each region object.
+    pub(crate) mrs: HashMap<u64, crate::rma::Region>,
+    pub(crate) mr_keys: HashMap<usize, u64>,
+    /// The next key weft-fi hands out (`FI_MR_PROV_KEY`): never one given before.
+    pub(crate) next_key: u64,
+    /// The RMA operations of this process waiting for their target's answer, by id.
+    pub(crate) rops: HashMap<u64, crate::remote::Rop>,
+    pub(crate) next_id: u64,
+    pub(crate) ops: Vec<Op>,
     bounces: VecDeque<Bounce>,
     /// Matching of `FI_TAGGED` and of `FI_MSG` messages.
     tagq: Queues,
     msgq: Queues,
-    /// The next long-payload tag towards each rank.
-    next_long: Vec<u32>,
+    /// The next long-payload tag towards each rank (long sends and writes: bit 30 clear).
+    pub(crate) next_long: Vec<u32>,
+    /// The next tag on which a long read's data comes from each rank (bit 30 set).
+    pub(crate) next_read: Vec<u32>,
     /// Peer failures already acted on.
     failures_seen: u32,
     /// Send buffers of finished short messages, for the next ones (no allocation per message).
-    spare: Vec<Vec<u8>>,
+    pub(crate) spare: Vec<Vec<u8>>,
     /// Something was posted or delivered since the requests were last looked at.
-    dirty: bool,
+    pub(crate) dirty: bool,
+    pub(crate) stats: Stats,
     /// Progress rounds in a row that handled nothing (the requests are looked at anyway every
     /// [`LOOK_EVERY`] rounds).
     idle: u32,
@@ -271,14 +333,23 @@ pub fn with<T>(f: impl FnOnce(&mut Global) -> T) -> T {
         eps: HashMap::new(),
         cqs: HashMap::new(),
         avs: HashMap::new(),
+        cntrs: HashMap::new(),
+        domains: HashMap::new(),
+        mrs: HashMap::new(),
+        mr_keys: HashMap::new(),
+        next_key: 1,
+        rops: HashMap::new(),
+        next_id: 1,
         ops: Vec::new(),
         bounces: VecDeque::new(),
         tagq: Queues::default(),
         msgq: Queues::default(),
         next_long: Vec::new(),
+        next_read: Vec::new(),
         failures_seen: 0,
         spare: Vec::new(),
         dirty: true,
+        stats: Stats::default(),
         idle: 0,
     });
     f(g)
@@ -304,7 +375,7 @@ pub const NAME_LEN: usize = 16;
 const MAGIC: &[u8; 4] = b"weft";
 
 /// A positive libfabric error code for a weft error.
-fn code_of(e: &weft::Error) -> u64 {
+pub(crate) fn code_of(e: &weft::Error) -> u64 {
     use weft::ErrorKind as K;
     match e.kind() {
         K::Truncated => fi::FI_ETRUNC as u64,
@@ -368,6 +439,7 @@ impl Global {
             fi::FI_EOTHER as u64
         })?;
         self.next_long = vec![0; world.size() as usize];
+        self.next_read = vec![0; world.size() as usize];
         self.world = Some(world);
         self.data = Some(data);
         for _ in 0..BOUNCES {
@@ -395,6 +467,13 @@ impl Global {
     /// never closed) are given a bounded time to finish first, so that no late message lands
     /// in a buffer the application may free once the domain is closed.
     pub fn close_world(&mut self) {
+        if self.world.is_some() && STATS.get_bool().unwrap_or(false) {
+            let s = self.stats;
+            eprintln!(
+                "weft-fi: rank {} of {}, domain {}: {} messages sent, {} received; {} RMA and atomic operations issued, {} served",
+                self.me.0, self.me.1, self.domain, s.sent, s.received, s.rma_issued, s.rma_served
+            );
+        }
         let eps: Vec<usize> = self.eps.keys().copied().collect();
         let t0 = std::time::Instant::now();
         for ep in eps {
@@ -422,6 +501,10 @@ impl Global {
         // opened later must not write into their buffers.
         self.tagq = Queues::default();
         self.msgq = Queues::default();
+        // Regions and RMA operations belong to the world that ends here.
+        self.rops.clear();
+        self.mrs.clear();
+        self.mr_keys.clear();
         self.failures_seen = 0;
         if let Some(b) = self.boot.take() {
             if let Ok(mut b) = b.ready() {
@@ -468,7 +551,7 @@ impl Global {
     }
 
     /// The rank behind `addr` in the endpoint's address vector.
-    fn rank_at(&self, ep: &Ep, addr: u64) -> Option<u32> {
+    pub(crate) fn rank_at(&self, ep: &Ep, addr: u64) -> Option<u32> {
         let r = *self.avs.get(&ep.av)?.table.get(addr as usize)?;
         (r != u32::MAX).then_some(r)
     }
@@ -497,13 +580,28 @@ impl Global {
         }
     }
 
-    fn push_op(&mut self, op: Op) {
+    pub(crate) fn push_op(&mut self, op: Op) {
         self.ops.push(op);
         self.dirty = true;
     }
 
+    /// Add one to the value (or the error count) of the counter `which` picks among those
+    /// endpoint `ep` is bound to.
+    pub(crate) fn count(&mut self, ep: usize, which: fn(&Cntrs) -> usize, ok: bool) {
+        let Some(c) = self.eps.get(&ep).map(|e| which(&e.cntrs)) else {
+            return;
+        };
+        if let Some(c) = self.cntrs.get_mut(&c) {
+            if ok {
+                c.value += 1;
+            } else {
+                c.err += 1;
+            }
+        }
+    }
+
     /// Put `e` on the receive (`rx`) or transmit queue of endpoint `ep`.
-    fn report(&mut self, ep: usize, rx: bool, e: Entry) {
+    pub(crate) fn report(&mut self, ep: usize, rx: bool, e: Entry) {
         let Some(cq) = self
             .eps
             .get(&ep)
@@ -551,12 +649,7 @@ impl Global {
         if self.world.is_none() || self.data.is_none() {
             return serr(fi::FI_EOPBADSTATE as u64);
         }
-        let long = (a.len > EAGER).then(|| {
-            let n = &mut self.next_long[rank as usize];
-            let t = *n & 0x7fff_ffff;
-            *n = n.wrapping_add(1);
-            t
-        });
+        let long = (a.len > EAGER).then(|| self.long_tag(rank));
         let hdr = Hdr {
             tagged: a.tagged,
             tag: if a.tagged { a.tag } else { 0 },
@@ -595,6 +688,7 @@ impl Global {
                 Err(e) => return serr(code_of(&e)),
             },
         };
+        self.stats.sent += 1;
         let sent = What::Send { tagged: a.tagged };
         let quiet = body.is_some();
         self.dirty = true;
@@ -605,6 +699,7 @@ impl Global {
             ctx: a.ctx,
             report: report && !quiet,
             _owned: Some(msg),
+            key: None,
         });
         if let Some(req) = body {
             self.ops.push(Op {
@@ -614,9 +709,19 @@ impl Global {
                 ctx: a.ctx,
                 report,
                 _owned: None,
+                key: None,
             });
         }
         0
+    }
+
+    /// The next tag of a long payload towards `rank` (bit 30 clear; long reads' data comes on
+    /// tags with it set).
+    pub(crate) fn long_tag(&mut self, rank: u32) -> u32 {
+        let n = &mut self.next_long[rank as usize];
+        let t = *n & 0x3fff_ffff;
+        *n = n.wrapping_add(1);
+        t
     }
 
     /// Post a receive (or, with `FI_PEEK`, look for a message; with `FI_CLAIM`, receive the
@@ -706,6 +811,7 @@ impl Global {
     /// A matched message into its receive: an inline payload is copied now; a long one is
     /// asked of weft, straight into the receive's buffer.
     fn deliver(&mut self, r: Recv, src: u32, hdr: Hdr, payload: &[u8]) {
+        self.stats.received += 1;
         let kind = if hdr.tagged {
             fi::FI_TAGGED
         } else {
@@ -731,6 +837,7 @@ impl Global {
                     entry.err = fi::FI_ETRUNC as u64;
                     entry.olen = payload.len() - n;
                 }
+                self.count(r.ep, |c| c.recv, entry.err == 0);
                 if r.report || entry.err != 0 {
                     self.report(r.ep, true, entry);
                 }
@@ -759,6 +866,7 @@ impl Global {
                         ctx: r.ctx,
                         report: r.report,
                         _owned: None,
+                        key: None,
                     }),
                     Err(e) => {
                         entry.fill(&hdr, src, 0);
@@ -792,6 +900,7 @@ impl Global {
                 ctx: NULL,
                 report: false,
                 _owned: None,
+                key: None,
             });
         }
     }
@@ -838,6 +947,7 @@ impl Global {
         }
         self.poll();
         self.ops.iter().filter(|o| o.ep == ep).count()
+            + self.rops.values().filter(|r| r.ep == ep).count()
     }
 
     /// One step of progress: arrived headers matched (in arrival order), finished operations
@@ -877,6 +987,9 @@ impl Global {
 
     /// A control message from `src`.
     fn arrived(&mut self, src: u32, msg: &[u8]) {
+        if msg.first() == Some(&crate::rma::MAGIC) {
+            return self.rma_arrived(src, msg);
+        }
         let Some((hdr, payload)) = Hdr::decode(msg) else {
             eprintln!("weft-fi: a malformed message from rank {src} was dropped");
             return;
@@ -922,6 +1035,14 @@ impl Global {
                 self.spare.push(b);
             }
         }
+        let ok = matches!(&r, Ok(st) if !st.cancelled);
+        match op.what {
+            What::Part { id } => return self.part_done(id, &r),
+            What::TargetIn { src, id, data } => return self.target_in_done(src, id, data, &r),
+            What::Send { .. } => self.count(op.ep, |c| c.send, ok),
+            What::Recv { .. } => self.count(op.ep, |c| c.recv, ok),
+            What::Quiet => {}
+        }
         if !op.report {
             return;
         }
@@ -930,7 +1051,7 @@ impl Global {
             ..Entry::default()
         };
         let rx = match &op.what {
-            What::Quiet => return,
+            What::Quiet | What::Part { .. } | What::TargetIn { .. } => return,
             What::Send { tagged } => {
                 e.flags = fi::FI_SEND | if *tagged { fi::FI_TAGGED } else { fi::FI_MSG };
                 false
@@ -975,6 +1096,7 @@ impl Global {
         let size = w.size();
         let failed: Vec<u32> = (0..size).filter(|r| w.peer_failure(*r).is_some()).collect();
         let none_left = failed.len() as u32 + 1 >= size;
+        self.fail_rma_to(&failed);
         for rank in failed {
             for tagged in [true, false] {
                 let q = self.queue(tagged);

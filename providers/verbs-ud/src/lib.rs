@@ -414,7 +414,7 @@ impl VerbsUd {
             failures: VecDeque::new(),
             gone: std::collections::HashMap::new(),
             wcs: vec![verbs::Wc::EMPTY; POLL],
-            next_keepalive: Instant::now(),
+            next_keepalive: reliable::now(),
             ka_next: 0,
             stats: Stats::default(),
             cfg,
@@ -553,7 +553,7 @@ impl VerbsUd {
         }
         p.link.get_or_insert_with(|| {
             active.push(r);
-            Link::new(cfg.link(), Instant::now(), 0, 0)
+            Link::new(cfg.link(), reliable::now(), 0, 0)
         })
     }
 
@@ -1373,7 +1373,7 @@ impl Provider for VerbsUd {
             }
         }
         self.stats.am_sent += 1;
-        self.transmit(dest, Instant::now())?;
+        self.transmit(dest, reliable::now())?;
         Ok(SendOutcome::Sent)
     }
 
@@ -1411,7 +1411,7 @@ impl Provider for VerbsUd {
             self.repost()?;
         }
         self.idle = 0;
-        let now = Instant::now();
+        let now = reliable::now();
         let mut first = Some(n);
         loop {
             let mut wcs = std::mem::take(&mut self.wcs);
@@ -1667,7 +1667,7 @@ impl Provider for VerbsUd {
         self.stats.zsends += 1;
         self.link(dest);
         self.zpump()?;
-        self.transmit(dest, Instant::now())
+        self.transmit(dest, reliable::now())
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
@@ -1720,14 +1720,14 @@ impl Provider for VerbsUd {
     fn close(&mut self) -> Result<()> {
         // After the final barrier: let the last packets be acknowledged (a peer may still
         // need them), bounded — a peer that already left never acknowledges.
-        let deadline = Instant::now() + Duration::from_millis(250);
+        let deadline = reliable::now() + Duration::from_millis(250);
         // Empty rounds yield, then sleep: the acknowledgements come from peers' processes,
         // which on an oversubscribed host need the CPU this loop would otherwise keep.
         let mut pause = Backoff::new();
         loop {
             // Acknowledgements we owe go now, not after their delay: once we are gone nothing
             // would send them, and the peer's own close would wait for them in vain.
-            let now = Instant::now();
+            let now = reliable::now();
             let mut waiting = false;
             for k in 0..self.peers.touched() {
                 let r = self.peers.touched_rank(k);
@@ -1974,7 +1974,7 @@ mod tests {
         let one = std::thread::spawn(move || {
             let mut b = open(1, &j1);
             b.connect(0).unwrap();
-            let (mut got, t0) = (Discard::default(), Instant::now());
+            let (mut got, t0) = (Discard::default(), reliable::now());
             while got.ams == 0 {
                 assert!(
                     t0.elapsed() < Duration::from_secs(10),
@@ -1999,7 +1999,7 @@ mod tests {
             .recv_timeout(Duration::from_secs(20))
             .expect("rank 1 closed");
         one.join().unwrap();
-        let t0 = Instant::now();
+        let t0 = reliable::now();
         while a.peers[1].link.as_ref().unwrap().in_flight() > 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(2),

@@ -44,6 +44,15 @@ use std::time::Duration;
 /// it, so it is on the small-message path.
 pub use quanta::Instant;
 
+/// The clock's time now. Read through a clock of the engine's own rather than
+/// `quanta::Instant::now`, which looks at a thread-local override first: thread-locals are
+/// gone while a process exits, and a provider may still be driven then (libfabric closes its
+/// providers from an exit handler, after the main thread's thread-locals are destroyed).
+pub fn now() -> Instant {
+    static CLOCK: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(quanta::Clock::new).now()
+}
+
 /// Tunables of a [`Link`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Config {

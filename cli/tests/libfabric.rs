@@ -11,29 +11,6 @@ use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Build weft-fi with the tests' profile and install it as libfabric names providers.
-fn provider_dir(test: &str) -> PathBuf {
-    let dir = profile_dir();
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "-p", "weft-fi"]);
-    if dir.file_name().is_some_and(|f| f == "release") {
-        cmd.arg("--release");
-    }
-    let o = run_bounded(&mut cmd, 900);
-    assert!(o.status.success(), "building weft-fi: {}", stderr(&o));
-    let out = std::env::temp_dir().join(format!("weft-fi-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    std::fs::copy(dir.join("libweft_fi.so"), out.join("libweft-fi.so")).expect("install");
-    out
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// rank 0 serves on `port`; rank 1 waits (bounded) until the port listens, then connects.
 fn wrapper(dir: &Path) -> PathBuf {
     let p = dir.join("pingpong.sh");
@@ -60,7 +37,7 @@ fn fi_info_lists_a_domain_per_weft_provider() {
     if !have("fi_info") {
         return skip("fi_info (Debian's libfabric-bin)");
     }
-    let dir = provider_dir("info");
+    let dir = fi_provider_dir("info");
     let o = run_bounded(
         Command::new("fi_info")
             .args(["-p", "weft"])
@@ -89,7 +66,7 @@ fn fi_pingpong_runs_over_weft_with_its_data_checks() {
     if !have("fi_pingpong") || !have("ss") {
         return skip("fi_pingpong (Debian's libfabric-bin) and ss (iproute2)");
     }
-    let dir = provider_dir("pingpong");
+    let dir = fi_provider_dir("pingpong");
     let pp = wrapper(&dir);
     let mut port = 47000 + (std::process::id() % 1000) as u16 * 16;
     for domain in ["shm", "tcp-sim", "verbs-rc", "hybrid"] {
@@ -135,7 +112,7 @@ fn libfabric_error_paths_are_error_codes() {
     if !have("cc") || !Path::new("/usr/include/rdma/fi_tagged.h").exists() {
         return skip("a C compiler and libfabric's headers (libfabric-dev)");
     }
-    let dir = provider_dir("errors");
+    let dir = fi_provider_dir("errors");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/errors.c");
     let bin = dir.join("errors");
     let o = run_bounded(
@@ -212,7 +189,7 @@ fn rma_atomics_and_counters_over_weft_fi() {
     if !have("cc") || !Path::new("/usr/include/rdma/fi_atomic.h").exists() {
         return skip("a C compiler and libfabric's headers (libfabric-dev)");
     }
-    let dir = provider_dir("rma");
+    let dir = fi_provider_dir("rma");
     let src =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/rma_checks.c");
     let bin = dir.join("rma_checks");
@@ -317,7 +294,7 @@ fn open_mpi_one_sided_runs_over_weft_fi() {
     if !have("mpicc.openmpi") || !have("mpirun.openmpi") {
         return skip("Open MPI's mpicc and mpirun (Debian's libopenmpi-dev, openmpi-bin)");
     }
-    let dir = provider_dir("ompi-rma");
+    let dir = fi_provider_dir("ompi-rma");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/mpi_rma.c");
     let bin = dir.join("mpi_rma");
     let o = run_bounded(
@@ -413,7 +390,7 @@ fn open_mpi_runs_over_weft_fi() {
     if !have("mpicc.openmpi") || !have("mpirun.openmpi") {
         return skip("Open MPI's mpicc and mpirun (Debian's libopenmpi-dev, openmpi-bin)");
     }
-    let dir = provider_dir("ompi");
+    let dir = fi_provider_dir("ompi");
     let src =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/mpi_checks.c");
     let bin = dir.join("mpi_checks");
@@ -464,7 +441,7 @@ fn netpipe_runs_over_open_mpi_over_weft_fi() {
     if !have("NPopenmpi") || !have("mpirun.openmpi") {
         return skip("NetPIPE's NPopenmpi (Debian's netpipe-openmpi) and Open MPI's mpirun");
     }
-    let dir = provider_dir("netpipe");
+    let dir = fi_provider_dir("netpipe");
     let table = dir.join("np.out");
     let o = run_bounded(
         ompi(&dir, 2, "shm").args(["NPopenmpi", "-o"]).arg(&table),
@@ -579,7 +556,7 @@ fn mpi4py_suite_runs_over_open_mpi_over_weft_fi() {
     let Some(suite) = mpi4py_suite() else {
         return skip("mpi4py's test suite (tools/deps.sh fetches it with python3-mpi4py)");
     };
-    let dir = provider_dir("mpi4py");
+    let dir = fi_provider_dir("mpi4py");
     let runner =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/mpi4py_suite.py");
     let deselect: Vec<&str> = MPI4PY_DESELECT.iter().map(|(p, _)| *p).collect();

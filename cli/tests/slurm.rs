@@ -6,7 +6,7 @@
 
 mod common;
 use common::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
@@ -169,4 +169,50 @@ fn srun_pmi2_runs_the_ring_through_pmi1() {
         "{}",
         stdout(&o)
     );
+}
+
+/// weft-fi under Slurm: a libfabric program (`export/libfabric/tests/c/rma_checks.c`:
+/// messages, RMA, atomics and counters with their checks) started by `srun --mpi=pmix`, whose
+/// weft-fi joins the job through weft's PMIx client, over shm and tcp-sim.
+#[test]
+fn srun_pmix_runs_a_libfabric_program_over_weft_fi() {
+    if !have("cc") || !Path::new("/usr/include/rdma/fi_atomic.h").exists() {
+        return skip("a C compiler and libfabric's headers (libfabric-dev)");
+    }
+    if srun().is_none() {
+        return;
+    }
+    let dir = fi_provider_dir("srun");
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/rma_checks.c");
+    let bin = dir.join("rma_checks");
+    let o = run_bounded(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(&bin)
+            .arg(&src)
+            .arg("-lfabric"),
+        120,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for domain in ["shm", "tcp-sim"] {
+        let Some(mut c) = srun() else { return };
+        let o = run_bounded(
+            c.args(["--mpi=pmix", "-n", "2"])
+                .env("FI_PROVIDER_PATH", &dir)
+                .env("DOMAIN", domain)
+                .arg(&bin)
+                .arg(dir.join(format!("names-{domain}"))),
+            180,
+        );
+        let (out, err) = (stdout(&o), stderr(&o));
+        assert!(o.status.success(), "{domain}: {out}{err}");
+        for r in 0..2 {
+            assert!(
+                out.contains(&format!("rank {r}: all checks passed")),
+                "{domain}: {out}{err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

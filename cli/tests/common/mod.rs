@@ -237,3 +237,27 @@ pub fn slurm_hold(stdin: Stdio) -> Result<(std::process::Child, PathBuf), String
         }
     }
 }
+
+/// Build weft-fi with the tests' profile and install it as libfabric names providers.
+pub fn fi_provider_dir(test: &str) -> PathBuf {
+    let dir = profile_dir();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "-p", "weft-fi"]);
+    if dir.file_name().is_some_and(|f| f == "release") {
+        cmd.arg("--release");
+    }
+    let o = run_bounded(&mut cmd, 900);
+    assert!(o.status.success(), "building weft-fi: {}", stderr(&o));
+    let out = std::env::temp_dir().join(format!("weft-fi-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(dir.join("libweft_fi.so"), out.join("libweft-fi.so")).expect("install");
+    out
+}
+
+/// Whether `tool` is on the path.
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}

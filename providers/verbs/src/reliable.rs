@@ -48,6 +48,7 @@ pub use quanta::Instant;
 /// `quanta::Instant::now`, which looks at a thread-local override first: thread-locals are
 /// gone while a process exits, and a provider may still be driven then (libfabric closes its
 /// providers from an exit handler, after the main thread's thread-locals are destroyed).
+#[inline]
 pub fn now() -> Instant {
     static CLOCK: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
     CLOCK.get_or_init(quanta::Clock::new).now()

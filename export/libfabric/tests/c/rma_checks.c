@@ -1,5 +1,5 @@
 /* weft-fi's RMA, atomics and counters as a libfabric program meets them, under
- * `weft run -n 2`: writes and reads of 8 B to 4 MiB both ways with data checks, remote CQ data,
+ * `weft run -n 2` (or `srun --mpi=pmix -n 2`): writes and reads of 8 B to 4 MiB both ways with data checks, remote CQ data,
  * inject, fetch-and-add from both ranks at once (the total and the order of the values each
  * rank fetched), compare-and-swap that exactly one rank wins, min on signed values, atomic
  * reads, the *valid queries, counters (fi_cntr_wait), and the error paths: an unknown key, an
@@ -114,7 +114,8 @@ static unsigned char pattern(int from, size_t i) { return (unsigned char)(from *
 
 int main(int argc, char **argv)
 {
-	const char *env = getenv("PMI_RANK");
+	/* The rank: weft run and Hydra say PMI_RANK, srun SLURM_PROCID. */
+	const char *env = getenv("PMI_RANK") ? getenv("PMI_RANK") : getenv("SLURM_PROCID");
 	rank = env ? atoi(env) : 0;
 	virt = !getenv("MODE") || strcmp(getenv("MODE"), "offset") != 0;
 	struct fi_info *hints = fi_allocinfo(), *info;

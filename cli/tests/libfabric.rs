@@ -113,17 +113,7 @@ fn libfabric_error_paths_are_error_codes() {
         return skip("a C compiler and libfabric's headers (libfabric-dev)");
     }
     let dir = fi_provider_dir("errors");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/errors.c");
-    let bin = dir.join("errors");
-    let o = run_bounded(
-        Command::new("cc")
-            .args(["-O1", "-Wall", "-Werror", "-o"])
-            .arg(&bin)
-            .arg(&src)
-            .arg("-lfabric"),
-        120,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    let bin = fi_program(&dir, "errors");
     for domain in ["shm", "tcp-sim", "verbs-rc", "hybrid"] {
         let names = dir.join(format!("names-{domain}"));
         let o = run_bounded(
@@ -190,18 +180,7 @@ fn rma_atomics_and_counters_over_weft_fi() {
         return skip("a C compiler and libfabric's headers (libfabric-dev)");
     }
     let dir = fi_provider_dir("rma");
-    let src =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/rma_checks.c");
-    let bin = dir.join("rma_checks");
-    let o = run_bounded(
-        Command::new("cc")
-            .args(["-O1", "-Wall", "-Werror", "-o"])
-            .arg(&bin)
-            .arg(&src)
-            .arg("-lfabric"),
-        120,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    let bin = fi_program(&dir, "rma_checks");
     let runs = ["shm", "limic", "tcp-sim", "verbs-rc", "verbs-ud", "hybrid"]
         .iter()
         .map(|d| (*d, "virt"))

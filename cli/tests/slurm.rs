@@ -183,18 +183,7 @@ fn srun_pmix_runs_a_libfabric_program_over_weft_fi() {
         return;
     }
     let dir = fi_provider_dir("srun");
-    let src =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c/rma_checks.c");
-    let bin = dir.join("rma_checks");
-    let o = run_bounded(
-        Command::new("cc")
-            .args(["-O1", "-Wall", "-Werror", "-o"])
-            .arg(&bin)
-            .arg(&src)
-            .arg("-lfabric"),
-        120,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
+    let bin = fi_program(&dir, "rma_checks");
     for domain in ["shm", "tcp-sim"] {
         let Some(mut c) = srun() else { return };
         let o = run_bounded(

@@ -261,3 +261,21 @@ pub fn have(tool: &str) -> bool {
         .output()
         .is_ok_and(|o| o.status.success())
 }
+
+/// Compile weft-fi's C test program `export/libfabric/tests/c/NAME.c` against libfabric into
+/// `dir`; its path.
+pub fn fi_program(dir: &std::path::Path, name: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../export/libfabric/tests/c/{name}.c"));
+    let bin = dir.join(name);
+    let o = run_bounded(
+        Command::new("cc")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(&bin)
+            .arg(&src)
+            .arg("-lfabric"),
+        120,
+    );
+    assert!(o.status.success(), "compiling {name}.c: {}", stderr(&o));
+    bin
+}

@@ -75,11 +75,8 @@ fn needs(kind: Kind) -> u64 {
 impl Global {
     /// Post an RMA or atomic operation.
     pub fn rma(&mut self, ep: usize, a: RmaArgs) -> isize {
-        if self.ops.len() + self.rops.len() >= crate::info::QUEUE * 2 {
-            self.poll();
-            if self.ops.len() + self.rops.len() >= crate::info::QUEUE * 2 {
-                return serr(fi::FI_EAGAIN);
-            }
+        if !self.has_room() {
+            return serr(fi::FI_EAGAIN);
         }
         let Some(e) = self.eps.get(&ep) else {
             return serr(fi::FI_EINVAL);
@@ -243,15 +240,7 @@ impl Global {
         // SAFETY: `msg` is weft-fi's own, kept in the op until weft is done with it.
         let req = unsafe { w.isend_raw(msg.as_ptr(), msg.len(), dst, CTRL, false) }
             .map_err(|e| code_of(&e))?;
-        self.push_op(Op {
-            req,
-            ep: 0,
-            what: What::Quiet,
-            ctx: crate::NULL,
-            report: false,
-            _owned: Some(msg),
-            key: None,
-        });
+        self.push_op(Op::quiet(req, 0, Some(msg), None));
         Ok(())
     }
 
@@ -288,7 +277,7 @@ impl Global {
             Ok(p) => p as *mut u8,
             Err(e) => {
                 if let (Kind::Write, Some(t)) = (h.kind, h.long) {
-                    self.discard_data(src, t);
+                    self.discard_long(0, src, t);
                 }
                 return self.answer(src, h.id, e, &[]);
             }
@@ -340,15 +329,7 @@ impl Global {
                     // SAFETY: as above; the op holds the region's key until weft is done.
                     match unsafe { dc.isend_raw(ptr, len, src, t as i32, false) } {
                         Ok(req) => {
-                            self.push_op(Op {
-                                req,
-                                ep: 0,
-                                what: What::Quiet,
-                                ctx: crate::NULL,
-                                report: false,
-                                _owned: None,
-                                key: Some(h.key),
-                            });
+                            self.push_op(Op::quiet(req, 0, None, Some(h.key)));
                             self.remote_read_done();
                             self.answer(src, h.id, 0, &[]);
                         }
@@ -370,30 +351,6 @@ impl Global {
                 self.answer(src, h.id, 0, old.as_deref().unwrap_or(&[]));
             }
             Kind::Reply => {}
-        }
-    }
-
-    /// A long write refused: its data is received into nothing, so that its sender finishes.
-    fn discard_data(&mut self, src: u32, t: u32) {
-        let Some(dc) = self.data.as_ref() else { return };
-        // SAFETY: a receive of no bytes writes nothing.
-        if let Ok(req) = unsafe {
-            dc.irecv_raw(
-                std::ptr::NonNull::<u8>::dangling().as_ptr(),
-                0,
-                Source::Rank(src),
-                TagSel::Tag(t as i32),
-            )
-        } {
-            self.push_op(Op {
-                req,
-                ep: 0,
-                what: What::Quiet,
-                ctx: crate::NULL,
-                report: false,
-                _owned: None,
-                key: None,
-            });
         }
     }
 

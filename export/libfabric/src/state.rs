@@ -140,6 +140,26 @@ pub struct Op {
     pub(crate) key: Option<u64>,
 }
 
+impl Op {
+    /// An operation that reports nothing, holding `owned` bytes and region `key` until done.
+    pub(crate) fn quiet(
+        req: RawRequest,
+        ep: usize,
+        owned: Option<Vec<u8>>,
+        key: Option<u64>,
+    ) -> Op {
+        Op {
+            req,
+            ep,
+            what: What::Quiet,
+            ctx: NULL,
+            report: false,
+            _owned: owned,
+            key,
+        }
+    }
+}
+
 /// A control-tag receive kept posted for arriving headers.
 struct Bounce {
     req: RawRequest,
@@ -469,10 +489,14 @@ impl Global {
     pub fn close_world(&mut self) {
         if self.world.is_some() && STATS.get_bool().unwrap_or(false) {
             let s = self.stats;
-            eprintln!(
-                "weft-fi: rank {} of {}, domain {}: {} messages sent, {} received; {} RMA and atomic operations issued, {} served",
+            // One write of the whole line: the ranks' lines reach a launcher's merged stderr
+            // whole (eprintln! writes a formatted line in pieces).
+            let line = format!(
+                "weft-fi: rank {} of {}, domain {}: {} messages sent, {} received; {} RMA and atomic operations issued, {} served\n",
                 self.me.0, self.me.1, self.domain, s.sent, s.received, s.rma_issued, s.rma_served
             );
+            use std::io::Write;
+            let _ = std::io::stderr().write_all(line.as_bytes());
         }
         let eps: Vec<usize> = self.eps.keys().copied().collect();
         let t0 = std::time::Instant::now();
@@ -620,11 +644,8 @@ impl Global {
 
     /// Post a send.
     pub fn send(&mut self, ep: usize, a: SendArgs) -> isize {
-        if self.ops.len() >= crate::info::QUEUE * 2 {
-            self.poll();
-            if self.ops.len() >= crate::info::QUEUE * 2 {
-                return serr(fi::FI_EAGAIN);
-            }
+        if !self.has_room() {
+            return serr(fi::FI_EAGAIN);
         }
         let Some(e) = self.eps.get(&ep) else {
             return serr(fi::FI_EINVAL);
@@ -881,7 +902,15 @@ impl Global {
     /// Drop an unexpected message (`FI_DISCARD`): a long one's data is received into nothing
     /// (weft truncates it), so its sender completes.
     fn discard(&mut self, ep: usize, m: Arrived) {
-        let (Some(t), Some(dc)) = (m.hdr.long, self.data.as_ref()) else {
+        if let Some(t) = m.hdr.long {
+            self.discard_long(ep, m.src, t);
+        }
+    }
+
+    /// Receive the long payload from `src` on tag `t` into nothing (weft truncates it), so
+    /// that its sender finishes: a discarded message's, a refused remote write's.
+    pub(crate) fn discard_long(&mut self, ep: usize, src: u32, t: u32) {
+        let Some(dc) = self.data.as_ref() else {
             return;
         };
         // SAFETY: a receive of no bytes writes nothing.
@@ -889,20 +918,22 @@ impl Global {
             dc.irecv_raw(
                 std::ptr::NonNull::<u8>::dangling().as_ptr(),
                 0,
-                Source::Rank(m.src),
+                Source::Rank(src),
                 TagSel::Tag(t as i32),
             )
         } {
-            self.push_op(Op {
-                req,
-                ep,
-                what: What::Quiet,
-                ctx: NULL,
-                report: false,
-                _owned: None,
-                key: None,
-            });
+            self.push_op(Op::quiet(req, ep, None, None));
         }
+    }
+
+    /// Whether another operation may be posted (else the caller answers `-FI_EAGAIN`):
+    /// at most twice an endpoint queue's size in flight, after a step of progress if full.
+    pub(crate) fn has_room(&mut self) -> bool {
+        let full = |g: &Global| g.ops.len() + g.rops.len() >= crate::info::QUEUE * 2;
+        if full(self) {
+            self.poll();
+        }
+        !full(self)
     }
 
     /// Cancel the receive posted with `ctx` on `ep`.

@@ -26,8 +26,10 @@ group() { # label, then pairs of (condition, package)
     need+=("${missing[@]}")
   fi
 }
-group "MPICH's Hydra (interop, two-host tests)" \
-  'command -v mpiexec.hydra' mpich
+group "MPICH's Hydra and mpicc (interop, two-host tests, MPICH over UCX over the soft HCA)" \
+  'command -v mpiexec.hydra' mpich \
+  '[ -f /usr/include/x86_64-linux-gnu/mpich/mpi.h ]' libmpich-dev \
+  'command -v NPmpich2' netpipe-mpich2
 group "Open MPI's mpirun, mpicc and PMIx (PMIx launch tests, Open MPI over weft-fi)" \
   'command -v mpirun.openmpi' openmpi-bin \
   'command -v mpicc.openmpi' libopenmpi-dev \

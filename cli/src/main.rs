@@ -21,6 +21,7 @@ mod bench;
 mod conformance;
 mod info;
 mod launch;
+mod soft_hca;
 
 #[derive(Parser)]
 #[command(
@@ -41,6 +42,17 @@ enum SoftHcaCmd {
         /// Where to put libibverbs.so.1.
         #[arg(long, value_name = "DIR")]
         dir: Option<std::path::PathBuf>,
+    },
+    /// Install as `env` does, then run PROGRAM with libibverbs.so.1 pointing at the soft HCA
+    /// and, in a private mount namespace (root), the device node /dev/infiniband/uverbs-weft0
+    /// that UCX looks for before it lists a verbs device.
+    Exec {
+        /// Where to put libibverbs.so.1.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<std::path::PathBuf>,
+        /// The program and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
     },
 }
 
@@ -209,8 +221,9 @@ struct BenchArgs {
     /// PROVIDER/NAME:K=V,... adds the column to that provider only, next to its plain one.
     #[arg(long = "variant", value_name = "NAME:K=V,...")]
     variants: Vec<String>,
-    /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ofi:tcp,
-    /// ofi:udp, ofi:shm, ompi, ompi:2copy, mpich, nptcp.
+    /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ucx:put,
+    /// ofi:tcp, ofi:udp, ofi:shm, ompi, ompi:2copy, mpich, nptcp; over the soft HCA (weft
+    /// soft-hca exec, root): ucx:rc_verbs, ucx:ud_verbs, ucx:rc_ud, ompi:ucx, mpich:ucx.
     #[arg(long)]
     baseline: Option<String>,
     /// Add ratio columns against this column.
@@ -461,40 +474,6 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// Install the drop-in libibverbs.so.1 (built by `cargo build -p weft-ibverbs` next to this
-/// program, or named by WEFT_IBVERBS_LIB) into `dir` and say how to use it.
-fn soft_hca_env(dir: Option<std::path::PathBuf>) -> Result<String, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("where am I: {e}"))?;
-    let here = exe.parent().ok_or("this program has no directory")?;
-    let lib = match std::env::var_os("WEFT_IBVERBS_LIB") {
-        Some(p) => std::path::PathBuf::from(p),
-        None => here.join("libweft_ibverbs.so"),
-    };
-    if !lib.is_file() {
-        return Err(format!(
-            "{} is missing: build it with `cargo build -p weft-ibverbs` (the profile of this \
-             program), or name it with WEFT_IBVERBS_LIB",
-            lib.display()
-        ));
-    }
-    let dir = dir.unwrap_or_else(|| here.join("soft-hca"));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let dir = dir
-        .canonicalize()
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
-    let dst = dir.join("libibverbs.so.1");
-    // A copy beside, then a rename: a program running with the old file keeps its mapping.
-    let tmp = dir.join(format!(".libibverbs.so.1.{}", std::process::id()));
-    std::fs::copy(&lib, &tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &dst).map_err(|e| format!("{}: {e}", dst.display()))?;
-    Ok(format!(
-        "# weft's soft HCA as libibverbs.so.1: device weft0, one RoCE-style port (address by \
-         GID: rdma-core's examples take -g 0)\n\
-         export LD_LIBRARY_PATH={}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\n",
-        dir.display()
-    ))
-}
-
 fn main() -> ExitCode {
     weft::init_logging();
     let cli = Cli::parse();
@@ -552,8 +531,14 @@ fn main() -> ExitCode {
             }
         }
         Cmd::SoftHca {
+            cmd: SoftHcaCmd::Exec { dir, command },
+        } => {
+            eprintln!("weft soft-hca exec: {}", soft_hca::exec(dir, &command));
+            ExitCode::from(2)
+        }
+        Cmd::SoftHca {
             cmd: SoftHcaCmd::Env { dir },
-        } => match soft_hca_env(dir) {
+        } => match soft_hca::env(dir) {
             Ok(s) => {
                 print!("{s}");
                 ExitCode::SUCCESS

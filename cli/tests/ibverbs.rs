@@ -10,13 +10,6 @@ use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// Build the drop-in with the tests' profile and install it with `weft soft-hca env`.
 fn install(test: &str) -> PathBuf {
     let dir = profile_dir();
@@ -216,6 +209,224 @@ fn perftest_runs_to_completion() {
             !out.contains("Couldn't") && !out.contains("Failed"),
             "{what}:\n{out}"
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `weft soft-hca exec`: the program sees `/dev/infiniband/uverbs-weft0` (a character device
+/// it may read and write) and the host's own `/dev/shm`; the host sees neither the node nor a
+/// staging directory afterwards; a program that cannot start is an error, not a hang.
+#[test]
+fn soft_hca_exec_gives_the_program_a_device_node_and_leaves_nothing() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("root (weft soft-hca exec makes a mount namespace)");
+    }
+    let dir = install("exec");
+    let mark = format!("/dev/shm/weft-soft-hca-exec-{}", std::process::id());
+    let script = format!(
+        "test -c /dev/infiniband/uverbs-weft0 && test -r /dev/infiniband/uverbs-weft0 && \
+         test -w /dev/infiniband/uverbs-weft0 && touch {mark} && echo \"$$ $LD_LIBRARY_PATH\""
+    );
+    let o = run_bounded(
+        Command::new(weft())
+            .args(["soft-hca", "exec", "--dir"])
+            .arg(&dir)
+            .args(["--", "sh", "-c", &script]),
+        60,
+    );
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    // The shell is the process weft became (exec), so `$$` is the pid that named its staging
+    // directory.
+    let out = stdout(&o);
+    let (pid, path) = out.trim().split_once(' ').unwrap();
+    assert!(path.starts_with(dir.to_str().unwrap()), "{out}");
+    // The program's /dev/shm is the host's.
+    assert!(Path::new(&mark).exists());
+    let _ = std::fs::remove_file(&mark);
+    assert!(!Path::new("/dev/infiniband/uverbs-weft0").exists());
+    let stage = std::env::temp_dir().join(format!("weft-soft-hca-dev.{pid}"));
+    assert!(!stage.exists(), "{} left behind", stage.display());
+    let o = run_bounded(
+        Command::new(weft())
+            .args(["soft-hca", "exec", "--dir"])
+            .arg(&dir)
+            .args(["--", "/nonexistent/program"]),
+        60,
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("weft soft-hca exec: /nonexistent/program: No such file"),
+        "{}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// UCX 1.13 (Debian's ucx-utils) over the drop-in. UCX lists a verbs device only if
+/// `/dev/infiniband/<dev_name>` is a character device: `weft soft-hca exec` gives it one in a
+/// private mount namespace. `rc_v` is UCX's alias for rc_verbs with ud_verbs as the wire-up
+/// transport (rc_verbs alone has none: "no auxiliary transport", on any HCA); `ud_v` is
+/// ud_verbs alone. tag_bw at 1 MiB takes UCX's rendezvous (RDMA reads on rc_verbs).
+#[test]
+fn ucx_runs_over_the_soft_hca() {
+    if !have("ucx_perftest") || !have("ss") {
+        return skip("UCX (Debian's ucx-utils) and ss (iproute2)");
+    }
+    let dir = install("ucx");
+    // Without the node UCX does not see the device, even with the drop-in loaded.
+    let o = run_bounded(
+        Command::new("ucx_info")
+            .arg("-d")
+            .env("LD_LIBRARY_PATH", &dir),
+        60,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("weft0"), "{}", stdout(&o));
+    let exec = |args: &[&str]| {
+        let mut c = Command::new(weft());
+        c.args(["soft-hca", "exec", "--dir"]).arg(&dir).arg("--");
+        c.args(args);
+        c
+    };
+    let o = run_bounded(&mut exec(&["ucx_info", "-d"]), 60);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for want in [
+        "Memory domain: weft0",
+        "Transport: rc_verbs",
+        "Transport: ud_verbs",
+        "Device: weft0:1",
+        "atomic_fadd: 64 bit",
+    ] {
+        assert!(out.contains(want), "no {want:?} in:\n{out}");
+    }
+    // Nothing of the namespace is left on the host.
+    assert!(!Path::new("/dev/infiniband/uverbs-weft0").exists());
+    let mut port = base_port() + 5000;
+    for tls in ["rc_v", "ud_v"] {
+        for test in [
+            &["-t", "tag_lat", "-n", "2000"][..],
+            &["-t", "tag_bw", "-s", "1048576", "-n", "100"],
+        ] {
+            port += 1;
+            let (me, wrap, p) = (weft(), wrapper(&dir), port.to_string());
+            let mut args = vec![me.to_str().unwrap(), "run", "-n", "2", "--tag-output"];
+            args.extend(["--timeout", "120", "--", wrap.to_str().unwrap(), &p]);
+            args.push("ucx_perftest");
+            args.extend(test);
+            let o = run_bounded(
+                exec(&args)
+                    .env("UCX_TLS", tls)
+                    .env("UCX_NET_DEVICES", "weft0:1"),
+                180,
+            );
+            let (out, err) = (stdout(&o), stderr(&o));
+            let what = format!("UCX_TLS={tls} ucx_perftest {}", test.join(" "));
+            assert!(o.status.success(), "{what}:\n{out}{err}");
+            // The client's last line: "Final: iterations, latency x3, bandwidth x2, rate x2".
+            let fin = out
+                .lines()
+                .find(|l| l.starts_with("[1] Final:"))
+                .unwrap_or_else(|| panic!("{what}: no Final line:\n{out}{err}"));
+            let nums: Vec<f64> = fin[10..]
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            assert!(
+                nums.len() == 8 && nums[0] >= 100.0 && nums[4] > 0.0,
+                "{what}: {fin}"
+            );
+            assert!(
+                !out.contains("UCX  ERROR") && !err.contains("UCX  ERROR"),
+                "{what}:\n{out}{err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// MPI over UCX over the drop-in: Open MPI (`--mca pml ucx`, `--mca osc ucx`) and Debian's
+/// MPICH (ch4:ucx; `MPIR_CVAR_NOLOCAL=1`, or MPICH keeps ranks of one host on its own shared
+/// memory) run weft's MPI checks (`export/libfabric/tests/c/`: two-sided 0 B–4 MiB with data
+/// checks, probes, cancel, truncation, collectives; one-sided puts, gets, accumulates, atomics)
+/// at 4 ranks, UCX restricted to the soft HCA (`UCX_TLS` rc_v or ud_v, `UCX_NET_DEVICES=weft0:1`)
+/// and saying so (`ep_cfg` lines at `UCX_LOG_LEVEL=info`).
+#[test]
+fn mpi_over_ucx_runs_on_the_soft_hca() {
+    if !have("ucx_info") || !have("mpicc.openmpi") || !have("mpicc.mpich") {
+        return skip(
+            "UCX (ucx-utils), Open MPI's and MPICH's mpicc (libopenmpi-dev, libmpich-dev)",
+        );
+    }
+    let dir = install("mpi-ucx");
+    let c = Path::new(env!("CARGO_MANIFEST_DIR")).join("../export/libfabric/tests/c");
+    let mut bins = Vec::new();
+    for (mpicc, prog) in [
+        ("mpicc.openmpi", "mpi_checks"),
+        ("mpicc.openmpi", "mpi_rma"),
+        ("mpicc.mpich", "mpi_checks"),
+        ("mpicc.mpich", "mpi_rma"),
+    ] {
+        let bin = dir.join(format!("{prog}.{mpicc}"));
+        // MPICH's header makes gcc 12 see MPI_STATUSES_IGNORE as a zero-sized array.
+        let o = run_bounded(
+            Command::new(mpicc)
+                .args(["-O1", "-Wall", "-Wno-stringop-overflow", "-o"])
+                .arg(&bin)
+                .arg(c.join(format!("{prog}.c"))),
+            120,
+        );
+        assert!(o.status.success(), "{mpicc} {prog}.c: {}", stderr(&o));
+        bins.push((mpicc, prog, bin));
+    }
+    for tls in ["rc_v", "ud_v"] {
+        for (mpicc, prog, bin) in &bins {
+            let mut cmd = Command::new(weft());
+            cmd.args(["soft-hca", "exec", "--dir"]).arg(&dir).arg("--");
+            if *mpicc == "mpicc.openmpi" {
+                cmd.args(["mpirun.openmpi", "--allow-run-as-root", "--oversubscribe"])
+                    .args(["-np", "4", "--mca", "pml", "ucx", "--mca", "osc", "ucx"])
+                    .args(["--mca", "btl", "self"]);
+                for v in [
+                    "LD_LIBRARY_PATH",
+                    "UCX_TLS",
+                    "UCX_NET_DEVICES",
+                    "UCX_LOG_LEVEL",
+                ] {
+                    cmd.args(["-x", v]);
+                }
+            } else {
+                cmd.args(["mpiexec.mpich", "-n", "4"])
+                    .env("MPIR_CVAR_NOLOCAL", "1");
+            }
+            let o = run_bounded(
+                cmd.arg(bin)
+                    .env("UCX_TLS", tls)
+                    .env("UCX_NET_DEVICES", "weft0:1")
+                    .env("UCX_LOG_LEVEL", "info"),
+                300,
+            );
+            let (out, err) = (stdout(&o), stderr(&o));
+            let what = format!("{prog} ({mpicc}) over UCX_TLS={tls}");
+            assert!(o.status.success(), "{what}:\n{out}{err}");
+            let pass = if *prog == "mpi_rma" {
+                "rma passed at 4 ranks"
+            } else {
+                "all passed at 4 ranks"
+            };
+            assert!(out.contains(pass), "{what}:\n{out}{err}");
+            let transport = &tls[..2];
+            let lane = format!("{transport}_verbs/weft0:1");
+            let used = format!("{out}{err}")
+                .lines()
+                .filter(|l| l.contains("ep_cfg") && l.contains(&lane))
+                .count();
+            assert!(
+                used >= 4,
+                "{what}: UCX did not say it used {lane}:\n{out}{err}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,10 +5,12 @@
 //! |---|---|---|---|
 //! | `ucx:posix`, `ucx:sysv`, `ucx:cma`, `ucx:tcp` | `ucx_perftest` (ucx-utils) | tag_lat | tag_bw, streaming |
 //! | `ucx:put` | `ucx_perftest` over posix (shared memory) | put_poll_lat only: ucp_put_lat | — |
+//! | `ucx:rc_verbs`, `ucx:ud_verbs`, `ucx:rc_ud` | `ucx_perftest` over weft's soft HCA (the drop-in libibverbs.so.1 under `weft soft-hca exec`): rc_verbs (ud_verbs only to wire up), ud_verbs, both | tag_lat | tag_bw, streaming |
 //! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin): `tcp` and `shm` on reliable datagram endpoints (tcp's through `ofi_rxm`, as weft's `ofi` uses them), `udp` on datagrams | ping-pong | size / one-way time |
 //! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi), vader with its CMA single copy | ping-pong | size / one-way time |
 //! | `ompi:2copy` | the same with `btl_vader_single_copy_mechanism none` (two copies) | ping-pong | size / one-way time |
 //! | `mpich` | NetPIPE `NPmpich2` (netpipe-mpich2) | ping-pong | size / one-way time |
+//! | `ompi:ucx`, `mpich:ucx` | NetPIPE over Open MPI's pml ucx / MPICH's ch4:ucx (`MPIR_CVAR_NOLOCAL=1`), UCX over rc_verbs on weft's soft HCA | ping-pong | size / one-way time |
 //! | `nptcp` | NetPIPE `NPtcp` (netpipe-tcp) | ping-pong | size / one-way time |
 
 use super::tests::Test;
@@ -42,6 +44,9 @@ pub enum Tool {
 pub struct Baseline {
     pub name: String,
     pub tool: Tool,
+    /// Over weft's soft HCA through the drop-in libibverbs.so.1 (`weft soft-hca exec`), UCX
+    /// restricted to its device (`UCX_TLS` of the `Ucx` tool, else `rc_v`).
+    pub soft_hca: bool,
 }
 
 pub const NAMES: &[&str] = &[
@@ -50,12 +55,17 @@ pub const NAMES: &[&str] = &[
     "ucx:cma",
     "ucx:tcp",
     "ucx:put",
+    "ucx:rc_verbs",
+    "ucx:ud_verbs",
+    "ucx:rc_ud",
     "ofi:tcp",
     "ofi:udp",
     "ofi:shm",
     "ompi",
     "ompi:2copy",
+    "ompi:ucx",
     "mpich",
+    "mpich:ucx",
     "nptcp",
 ];
 
@@ -82,6 +92,20 @@ impl Baseline {
                 tls: "posix,self",
                 put: true,
             },
+            // UCX's `rc_v` alias: rc_verbs, with ud_verbs only for wire-up (rc alone has no
+            // transport that connects to an interface).
+            "ucx:rc_verbs" => Tool::Ucx {
+                tls: "rc_v",
+                put: false,
+            },
+            "ucx:ud_verbs" => Tool::Ucx {
+                tls: "ud_v",
+                put: false,
+            },
+            "ucx:rc_ud" => Tool::Ucx {
+                tls: "rc_verbs,ud_verbs",
+                put: false,
+            },
             // Reliable datagrams over tcp (tcp;ofi_rxm): the stack weft's `ofi` runs on.
             "ofi:tcp" => Tool::Ofi {
                 prov: "tcp",
@@ -97,7 +121,11 @@ impl Baseline {
             },
             "ompi" => Tool::Ompi { two_copy: false },
             "ompi:2copy" => Tool::Ompi { two_copy: true },
+            // pml ucx over rc_verbs on the soft HCA.
+            "ompi:ucx" => Tool::Ompi { two_copy: false },
             "mpich" => Tool::Mpich,
+            // ch4:ucx over rc_verbs on the soft HCA, MPICH's own shared memory off.
+            "mpich:ucx" => Tool::Mpich,
             "nptcp" => Tool::NpTcp,
             other => {
                 return Err(format!(
@@ -106,8 +134,13 @@ impl Baseline {
                 ))
             }
         };
+        let name = s.trim().to_string();
         Ok(Baseline {
-            name: s.trim().to_string(),
+            soft_hca: matches!(
+                name.as_str(),
+                "ucx:rc_verbs" | "ucx:ud_verbs" | "ucx:rc_ud" | "ompi:ucx" | "mpich:ucx"
+            ),
+            name,
             tool,
         })
     }
@@ -140,6 +173,14 @@ impl Baseline {
             Tool::Mpich => which("mpiexec.hydra").is_some(),
             _ => true,
         };
+        if self.soft_hca && !drop_in().is_file() {
+            return Err(format!(
+                "baseline {} skipped: {} is missing (cargo build -p weft-ibverbs, the profile \
+                 of weft)",
+                self.name,
+                drop_in().display()
+            ));
+        }
         if which(bin).is_some() && launcher_ok {
             Ok(())
         } else {
@@ -180,14 +221,14 @@ impl Baseline {
             .filter(|s| *s <= self.max_size() && (*s > 0 || matches!(self.tool, Tool::Ucx { .. })))
             .collect();
         match &self.tool {
-            Tool::Ucx { tls, .. } => run_ucx(tls, t, &sizes, work),
+            Tool::Ucx { tls, .. } => run_ucx(tls, self.soft_hca, t, &sizes, work),
             Tool::Ofi { prov, ep } => sizes
                 .iter()
                 .map(|&s| run_ofi(prov, ep, t, s).map(|v| (s, v)))
                 .collect(),
             Tool::Ompi { .. } | Tool::Mpich | Tool::NpTcp => sizes
                 .iter()
-                .map(|&s| run_netpipe(&self.tool, t, s, work).map(|v| (s, v)))
+                .map(|&s| run_netpipe(&self.tool, self.soft_hca, t, s, work).map(|v| (s, v)))
                 .collect(),
         }
     }
@@ -308,7 +349,39 @@ pub fn parse_ucx(text: &str) -> Vec<(String, f64, f64)> {
         .collect()
 }
 
-fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usize, f64)>, String> {
+/// The drop-in libibverbs that `weft soft-hca exec` installs: built next to this program.
+fn drop_in() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("libweft_ibverbs.so")))
+        .unwrap_or_default()
+}
+
+/// `prog` with `base_env`, or on the soft HCA `weft soft-hca exec -- prog` with UCX restricted
+/// to its device over `tls`.
+fn tool(prog: &str, soft_hca: bool, tls: &str) -> Command {
+    let mut c = if soft_hca {
+        let me = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("weft"));
+        let mut c = Command::new(me);
+        c.args(["soft-hca", "exec", "--", prog]);
+        c
+    } else {
+        Command::new(prog)
+    };
+    base_env(&mut c);
+    if soft_hca {
+        c.env("UCX_TLS", tls).env("UCX_NET_DEVICES", "weft0:1");
+    }
+    c
+}
+
+fn run_ucx(
+    tls: &str,
+    soft_hca: bool,
+    t: Test,
+    sizes: &[usize],
+    work: &Path,
+) -> Result<Vec<(usize, f64)>, String> {
     let mut batch = String::new();
     for &s in sizes {
         let s = s.max(1);
@@ -332,19 +405,17 @@ fn run_ucx(tls: &str, t: Test, sizes: &[usize], work: &Path) -> Result<Vec<(usiz
     let file = work.join(format!("ucx-batch-{}", std::process::id()));
     std::fs::write(&file, batch).map_err(|e| e.to_string())?;
     let port = free_port();
-    let mut srv = Command::new("ucx_perftest");
+    let mut srv = tool("ucx_perftest", soft_hca, tls);
+    srv.env("UCX_TLS", tls);
     srv.args(["-c", "0", "-p", &port.to_string(), "-b"])
         .arg(&file);
-    base_env(&mut srv);
-    srv.env("UCX_TLS", tls);
     let server = start_server(srv, port, "ucx_perftest server");
     let result = server.and_then(|_s| {
-        let mut cli = Command::new("ucx_perftest");
+        let mut cli = tool("ucx_perftest", soft_hca, tls);
+        cli.env("UCX_TLS", tls);
         cli.args(["127.0.0.1", "-p", &port.to_string(), "-c", "1", "-b"])
             .arg(&file)
             .arg("-f");
-        base_env(&mut cli);
-        cli.env("UCX_TLS", tls);
         output(cli, "ucx_perftest")
     });
     let _ = std::fs::remove_file(&file);
@@ -437,12 +508,12 @@ pub fn parse_netpipe(text: &str) -> Vec<(usize, f64, f64)> {
         .collect()
 }
 
-fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, String> {
+fn run_netpipe(kind: &Tool, soft_hca: bool, t: Test, s: usize, work: &Path) -> Result<f64, String> {
     let out = work.join(format!("np-{}-{s}.out", std::process::id()));
     let np = ["-l", &s.to_string(), "-u", &s.to_string(), "-p", "0", "-o"];
-    let r = match tool {
+    let r = match kind {
         Tool::Ompi { two_copy } => {
-            let mut c = Command::new("mpirun.openmpi");
+            let mut c = tool("mpirun.openmpi", soft_hca, "rc_v");
             c.args([
                 "--allow-run-as-root",
                 "-np",
@@ -454,22 +525,26 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
                 "--mca",
                 "oob_tcp_if_include",
                 "lo",
-                "--mca",
-                "pml",
-                "ob1",
-                "--mca",
-                "btl",
-                "self,vader",
             ]);
+            if soft_hca {
+                c.args(["--mca", "pml", "ucx", "--mca", "btl", "self"]);
+                for v in ["LD_LIBRARY_PATH", "UCX_TLS", "UCX_NET_DEVICES"] {
+                    c.args(["-x", v]);
+                }
+            } else {
+                c.args(["--mca", "pml", "ob1", "--mca", "btl", "self,vader"]);
+            }
             if *two_copy {
                 c.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
             }
             c.arg("NPopenmpi").args(np).arg(&out);
-            base_env(&mut c);
             output(c, "NPopenmpi")
         }
         Tool::Mpich => {
-            let mut c = Command::new("mpiexec.hydra");
+            let mut c = tool("mpiexec.hydra", soft_hca, "rc_v");
+            if soft_hca {
+                c.env("MPIR_CVAR_NOLOCAL", "1");
+            }
             c.args([
                 "-launcher",
                 "fork",
@@ -481,7 +556,6 @@ fn run_netpipe(tool: &Tool, t: Test, s: usize, work: &Path) -> Result<f64, Strin
             ])
             .args(np)
             .arg(&out);
-            base_env(&mut c);
             output(c, "NPmpich2")
         }
         _ => {
@@ -539,6 +613,39 @@ mod t {
         let posix = Baseline::parse("ucx:posix").unwrap();
         assert!(posix.supports(Test::Latency) && !posix.supports(Test::PutPollLat));
         assert!(NAMES.iter().all(|n| Baseline::parse(n).is_ok()));
+    }
+
+    #[test]
+    fn soft_hca_baselines_are_the_ucx_ones_over_the_drop_in() {
+        for (name, soft) in [
+            ("ucx:rc_verbs", true),
+            ("ucx:ud_verbs", true),
+            ("ucx:rc_ud", true),
+            ("ompi:ucx", true),
+            ("mpich:ucx", true),
+            ("ucx:posix", false),
+            ("ompi", false),
+            ("mpich", false),
+        ] {
+            let b = Baseline::parse(name).unwrap();
+            assert_eq!(b.soft_hca, soft, "{name}");
+            assert!(b.supports(Test::Latency) && b.supports(Test::Bw), "{name}");
+        }
+        // Under `weft soft-hca exec`, UCX restricted to the soft HCA's device.
+        let c = tool("ucx_perftest", true, "rc_v");
+        let args: Vec<_> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(args, ["soft-hca", "exec", "--", "ucx_perftest"]);
+        let env: Vec<_> = c
+            .get_envs()
+            .filter_map(|(k, v)| Some((k.to_str()?.to_string(), v?.to_str()?.to_string())))
+            .collect();
+        assert!(env.contains(&("UCX_TLS".into(), "rc_v".into())));
+        assert!(env.contains(&("UCX_NET_DEVICES".into(), "weft0:1".into())));
+        let plain = tool("ucx_perftest", false, "rc_v");
+        assert_eq!(plain.get_program(), "ucx_perftest");
     }
 
     #[test]

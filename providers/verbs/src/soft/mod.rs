@@ -1317,6 +1317,9 @@ fn gather(local: &[Range], len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len);
     for r in local {
         let n = r.len.min(len - v.len());
+        if n == 0 {
+            continue; // nothing to read, and its address may be anything (NULL)
+        }
         // SAFETY: `local` are ranges of this process validated against our registrations (or
         // the inline copy), alive for the duration of the call.
         v.extend_from_slice(unsafe { std::slice::from_raw_parts(r.base as *const u8, n) });
@@ -1329,6 +1332,9 @@ fn scatter(data: &[u8], local: &[Range]) {
     let mut off = 0;
     for r in local {
         let n = r.len.min(data.len() - off);
+        if n == 0 {
+            continue; // nothing to write, and its address may be anything (NULL)
+        }
         // SAFETY: `local` are ranges of this process validated with LOCAL_WRITE rights against
         // our registrations; `data` is a separate buffer.
         unsafe { std::ptr::copy_nonoverlapping(data[off..].as_ptr(), r.base as *mut u8, n) };

@@ -839,7 +839,8 @@ impl Hca for SoftHca {
             }
             let data = wr.is_inline().then(|| {
                 let mut d = Vec::with_capacity(wr.len());
-                for s in &wr.sg_list {
+                // A zero-length SGE adds nothing, whatever its address (NULL, as UCX posts).
+                for s in wr.sg_list.iter().filter(|s| s.length > 0) {
                     // SAFETY: an inline request is made only by the unsafe `SendWr::inlined`,
                     // whose caller promised that its SGEs are readable memory of this process
                     // for the duration of this call.

@@ -926,7 +926,25 @@ fn the_state_machine_is_enforced() {
     local = [0; 16];
     assert_eq!(one(&a).status, WcStatus::Success);
     assert_eq!(&tb[..], &[3u8; 16], "the payload was taken at post time");
-    let _ = local;
+    // An inline request may carry zero-length SGEs at address 0, as UCX's rc_verbs posts
+    // them: they add nothing (a NULL slice of them was undefined behaviour; seen failing).
+    let sges = [
+        Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        },
+        Sge {
+            addr: local.as_ptr() as u64,
+            length: 16,
+            lkey: 0,
+        },
+    ];
+    // SAFETY: the one SGE with bytes is `local`, readable during the post.
+    let wr = unsafe { SendWr::write(7, &sges, tmr.addr, tmr.rkey).inlined() };
+    a.h.post_send(a.qp, &[wr]).unwrap();
+    assert_eq!(one(&a).status, WcStatus::Success);
+    assert_eq!(&tb[..], &[0u8; 16]);
     // A zero-length write needs no valid key.
     a.h.post_send(a.qp, &[SendWr::write(6, &[], 0, 0)]).unwrap();
     assert_eq!(one(&a).status, WcStatus::Success);

@@ -430,9 +430,13 @@ pub const SEND_INLINE: c_uint = 1 << 3;
 pub const WC_GRH: c_uint = 1;
 pub const WC_WITH_IMM: c_uint = 1 << 1;
 
-// `enum ibv_event_type`.
-pub const EVENT_QP_FATAL: c_int = 1;
+// `enum ibv_event_type`: the events the soft HCA raises.
 pub const EVENT_SRQ_LIMIT_REACHED: c_int = 15;
+pub const EVENT_CQ_ERR: c_int = 0;
+pub const EVENT_QP_FATAL: c_int = 1;
+pub const EVENT_QP_REQ_ERR: c_int = 2;
+pub const EVENT_QP_ACCESS_ERR: c_int = 3;
+pub const EVENT_QP_LAST_WQE_REACHED: c_int = 16;
 
 #[cfg(test)]
 mod tests {
@@ -536,6 +540,16 @@ mod tests {
         s!(v, ibv_mr);
         f!(v, ibv_mr, rkey);
         s!(v, ibv_ah);
+        for (e, n) in [
+            ("IBV_EVENT_CQ_ERR", EVENT_CQ_ERR),
+            ("IBV_EVENT_QP_FATAL", EVENT_QP_FATAL),
+            ("IBV_EVENT_QP_REQ_ERR", EVENT_QP_REQ_ERR),
+            ("IBV_EVENT_QP_ACCESS_ERR", EVENT_QP_ACCESS_ERR),
+            ("IBV_EVENT_SRQ_LIMIT_REACHED", EVENT_SRQ_LIMIT_REACHED),
+            ("IBV_EVENT_QP_LAST_WQE_REACHED", EVENT_QP_LAST_WQE_REACHED),
+        ] {
+            v.push((e, n as usize));
+        }
         v
     }
 

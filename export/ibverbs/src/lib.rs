@@ -37,6 +37,7 @@ use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::mem::offset_of;
 use std::ptr;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use weft_provider::{Error, ErrorKind};
 use weft_verbs::soft::SoftHca;
@@ -119,6 +120,8 @@ struct Shared {
     hca: Arc<SoftHca>,
     st: Mutex<Watch>,
     cv: Condvar,
+    /// Signalled when an asynchronous event is acknowledged (destroys wait for theirs).
+    acked: Condvar,
     async_fd: c_int,
 }
 
@@ -130,7 +133,24 @@ struct Watch {
     srqs: Vec<(usize, Srq)>,
     /// Asynchronous events not yet read: (element, event type).
     events: VecDeque<(usize, c_int)>,
+    /// Events read by `ibv_get_async_event` and not yet acknowledged, per element: its
+    /// destroy waits for them, as rdma-core's does (the event names the object).
+    unacked: Vec<(usize, u32)>,
+    /// Every QP, for the events of a QP that goes to the error state.
+    qps: Vec<QpWatch>,
     stop: bool,
+}
+
+/// A QP as the notifier watches it.
+#[derive(Clone, Copy)]
+struct QpWatch {
+    /// The QpBox.
+    qp: usize,
+    h: Qp,
+    /// Attached to an SRQ: `IBV_EVENT_QP_LAST_WQE_REACHED` when it enters the error state.
+    srq: bool,
+    /// The events of its current error state are raised (until it is reset).
+    told: bool,
 }
 
 #[repr(C)]
@@ -156,6 +176,8 @@ struct MrBox {
 struct CqBox {
     cq: ibv_cq,
     h: Cq,
+    /// `IBV_EVENT_CQ_ERR` raised for its overrun.
+    overrun_told: std::sync::atomic::AtomicBool,
 }
 
 #[repr(C)]
@@ -333,6 +355,7 @@ pub unsafe extern "C" fn ibv_open_device(d: *mut ibv_device) -> *mut ibv_context
         hca,
         st: Mutex::new(Watch::default()),
         cv: Condvar::new(),
+        acked: Condvar::new(),
         async_fd: afd,
     });
     // SAFETY: all-zero is valid for verbs_context (integers, NULL pointers and NULL Option<fn>,
@@ -788,6 +811,7 @@ pub unsafe extern "C" fn ibv_create_cq(
                     async_events_completed: 0,
                 },
                 h,
+                overrun_told: Default::default(),
             })) as *mut ibv_cq
         }
         Err(e) => null_with(errno_of(&e)),
@@ -806,7 +830,7 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     // SAFETY: its context is live.
     let x = unsafe { ctx(b.cq.context) };
     // Under the watch lock: the notifier looks at no CQ that is going away.
-    let mut st = lock(&x.sh.st);
+    let mut st = wait_acked(&x.sh, lock(&x.sh.st), cq as usize);
     if let Err(e) = x.sh.hca.destroy_cq(b.h) {
         return errno_of(&e);
     }
@@ -931,6 +955,12 @@ unsafe extern "C" fn op_poll_cq(cq: *mut ibv_cq, n: c_int, out: *mut ibv_wc) -> 
             }
             Err(e) => {
                 errno_of(&e);
+                if h.cq_overrun(b.h) && !b.overrun_told.swap(true, Ordering::Relaxed) {
+                    // SAFETY: its context is live.
+                    let x = unsafe { ctx(b.cq.context) };
+                    lock(&x.sh.st).events.push_back((cq as usize, EVENT_CQ_ERR));
+                    notify::bump(x.sh.async_fd, 1);
+                }
                 return if got > 0 { got as c_int } else { -1 };
             }
         }
@@ -1064,7 +1094,7 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
     let b = unsafe { &*(srq as *mut SrqBox) };
     // SAFETY: its context is live.
     let x = unsafe { ctx(b.srq.context) };
-    let mut st = lock(&x.sh.st);
+    let mut st = wait_acked(&x.sh, lock(&x.sh.st), srq as usize);
     if let Err(e) = x.sh.hca.destroy_srq(b.h) {
         return errno_of(&e);
     }
@@ -1224,7 +1254,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, a: *mut ibv_qp_init_attr
     let mut saved: ibv_qp_attr = unsafe { std::mem::zeroed() };
     saved.cap = a.cap;
     saved.port_num = PORT;
-    Box::into_raw(Box::new(QpBox {
+    let b = Box::into_raw(Box::new(QpBox {
         qp: ibv_qp {
             context: p.pd.context,
             qp_context: a.qp_context,
@@ -1244,7 +1274,17 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, a: *mut ibv_qp_init_attr
         ty,
         sig_all: a.sq_sig_all != 0,
         saved: Mutex::new(saved),
-    })) as *mut ibv_qp
+    }));
+    // SAFETY: its context is live.
+    let x = unsafe { ctx(p.pd.context) };
+    lock(&x.sh.st).qps.push(QpWatch {
+        qp: b as usize,
+        h: q,
+        srq: srq.is_some(),
+        told: false,
+    });
+    x.sh.cv.notify_all();
+    b as *mut ibv_qp
 }
 
 /// The attribute masks a transition requires and allows, as the kernel's table has them for RC
@@ -1430,6 +1470,22 @@ pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, a: *mut ibv_qp_attr, mas
     keep!(QP_RETRY_CNT, retry_cnt);
     keep!(QP_RNR_RETRY, rnr_retry);
     b.qp.state = next as c_int;
+    drop(s);
+    if matches!(next, QpState::Err | QpState::Reset) {
+        // SAFETY: its context is live.
+        let x = unsafe { ctx(b.qp.context) };
+        let mut st = lock(&x.sh.st);
+        let raised = match st.qps.iter().position(|w| w.qp == qp as usize) {
+            Some(i) if next == QpState::Reset => {
+                st.qps[i].told = false;
+                0
+            }
+            Some(i) => notify::tell(&x.sh, &mut st, i),
+            None => 0,
+        };
+        drop(st);
+        notify::bump(x.sh.async_fd, raised);
+    }
     0
 }
 
@@ -1481,9 +1537,24 @@ pub unsafe extern "C" fn ibv_query_qp(
 /// `qp` from `ibv_create_qp`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
-    // SAFETY: (caller) `qp` is NULL or ours, not used after it is destroyed; its context
-    // is live.
-    unsafe { destroy(qp as *mut QpBox, |b| hca(b.qp.context).destroy_qp(b.h)) }
+    if qp.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: (caller) a live QpBox, not used after it is destroyed.
+    let b = unsafe { &*(qp as *mut QpBox) };
+    // SAFETY: its context is live.
+    let x = unsafe { ctx(b.qp.context) };
+    // Under the watch lock: the notifier looks at no QP that is going away.
+    let mut st = wait_acked(&x.sh, lock(&x.sh.st), qp as usize);
+    if let Err(e) = x.sh.hca.destroy_qp(b.h) {
+        return errno_of(&e);
+    }
+    st.qps.retain(|w| w.qp != qp as usize);
+    st.events.retain(|e| e.0 != qp as usize);
+    drop(st);
+    // SAFETY: made by Box::into_raw; freed once; no longer watched or queued.
+    drop(unsafe { Box::from_raw(qp as *mut QpBox) });
+    0
 }
 
 #[no_mangle]
@@ -1746,7 +1817,13 @@ pub unsafe extern "C" fn ibv_get_async_event(
         if !take(x.sh.async_fd) {
             return -1;
         }
-        if let Some((el, t)) = lock(&x.sh.st).events.pop_front() {
+        let mut st = lock(&x.sh.st);
+        if let Some((el, t)) = st.events.pop_front() {
+            match st.unacked.iter_mut().find(|u| u.0 == el) {
+                Some(u) => u.1 += 1,
+                None if el != 0 => st.unacked.push((el, 1)),
+                None => {}
+            }
             // SAFETY: (caller) writable.
             unsafe {
                 *ev = ibv_async_event {
@@ -1766,13 +1843,54 @@ pub unsafe extern "C" fn ibv_ack_async_event(ev: *mut ibv_async_event) {
     if ev.is_null() {
         return;
     }
-    // SAFETY: (caller) readable; an SRQ event names a live SRQ until it is acknowledged.
-    unsafe {
-        if (*ev).event_type == EVENT_SRQ_LIMIT_REACHED && !(*ev).element.is_null() {
-            let s = (*ev).element as *mut ibv_srq;
-            (*s).events_completed = (*s).events_completed.wrapping_add(1);
-        }
+    // SAFETY: (caller) readable.
+    let (el, t) = unsafe { ((*ev).element, (*ev).event_type) };
+    if el.is_null() {
+        return;
     }
+    // SAFETY: the event names a live object until it is acknowledged (its destroy waits for
+    // that), and so its live context. The counters are rdma-core's, kept under our lock.
+    unsafe {
+        let c = match t {
+            EVENT_CQ_ERR => (*(el as *mut ibv_cq)).context,
+            EVENT_SRQ_LIMIT_REACHED => (*(el as *mut ibv_srq)).context,
+            _ => (*(el as *mut ibv_qp)).context,
+        };
+        let x = ctx(c);
+        let mut st = lock(&x.sh.st);
+        let Some(i) = st.unacked.iter().position(|u| u.0 == el as usize) else {
+            return; // not an event we gave out (or acknowledged twice)
+        };
+        st.unacked[i].1 -= 1;
+        if st.unacked[i].1 == 0 {
+            st.unacked.swap_remove(i);
+        }
+        match t {
+            EVENT_CQ_ERR => {
+                let q = el as *mut ibv_cq;
+                (*q).async_events_completed = (*q).async_events_completed.wrapping_add(1);
+            }
+            EVENT_SRQ_LIMIT_REACHED => {
+                let q = el as *mut ibv_srq;
+                (*q).events_completed = (*q).events_completed.wrapping_add(1);
+            }
+            _ => {
+                let q = el as *mut ibv_qp;
+                (*q).events_completed = (*q).events_completed.wrapping_add(1);
+            }
+        }
+        drop(st);
+        x.sh.acked.notify_all();
+    }
+}
+
+/// Wait (with the watch lock `st`, released meanwhile) until every asynchronous event given
+/// out for `el` is acknowledged, as rdma-core's destroy calls do.
+fn wait_acked<'a>(sh: &Shared, mut st: MutexGuard<'a, Watch>, el: usize) -> MutexGuard<'a, Watch> {
+    while st.unacked.iter().any(|u| u.0 == el) {
+        st = sh.acked.wait(st).unwrap_or_else(|p| p.into_inner());
+    }
+    st
 }
 
 // ---------------------------------------------------------------- the rest of the API

@@ -1,6 +1,7 @@
 //! The notifier thread of a context: completion-channel events of armed CQs and SRQ limit events.
 
 use crate::*;
+use std::time::{Duration, Instant};
 
 /// The notifier: raises completion events of armed CQs and SRQ limit events, and drives the
 /// context's requests while anything is armed.
@@ -10,16 +11,30 @@ pub(crate) fn notify_loop(sh: &Shared) {
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
     let mut st = lock(&sh.st);
     // Rounds since a CQ was armed or fired: the first ones only yield (an event-driven program
-    // is blocked in ibv_get_cq_event meanwhile, so the core is free), then 20 µs sleeps.
+    // is blocked in ibv_get_cq_event meanwhile, so the core is free), then growing sleeps.
     let (mut quiet, mut was_armed) = (0u32, 0usize);
+    let mut checked = Instant::now();
     loop {
         if st.stop {
             return;
         }
+        let mut raised = 0u64;
+        if !st.qps.is_empty() && checked.elapsed() >= QP_CHECK {
+            raised += watch_qps(sh, &mut st);
+            checked = Instant::now();
+        }
         if st.armed.is_empty() && st.srqs.is_empty() {
+            if raised > 0 {
+                bump(sh.async_fd, raised);
+            }
+            let idle = if st.qps.is_empty() {
+                Duration::from_millis(200)
+            } else {
+                QP_IDLE_CHECK
+            };
             st = sh
                 .cv
-                .wait_timeout(st, std::time::Duration::from_millis(200))
+                .wait_timeout(st, idle)
                 .map(|r| r.0)
                 .unwrap_or_else(|p| p.into_inner().0);
             continue;
@@ -35,7 +50,6 @@ pub(crate) fn notify_loop(sh: &Shared) {
             }
             !ready
         });
-        let mut raised = 0u64;
         let mut srqs = std::mem::take(&mut st.srqs);
         srqs.retain(|&(s, h)| {
             if sh.hca.srq_limit_reached(h).unwrap_or(false) {
@@ -77,6 +91,53 @@ pub(crate) fn notify_loop(sh: &Shared) {
     }
 }
 
+/// How often, at most, the notifier looks at the QPs' states while CQs are armed.
+const QP_CHECK: Duration = Duration::from_millis(1);
+/// How often it looks at them while nothing is armed: the latency of a QP's error events then.
+const QP_IDLE_CHECK: Duration = Duration::from_millis(20);
+
+/// Look for QPs that entered the error state since they were last told; raise their events.
+/// Returns how many were queued (the caller bumps the async fd).
+fn watch_qps(sh: &Shared, st: &mut Watch) -> u64 {
+    let mut raised = 0;
+    for i in 0..st.qps.len() {
+        let w = st.qps[i];
+        if !w.told && matches!(sh.hca.qp_watch(w.h), Some((QpState::Err, _))) {
+            raised += tell(sh, st, i);
+        }
+    }
+    raised
+}
+
+/// QP `st.qps[i]` is in the error state: queue its events, once per error state, as a
+/// hardware HCA raises them — the fault's own event when a peer's request it refused put it
+/// there (`IBV_EVENT_QP_ACCESS_ERR` for a key, range or rights violation,
+/// `IBV_EVENT_QP_REQ_ERR` for an invalid request, `IBV_EVENT_QP_FATAL` otherwise), and
+/// `IBV_EVENT_QP_LAST_WQE_REACHED` for a QP of an SRQ (it takes no more receives from it).
+/// Returns how many were queued.
+pub(crate) fn tell(sh: &Shared, st: &mut Watch, i: usize) -> u64 {
+    let w = st.qps[i];
+    if w.told {
+        return 0;
+    }
+    st.qps[i].told = true;
+    let mut n = 0;
+    if let Some((_, Some(why))) = sh.hca.qp_watch(w.h) {
+        let t = match why {
+            WcStatus::RemAccessErr => EVENT_QP_ACCESS_ERR,
+            WcStatus::RemInvReqErr => EVENT_QP_REQ_ERR,
+            _ => EVENT_QP_FATAL,
+        };
+        st.events.push_back((w.qp, t));
+        n += 1;
+    }
+    if w.srq {
+        st.events.push_back((w.qp, EVENT_QP_LAST_WQE_REACHED));
+        n += 1;
+    }
+    n
+}
+
 /// Notifier rounds that only yield after a CQ was armed or an event raised (about 100 µs).
 pub(crate) const SPIN_ROUNDS: u32 = 200;
 
@@ -95,6 +156,9 @@ pub(crate) fn pause(quiet: u32) -> Option<std::time::Duration> {
 }
 
 pub(crate) fn bump(fd: c_int, n: u64) {
+    if n == 0 {
+        return;
+    }
     // SAFETY: writing 8 bytes from a local to an eventfd we own.
     unsafe { libc::write(fd, &n as *const u64 as *const c_void, 8) };
 }
@@ -161,6 +225,7 @@ mod tests {
                 ..Watch::default()
             }),
             cv: Condvar::new(),
+            acked: Condvar::new(),
             async_fd: afd,
         });
         let w = sh.clone();

@@ -110,6 +110,24 @@ static int post(struct ibv_qp *q, enum ibv_wr_opcode op, struct ibv_mr *mr, size
 	return ibv_post_send(q, &w, &bad);
 }
 
+/* Read asynchronous events (acknowledging each) until one of type `t` on object `el` comes;
+ * 1 if it did within 5 s. */
+static int wait_event(enum ibv_event_type t, void *el)
+{
+	double end = now() + 5;
+	while (now() < end) {
+		struct pollfd p = { .fd = ctx->async_fd, .events = POLLIN };
+		struct ibv_async_event ev;
+		if (poll(&p, 1, 100) != 1 || ibv_get_async_event(ctx, &ev) != 0)
+			continue;
+		int ok = ev.event_type == t && ev.element.qp == el;
+		ibv_ack_async_event(&ev);
+		if (ok)
+			return 1;
+	}
+	return 0;
+}
+
 int main(void)
 {
 	int n;
@@ -293,6 +311,8 @@ int main(void)
 	CHECK("wrong_rkey", post(a, IBV_WR_RDMA_WRITE, mr, 0, 16, (uintptr_t)buf + 4096, mr->rkey ^ 0x00ff0000) == 0 &&
 	      poll1(cq, &wc) == 1 && wc.status == IBV_WC_REM_ACCESS_ERR, "status %s",
 	      ibv_wc_status_str(wc.status));
+	/* The responder QP, moved to the error state by the access it refused, says so. */
+	CHECK("qp_access_err_event", wait_event(IBV_EVENT_QP_ACCESS_ERR, b), "no IBV_EVENT_QP_ACCESS_ERR on the responder");
 	while (ibv_poll_cq(cq, 1, &wc) > 0)
 		;
 	ibv_destroy_qp(a);
@@ -328,16 +348,38 @@ int main(void)
 		double end = now() + 5;
 		while (c < 4 && now() < end)
 			c += ibv_poll_cq(cq, 1, &wc) > 0;
-		struct pollfd p = { .fd = ctx->async_fd, .events = POLLIN };
-		struct ibv_async_event ev;
-		CHECK("srq_limit_event", c == 4 && poll(&p, 1, 5000) == 1 && ibv_get_async_event(ctx, &ev) == 0 &&
-		      ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED && ev.element.srq == srq,
+		CHECK("srq_limit_event", c == 4 && wait_event(IBV_EVENT_SRQ_LIMIT_REACHED, srq),
 		      "%d completions, no event", c);
-		ibv_ack_async_event(&ev);
 		CHECK("destroy_busy_srq", ibv_destroy_srq(srq) == EBUSY, "an SRQ in use was destroyed");
+		/* A QP of an SRQ moved to the error state takes no more of its receives, and says so. */
+		struct ibv_qp_attr ea = { .qp_state = IBV_QPS_ERR };
+		CHECK("last_wqe_reached", ibv_modify_qp(y, &ea, IBV_QP_STATE) == 0 &&
+		      wait_event(IBV_EVENT_QP_LAST_WQE_REACHED, y), "no IBV_EVENT_QP_LAST_WQE_REACHED");
 		ibv_destroy_qp(x);
 		ibv_destroy_qp(y);
 		CHECK("destroy_srq", ibv_destroy_srq(srq) == 0, "refused");
+	}
+	{
+		/* More completions than a CQ holds: polling it fails and IBV_EVENT_CQ_ERR names it. */
+		struct ibv_cq *big = cq;
+		cq = ibv_create_cq(ctx, 1, NULL, NULL, 0);
+		CHECK("small_cq", cq != NULL, "errno %d", errno);
+		pair(&a, &b, 7);
+		/* The CQ of one entry holds at most 3 (rounded up as a hardware HCA may); 4 overrun it. */
+		for (int i = 0; i < 4; i++)
+			post(a, IBV_WR_RDMA_WRITE, mr, 0, 8, (uintptr_t)buf + 4096, mr->rkey);
+		double end = now() + 5;
+		int r = 0;
+		while (now() < end && (r = ibv_poll_cq(cq, 1, &wc)) == 0)
+			;
+		/* Completions up to the CQ's size may come first; then the overrun. */
+		while (r > 0 && now() < end)
+			r = ibv_poll_cq(cq, 1, &wc);
+		CHECK("cq_overrun", r < 0 && wait_event(IBV_EVENT_CQ_ERR, cq), "poll gave %d, or no IBV_EVENT_CQ_ERR", r);
+		ibv_destroy_qp(a);
+		ibv_destroy_qp(b);
+		CHECK("destroy_overrun_cq", ibv_destroy_cq(cq) == 0, "refused");
+		cq = big;
 	}
 	{
 		/* NULLs where rdma-core checks them. */

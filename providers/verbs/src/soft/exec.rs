@@ -281,8 +281,10 @@ impl Peer {
     }
 
     /// Move the peer's QP `qi` to the error state and flush its receive queue.
-    pub fn fail_qp(&self, qi: usize) {
+    /// Move responder QP `qi` to the error state because of a request it refused with `why`.
+    pub fn fail_qp(&self, qi: usize, why: WcStatus) {
         let Some(q) = self.seg.qp(qi) else { return };
+        q.fault.store(why as u32, SC);
         q.state.store(QpState::Err as u32, SC);
         flush_rq(&self.seg, qi, Some(self), |cq, wc| self.push_cqe(cq, wc));
     }
@@ -573,7 +575,7 @@ fn rc_inner(peer: &Peer, req: &Request) -> Outcome {
 
 fn remote_fail(peer: &Peer, qi: usize, st: WcStatus) -> Outcome {
     peer.clear();
-    peer.fail_qp(qi);
+    peer.fail_qp(qi, st);
     Outcome::Fail(st)
 }
 
@@ -608,7 +610,11 @@ fn write(peer: &Peer, qi: usize, req: &Request) -> Outcome {
             Outcome::NoResponse => Outcome::NoResponse,
             o => {
                 peer.clear();
-                peer.fail_qp(qi);
+                if let Outcome::Fail(st) = o {
+                    peer.fail_qp(qi, st);
+                } else {
+                    peer.fail_qp(qi, WcStatus::RemOpErr);
+                }
                 o
             }
         },
@@ -643,7 +649,7 @@ fn read(peer: &Peer, q: &seg::QpEntry, req: &Request) -> Outcome {
         },
         Err(CopyError::Gone) => Outcome::NoResponse,
         Err(_) => {
-            peer.fail_qp(qi);
+            peer.fail_qp(qi, WcStatus::RemAccessErr);
             Outcome::Fail(WcStatus::RemAccessErr)
         }
     }
@@ -736,7 +742,7 @@ fn atomic(peer: &Peer, qi: usize, req: &Request) -> Outcome {
                 if matches!(e, CopyError::Gone) {
                     return Outcome::NoResponse;
                 }
-                peer.fail_qp(qi);
+                peer.fail_qp(qi, WcStatus::RemAccessErr);
                 return Outcome::Fail(WcStatus::RemAccessErr);
             }
             old
@@ -815,7 +821,7 @@ fn deliver(peer: &Peer, qi: usize, req: &Request, write_imm: Option<()>) -> Outc
         wc.byte_len = 0;
         wc.imm = None;
         peer.push_cqe(cq, wc);
-        peer.fail_qp(qi);
+        peer.fail_qp(qi, remote);
         Outcome::Fail(remote)
     };
     if write_imm.is_some() {

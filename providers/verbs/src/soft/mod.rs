@@ -401,6 +401,30 @@ impl SoftHca {
         Ok(h)
     }
 
+    /// The state of QP `qp` as its entry in the segment says (a peer may have moved it to the
+    /// error state) and, if a peer's refused request did that, the status the request got
+    /// (`RemAccessErr`, `RemInvReqErr`, `RemOpErr`). Takes no lock: what the notifier of
+    /// `export/ibverbs` watches to raise the asynchronous events a hardware HCA would.
+    pub fn qp_watch(&self, qp: Qp) -> Option<(QpState, Option<WcStatus>)> {
+        let e = self.seg.qp(qp.handle as usize)?;
+        if e.qpn.load(SC) != qp.qpn {
+            return None;
+        }
+        let st = QpState::from_u32(e.state.load(SC))?;
+        Some((
+            st,
+            WcStatus::from_u32(e.fault.load(SC)).filter(|&w| w != WcStatus::Success),
+        ))
+    }
+
+    /// Whether more completions came for `cq` than it has entries (what `poll_cq` then
+    /// refuses with, and a hardware HCA raises `IBV_EVENT_CQ_ERR` for).
+    pub fn cq_overrun(&self, cq: Cq) -> bool {
+        self.seg
+            .cq(cq.0 as usize)
+            .is_some_and(|e| e.overrun.load(SC) != 0)
+    }
+
     /// Whether `cq` holds a completion (or is overrun) that [`Hca::poll_cq`] would report;
     /// consumes nothing. What a completion channel's notifier watches (`export/ibverbs`).
     pub fn cq_ready(&self, cq: Cq) -> bool {

@@ -118,7 +118,10 @@ pub struct QpEntry {
     pub max_dest_rd_atomic: AtomicU32,
     /// Remote rights the QP grants (`qp_access_flags`).
     pub access: AtomicU32,
-    pub _r: AtomicU32,
+    /// Why a peer moved this responder QP to the error state (the `WcStatus` its request
+    /// got: remote access or invalid request), 0 if none did; cleared at create and reset.
+    /// Lets the owner raise the asynchronous event a hardware HCA would.
+    pub fault: AtomicU32,
     /// Buffer bytes of the receives taken (by initiators, or flushed) since the QP was made
     /// or reset. The owner keeps what it posted in its own memory: a counter both sides
     /// wrote moved a cache line between them on every message.

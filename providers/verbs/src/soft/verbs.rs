@@ -524,6 +524,7 @@ impl Hca for SoftHca {
         e.rq_off.store(rq_off, RLX);
         e.rq_cap.store(rq_cap, RLX);
         e.rq_taken.store(0, RLX);
+        e.fault.store(0, RLX);
         e.dest_qpn.store(0, RLX);
         e.access.store(0, RLX);
         for k in 0..seg::REPLAY {
@@ -705,6 +706,7 @@ impl Hca for SoftHca {
                     while r.pop_by(&mut w, seg::wqe_words) {}
                 }
                 e.rq_taken.store(0, RLX);
+                e.fault.store(0, RLX);
                 q.rq_posted = 0;
                 q.state = QpState::Reset;
                 e.state.store(QpState::Reset as u32, SC);

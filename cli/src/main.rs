@@ -165,6 +165,8 @@ enum Cmd {
         one_buffer: bool,
         #[arg(long)]
         distinct_buffers: bool,
+        #[arg(long)]
+        thp: bool,
     },
 }
 
@@ -199,6 +201,10 @@ struct BenchArgs {
     /// buffer, as OSU and ucx_perftest do.
     #[arg(long)]
     distinct_buffers: bool,
+    /// Latency: buffers in transparent huge pages (2 MiB-aligned, madvise(MADV_HUGEPAGE)), as
+    /// ucx_perftest's are (UCX's `thp` allocation); compare with the ucx:* baselines this way.
+    #[arg(long)]
+    thp: bool,
     /// Ranks per job.
     #[arg(short = 'n', long = "np", default_value_t = 2)]
     n: u32,
@@ -399,6 +405,7 @@ fn bench_plan(a: &BenchArgs) -> Result<bench::Plan, String> {
         window: a.window,
         one_buffer: a.one_buffer,
         distinct_buffers: a.distinct_buffers,
+        thp: a.thp,
         n: a.n,
         reps: a.reps,
         env: a.env.clone(),
@@ -507,6 +514,7 @@ fn main() -> ExitCode {
             window,
             one_buffer,
             distinct_buffers,
+            thp,
         } => {
             let args = bench::tests::Test::parse(&test).and_then(|t| {
                 Ok(bench::rank::RankArgs {
@@ -517,6 +525,7 @@ fn main() -> ExitCode {
                     window,
                     one_buffer,
                     distinct_buffers,
+                    thp,
                 })
             });
             match args

@@ -42,6 +42,8 @@ pub struct Plan {
     pub one_buffer: bool,
     /// Streaming tests: a receive buffer per message of the window (default: one for all).
     pub distinct_buffers: bool,
+    /// Latency: buffers in transparent huge pages.
+    pub thp: bool,
     pub n: u32,
     pub reps: usize,
     pub env: Vec<(String, String)>,
@@ -70,6 +72,13 @@ pub struct Row {
 /// non-default choice and so goes into the table header too). Empty for tests without a choice.
 pub fn buffers(plan: &Plan, test: Test) -> (&'static str, bool) {
     match test {
+        Test::Latency if plan.one_buffer && plan.thp => {
+            ("one buffer per rank, in transparent huge pages", true)
+        }
+        Test::Latency if plan.thp => (
+            "separate send and receive buffers, in transparent huge pages",
+            true,
+        ),
         Test::Latency if plan.one_buffer => ("one buffer per rank", true),
         Test::Latency => ("separate send and receive buffers", false),
         Test::Bw | Test::Bibw | Test::Mr if plan.distinct_buffers => {
@@ -243,6 +252,9 @@ fn run_weft(
     }
     if plan.distinct_buffers {
         spec.args.push("--distinct-buffers".into());
+    }
+    if plan.thp {
+        spec.args.push("--thp".into());
     }
     spec.provider = col.provider.clone();
     spec.env = plan.env.iter().chain(col.env.iter()).cloned().collect();
@@ -580,6 +592,7 @@ mod t {
             window: 64,
             one_buffer: false,
             distinct_buffers: false,
+            thp: false,
             n: 2,
             reps: 5,
             env: vec![],

@@ -17,6 +17,8 @@ pub struct RankArgs {
     pub one_buffer: bool,
     /// bw, bibw, mr: a receive buffer per message of the window, instead of one for all.
     pub distinct_buffers: bool,
+    /// Latency: buffers in transparent huge pages, as ucx_perftest's are.
+    pub thp: bool,
 }
 
 /// Iterations for `size`: the requested count, fewer for large messages so each point moves at
@@ -58,17 +60,35 @@ struct PageBuf {
     len: usize,
 }
 
+/// Bytes of a transparent huge page (x86-64), for [`PageBuf::new`] with `thp`.
+const HUGE: usize = 2 << 20;
+
 impl PageBuf {
-    fn new(bytes: &[u8]) -> PageBuf {
+    /// A copy of `bytes` on a page boundary; with `thp` on a 2 MiB boundary in memory
+    /// advised for transparent huge pages, as UCX's `thp` allocation method gives
+    /// ucx_perftest's buffers (a kernel copy then walks a 2 MiB page where it walked 512 small
+    /// ones). Where the kernel declines, the memory stays in small pages.
+    fn new(bytes: &[u8], thp: bool) -> PageBuf {
         let len = bytes.len();
-        let mut v = vec![0u8; len + PAGE];
-        let off = v.as_ptr().align_offset(PAGE).min(PAGE);
+        let (align, span) = if thp {
+            (HUGE, len.next_multiple_of(HUGE).max(HUGE))
+        } else {
+            (PAGE, len)
+        };
+        // Zeroed by calloc: from 128 KiB up fresh mappings, untouched until written below.
+        let mut v = vec![0u8; span + align];
+        let off = v.as_ptr().align_offset(align).min(align);
+        if thp {
+            // SAFETY: [off, off + span) lies inside `v` (its length is span + align and
+            // off < align), starts on a page boundary, and madvise changes no byte of it.
+            unsafe { libc::madvise(v.as_mut_ptr().add(off).cast(), span, libc::MADV_HUGEPAGE) };
+        }
         v[off..off + len].copy_from_slice(bytes);
         PageBuf { v, off, len }
     }
 
-    fn zeroed(len: usize) -> PageBuf {
-        PageBuf::new(&vec![0u8; len])
+    fn zeroed(len: usize, thp: bool) -> PageBuf {
+        PageBuf::new(&vec![0u8; len], thp)
     }
 
     fn get(&self) -> &[u8] {
@@ -90,13 +110,14 @@ fn latency(
     iters: usize,
     warmup: usize,
     one_buffer: bool,
+    thp: bool,
 ) -> Result<f64> {
     let r = c.rank();
-    let data = PageBuf::new(&pattern(size));
+    let data = PageBuf::new(&pattern(size), thp);
     let mut buf = if one_buffer {
-        PageBuf::new(data.get())
+        PageBuf::new(data.get(), thp)
     } else {
-        PageBuf::zeroed(size)
+        PageBuf::zeroed(size, thp)
     };
     let mut t0 = Instant::now();
     for i in 0..warmup + iters {
@@ -520,6 +541,7 @@ pub fn run(a: &RankArgs) -> Result<()> {
                     it,
                     scaled(a.warmup, size, 64 << 20, 2),
                     a.one_buffer,
+                    a.thp,
                 )?
             }
             Test::Bw | Test::Bibw | Test::Mr => {
@@ -611,17 +633,19 @@ fn counters(c: &Comm<DynProvider>) -> Result<()> {
 
 #[cfg(test)]
 mod page_buf {
-    use super::{PageBuf, PAGE};
+    use super::{PageBuf, HUGE, PAGE};
 
     #[test]
     fn buffers_start_on_a_page_and_hold_their_bytes() {
-        for len in [0usize, 1, 8, 4095, 4096, 65536 + 3] {
-            let bytes: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
-            let mut b = PageBuf::new(&bytes);
-            assert_eq!(b.get().as_ptr() as usize % PAGE, 0, "{len}");
-            assert_eq!(b.get(), &bytes[..]);
-            assert_eq!(b.get_mut().len(), len);
-            assert!(PageBuf::zeroed(len).get().iter().all(|&x| x == 0));
+        for (thp, align) in [(false, PAGE), (true, HUGE)] {
+            for len in [0usize, 1, 8, 4095, 4096, 65536 + 3, HUGE + 5] {
+                let bytes: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+                let mut b = PageBuf::new(&bytes, thp);
+                assert_eq!(b.get().as_ptr() as usize % align, 0, "{len}");
+                assert_eq!(b.get(), &bytes[..]);
+                assert_eq!(b.get_mut().len(), len);
+                assert!(PageBuf::zeroed(len, thp).get().iter().all(|&x| x == 0));
+            }
         }
     }
 }

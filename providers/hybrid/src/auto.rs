@@ -8,7 +8,7 @@
 //! milliseconds. A host with one rank times messages to itself instead ([`measure`]: verbs-ud
 //! and verbs-rc of its own, a job of one rank) — a poorer guide, since one process then does
 //! both sides' work: on the soft HCA it ranks RC-SR ahead of UD-SR for small messages, which
-//! ping-pongs between processes do not (docs/benchmarks.md).
+//! ping-pongs between processes do not (docs/history/benchmarks-notebook.md).
 //!
 //! **The chain** ([`chain_from`]): the sizes cut the range up to 8192 bytes into buckets; in each,
 //! the channels in order of measured cost, so that a message takes the cheapest channel open to

@@ -18,7 +18,7 @@
 //!   which the process remembers when picking the next peer to ask. Each swap moves a
 //!   connection from a process to one with fewer, so the sum of the squares of the counts
 //!   falls and the swaps end; a greedy agreement can instead leave a process that asked late
-//!   with most of its peers on UD while theirs are all taken (docs/benchmarks.md).
+//!   with most of its peers on UD while theirs are all taken (docs/history/benchmarks-notebook.md).
 //! - With `rebalance`, a process at its limit that sees a busier peer closes its least-recently
 //!   used connection, if that one has been idle for `threshold` messages: `Close`, each side
 //!   stops sending on RC to the other and waits until what it sent there has completed
@@ -1023,7 +1023,7 @@ mod tests {
 
     /// Ranks of a 32-rank job that each want 18 peers (a ring with 9 neighbours on each side)
     /// and may hold 16, two of them late to talk (as the two of `mixed` at 32 ranks that asked
-    /// last, docs/benchmarks.md): first come, first served leaves those with a few while their
+    /// last, docs/history/benchmarks-notebook.md): first come, first served leaves those with a few while their
     /// peers are full; the fair agreement leaves every rank with 15 or 16.
     #[test]
     fn the_fair_agreement_leaves_no_rank_starved() {

@@ -169,7 +169,7 @@ struct Config {
 ///   connect; RC-FP for up to [`MID_FP_PEERS`], with rings of half depth. MVAPICH2 2.3.7 does
 ///   not turn its hybrid on below 512 processes (RC to every peer it talks to, RC-FP within
 ///   its polling set of 64); half rings keep the memory a ring sweeps small where many ranks
-///   share a core (docs/benchmarks.md, "Thirty-two ranks without the paper's limits").
+///   share a core (docs/history/benchmarks-notebook.md, "Thirty-two ranks without the paper's limits").
 /// - `Paper`: paper 001's 16 connections and 8 rings (shared out by `WEFT_HYBRID_FP_SPREAD`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tier {
@@ -183,7 +183,7 @@ enum Tier {
 const MID_FP_PEERS: usize = 64;
 
 /// Fewest slots a shared-out RC-FP ring keeps (4: streaming 2 KiB messages through 8 slots
-/// kept within 3 % of 16 on the soft HCA, through 4 it lost 5 %; docs/benchmarks.md).
+/// kept within 3 % of 16 on the soft HCA, through 4 it lost 5 %; docs/history/benchmarks-notebook.md).
 const FP_RING_MIN: usize = 4;
 
 /// The RC-FP slots of `l.max_fp` rings of `ring` slots shared among up to `l.max_rc` of a

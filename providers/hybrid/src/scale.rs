@@ -15,7 +15,7 @@
 //! What a phantom cannot show: the state a completed RC connection adds (verbs-rc's RC-FP
 //! rings, at most `WEFT_VERBS_RC_FP_PEERS` of them; the hybrid's RC connections, at most
 //! `WEFT_HYBRID_MAX_RC`). Both are bounded and measured with real ranks (`weft bench mem`);
-//! docs/benchmarks.md adds them to the synthetic figures (example `scale` prints these).
+//! docs/history/benchmarks-notebook.md adds them to the synthetic figures (example `scale` prints these).
 
 use crate::Hybrid;
 use std::collections::HashMap;

@@ -14,7 +14,7 @@
 //! the receiver pulls at its next progress call. Every large copy then runs on the receiver's
 //! core, into the buffer it will read, and destination cache lines stop bouncing between
 //! cores — 64 KiB one-way latency falls from 9.5 to 6.0 µs on the 2-core test machine
-//! (docs/benchmarks.md). `WEFT_LIMIC_PULL=0` restores the literal push.
+//! (docs/history/benchmarks-notebook.md). `WEFT_LIMIC_PULL=0` restores the literal push.
 //!
 //! RMA on windows over user memory is one-sided for real: put is `process_vm_writev` and get
 //! `process_vm_readv` into the target's registered region, which the origin checks against
@@ -44,11 +44,11 @@ use weft_provider::provider::{
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
 weft_provider::param!(INLINE: Size[0, 1 << 20] = "limic", "INLINE", "6K",
-    "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (at most 1M; see docs/benchmarks.md)");
+    "messages up to this size travel inside the descriptor (two copies) instead of one cross-memory copy (at most 1M; see docs/history/benchmarks-notebook.md)");
 weft_provider::param!(SLOTS: Uint[16, 65_000] = "limic", "SLOTS", "1024",
     "descriptor slots per rank: outstanding sends and posted receives (more wait in a local queue; 16 to 65000)");
 weft_provider::param!(PULL: Bool = "limic", "PULL", "1",
-    "a sender that finds the receive posted leaves a large message for the receiver to pull (1), or pushes it itself (0); see docs/benchmarks.md");
+    "a sender that finds the receive posted leaves a large message for the receiver to pull (1), or pushes it itself (0); see docs/history/benchmarks-notebook.md");
 weft_provider::param!(PTRACER: Bool = "limic", "PTRACER", "1",
     "allow the other processes of this user to attach (PR_SET_PTRACER_ANY), which Yama ptrace_scope=1 requires for cross-memory attach");
 

@@ -36,7 +36,7 @@ use weft_provider::provider::{
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
 weft_provider::param!(CHUNK: Size[1 << 10, 4 << 20] = "shm", "CHUNK", "32K",
-    "largest active-message payload: the eager limit and the rendezvous chunk (1K to 4M; see docs/benchmarks.md)");
+    "largest active-message payload: the eager limit and the rendezvous chunk (1K to 4M; see docs/history/benchmarks-notebook.md)");
 weft_provider::param!(RING: Size = "shm", "RING", "512K",
     "bytes of large-message ring (data area) per ordered pair of local ranks");
 weft_provider::param!(CELLS: Uint[2, 1 << 20] = "shm", "CELLS", "64",

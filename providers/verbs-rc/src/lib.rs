@@ -897,7 +897,7 @@ impl VerbsRc {
     /// Make the shared receive and send pools if they were left for later: before the first
     /// RC queue pair, so nothing can have used the placeholders (no receive was posted from
     /// them, and sends need a queue pair). The receive pool whole (the depth of the shared
-    /// receive queue sets streaming bandwidth, docs/benchmarks.md), the send pool one chunk of
+    /// receive queue sets streaming bandwidth, docs/history/benchmarks-notebook.md), the send pool one chunk of
     /// [`SEND_CHUNK`] buffers that grows as sends find none free ([`VerbsRc::grow_send`]).
     fn make_pools(&mut self) -> Result<()> {
         let Some((nr, ns)) = self.pools_due else {

@@ -2,7 +2,7 @@
 //! runs N 8-byte self-sends (irecv + isend + wait both) on the `rdgram` example provider,
 //! linked statically (`static`), behind `Box<dyn Provider>` (`dynamic`), or loaded from
 //! `DIR/libweft-rdgram.so` through the C ABI (`loaded`). The per-message cost is the difference
-//! of two runs with different N, divided by the difference of N (docs/benchmarks.md).
+//! of two runs with different N, divided by the difference of N (docs/history/benchmarks-notebook.md).
 //!
 //! `dispatch_so interleaved N DIR [REPS]` opens all three in one process and times them in
 //! interleaved repetitions (static, dynamic, loaded, static, ...), printing the median wall time

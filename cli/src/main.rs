@@ -228,7 +228,7 @@ struct BenchArgs {
     #[arg(long = "variant", value_name = "NAME:K=V,...")]
     variants: Vec<String>,
     /// Third-party baselines, comma separated: ucx:posix, ucx:sysv, ucx:cma, ucx:tcp, ucx:put,
-    /// ofi:tcp, ofi:udp, ofi:shm, ompi, ompi:2copy, mpich, nptcp; over the soft HCA (weft
+    /// ofi:tcp, ofi:udp, ofi:shm, ompi, ompi:2copy, ompi:tcp, mpich, nptcp; over the soft HCA (weft
     /// soft-hca exec, root): ucx:rc_verbs, ucx:ud_verbs, ucx:rc_ud, ompi:ucx, mpich:ucx.
     #[arg(long)]
     baseline: Option<String>,

@@ -9,6 +9,7 @@
 //! | `ofi:tcp`, `ofi:udp`, `ofi:shm` | `fi_pingpong` (libfabric-bin): `tcp` and `shm` on reliable datagram endpoints (tcp's through `ofi_rxm`, as weft's `ofi` uses them), `udp` on datagrams | ping-pong | size / one-way time |
 //! | `ompi` | NetPIPE `NPopenmpi` (netpipe-openmpi), vader with its CMA single copy | ping-pong | size / one-way time |
 //! | `ompi:2copy` | the same with `btl_vader_single_copy_mechanism none` (two copies) | ping-pong | size / one-way time |
+//! | `ompi:tcp` | NetPIPE `NPopenmpi` over ob1's TCP BTL on loopback | ping-pong | size / one-way time |
 //! | `mpich` | NetPIPE `NPmpich2` (netpipe-mpich2) | ping-pong | size / one-way time |
 //! | `ompi:ucx`, `mpich:ucx` | NetPIPE over Open MPI's pml ucx / MPICH's ch4:ucx (`MPIR_CVAR_NOLOCAL=1`), UCX over rc_verbs on weft's soft HCA | ping-pong | size / one-way time |
 //! | `nptcp` | NetPIPE `NPtcp` (netpipe-tcp) | ping-pong | size / one-way time |
@@ -31,9 +32,11 @@ pub enum Tool {
         prov: &'static str,
         ep: &'static str,
     },
-    /// Open MPI's vader; `two_copy` disables its single-copy mechanism.
+    /// Open MPI's ob1 over `btl` (vader, or tcp over loopback); `two_copy` disables vader's
+    /// single-copy mechanism.
     Ompi {
         two_copy: bool,
+        btl: &'static str,
     },
     Mpich,
     NpTcp,
@@ -63,6 +66,7 @@ pub const NAMES: &[&str] = &[
     "ofi:shm",
     "ompi",
     "ompi:2copy",
+    "ompi:tcp",
     "ompi:ucx",
     "mpich",
     "mpich:ucx",
@@ -119,10 +123,24 @@ impl Baseline {
                 prov: "shm",
                 ep: "rdm",
             },
-            "ompi" => Tool::Ompi { two_copy: false },
-            "ompi:2copy" => Tool::Ompi { two_copy: true },
+            "ompi" => Tool::Ompi {
+                two_copy: false,
+                btl: "self,vader",
+            },
+            "ompi:2copy" => Tool::Ompi {
+                two_copy: true,
+                btl: "self,vader",
+            },
+            // ob1's TCP BTL over loopback: tcp-sim's peer.
+            "ompi:tcp" => Tool::Ompi {
+                two_copy: false,
+                btl: "self,tcp",
+            },
             // pml ucx over rc_verbs on the soft HCA.
-            "ompi:ucx" => Tool::Ompi { two_copy: false },
+            "ompi:ucx" => Tool::Ompi {
+                two_copy: false,
+                btl: "self",
+            },
             "mpich" => Tool::Mpich,
             // ch4:ucx over rc_verbs on the soft HCA, MPICH's own shared memory off.
             "mpich:ucx" => Tool::Mpich,
@@ -512,7 +530,7 @@ fn run_netpipe(kind: &Tool, soft_hca: bool, t: Test, s: usize, work: &Path) -> R
     let out = work.join(format!("np-{}-{s}.out", std::process::id()));
     let np = ["-l", &s.to_string(), "-u", &s.to_string(), "-p", "0", "-o"];
     let r = match kind {
-        Tool::Ompi { two_copy } => {
+        Tool::Ompi { two_copy, btl } => {
             let mut c = tool("mpirun.openmpi", soft_hca, "rc_v");
             c.args([
                 "--allow-run-as-root",
@@ -532,7 +550,8 @@ fn run_netpipe(kind: &Tool, soft_hca: bool, t: Test, s: usize, work: &Path) -> R
                     c.args(["-x", v]);
                 }
             } else {
-                c.args(["--mca", "pml", "ob1", "--mca", "btl", "self,vader"]);
+                c.args(["--mca", "pml", "ob1", "--mca", "btl", btl]);
+                c.args(["--mca", "btl_tcp_if_include", "lo"]);
             }
             if *two_copy {
                 c.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);

@@ -30,7 +30,9 @@
 //! * **No RDMA on UD**: windows (RMA and atomics) go through the core's active-message path
 //!   (`RmaCaps::rndv_only`).
 
-mod zcopy;
+/// UD zero-copy's sans-IO engine and its control messages (public for the fuzz target of
+/// `Ctl::decode`, which reads what a peer sends).
+pub mod zcopy;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;

@@ -553,6 +553,17 @@ mod tests {
     }
 
     proptest! {
+        /// A peer's control message: any bytes decode to a message or `None`, never a panic,
+        /// and what decodes encodes back to the same message.
+        #[test]
+        fn ctl_decode_never_panics_and_round_trips(
+            b in proptest::collection::vec(any::<u8>(), 0..300),
+        ) {
+            if let Some(c) = Ctl::decode(&b) {
+                prop_assert_eq!(Ctl::decode(&c.encode()), Some(c));
+            }
+        }
+
         #[test]
         fn every_piece_arrives_whatever_is_lost(
             len in 1usize..200_000,

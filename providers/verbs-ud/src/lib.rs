@@ -30,9 +30,12 @@
 //! * **No RDMA on UD**: windows (RMA and atomics) go through the core's active-message path
 //!   (`RmaCaps::rndv_only`).
 
+pub mod wire;
 /// UD zero-copy's sans-IO engine and its control messages (public for the fuzz target of
 /// `Ctl::decode`, which reads what a peer sends).
 pub mod zcopy;
+
+use wire::{F_CTRL, F_FIRST, F_LAST, F_PING, KIND_DATA, PKT};
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
@@ -74,16 +77,6 @@ weft_provider::param!(KEEPALIVE_PEERS: Uint[1, 1 << 20] = "verbs", "UD_KEEPALIVE
 const MAX_HDR: usize = 128;
 /// The GRH in front of every UD receive.
 const GRH: usize = 40;
-/// Our packet header.
-const PKT: usize = 20;
-const KIND_DATA: u8 = 1;
-const KIND_ACK: u8 = 2;
-const F_FIRST: u8 = 1;
-const F_LAST: u8 = 2;
-/// A keepalive probe: acknowledged like data, delivered to no one.
-const F_PING: u8 = 4;
-/// A zero-copy control message ([`zcopy::Ctl`]).
-const F_CTRL: u8 = 8;
 /// Receives a zero-copy QP holds at once (2 MiB at the default MTU: one round for 1 MiB).
 const ZDEPTH: u32 = 1024;
 /// Send-queue entries zero-copy pieces leave to the link's packets.
@@ -343,12 +336,6 @@ pub struct VerbsUd {
     repost: Vec<u32>,
 }
 
-fn put_u16(b: &mut [u8], v: u16) {
-    b.copy_from_slice(&v.to_le_bytes());
-}
-fn put_u32(b: &mut [u8], v: u32) {
-    b.copy_from_slice(&v.to_le_bytes());
-}
 fn get_u16(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])
 }
@@ -663,8 +650,7 @@ impl VerbsUd {
                     if self.send_refs[slot as usize] == 0 {
                         // SAFETY: no send of the slot is in the HCA's hands (no reference).
                         let b = unsafe { self.send.buf(slot) };
-                        put_u32(&mut b[8..12], h.psn.unwrap_or(0));
-                        put_u32(&mut b[12..16], h.ack);
+                        wire::put_seq(b, h.psn.unwrap_or(0), h.ack);
                     }
                     self.send_refs[slot as usize] += 1;
                     let len = self.send_len[slot as usize] as usize;
@@ -678,10 +664,7 @@ impl VerbsUd {
                     };
                     // SAFETY: a free control slot: no send of it is outstanding.
                     let b = unsafe { self.ctl.buf(c) };
-                    b.fill(0);
-                    b[0] = KIND_ACK;
-                    put_u32(&mut b[4..8], self.rank);
-                    put_u32(&mut b[12..16], h.ack);
+                    wire::put_ack(b, self.rank, h.ack);
                     SendWr::send(K_CTL | c as u64, &[self.ctl.sge(c, PKT)])
                 }
             };
@@ -720,10 +703,7 @@ impl VerbsUd {
             self.ka_next = k + 1;
             // SAFETY: a free send slot: no send of it is outstanding.
             let b = unsafe { self.send.buf(slot) };
-            b[..PKT].fill(0);
-            b[0] = KIND_DATA;
-            b[1] = F_FIRST | F_LAST | F_PING;
-            put_u32(&mut b[4..8], self.rank);
+            wire::put_data(b, F_FIRST | F_LAST | F_PING, 0, self.rank, 0);
             self.send_len[slot as usize] = PKT as u32;
             let link = self.peers[r as usize].link.as_mut().expect("checked above");
             if link.send(slot).is_err() {
@@ -759,25 +739,19 @@ impl VerbsUd {
         // SAFETY (here and below): the receive of slot `i` completed; the slot is reposted
         // only after `on_recv` returns.
         let b = &unsafe { self.recv.buf(i) }[GRH..GRH + n.min(mtu)];
-        if b.len() < PKT {
+        let Some(wire::Pkt {
+            kind,
+            flags,
+            hlen,
+            src,
+            psn,
+            ack,
+            total,
+        }) = wire::decode(b, self.size, MAX_HDR, MAX_PAYLOAD)
+        else {
             self.stats.malformed += 1;
             return 0;
-        }
-        let (kind, flags, hlen) = (b[0], b[1], get_u16(&b[2..4]) as usize);
-        let (src, psn, ack, total) = (
-            get_u32(&b[4..8]),
-            get_u32(&b[8..12]),
-            get_u32(&b[12..16]),
-            get_u32(&b[16..20]),
-        );
-        if src >= self.size
-            || !(kind == KIND_DATA || kind == KIND_ACK)
-            || hlen > MAX_HDR
-            || total as usize > MAX_PAYLOAD
-        {
-            self.stats.malformed += 1;
-            return 0;
-        }
+        };
         // SAFETY: as above (the GRH in front of the packet; copied: `sent_by` needs `self`).
         let grh: Option<[u8; GRH]> = with_grh
             .then(|| unsafe { self.recv.bytes(i, GRH) }.try_into().ok())
@@ -1100,11 +1074,7 @@ impl VerbsUd {
             let rank = self.rank;
             // SAFETY: a free send slot: no send of it is outstanding.
             let b = unsafe { self.send.buf(slot) };
-            b[0] = KIND_DATA;
-            b[1] = F_FIRST | F_LAST | F_CTRL;
-            put_u16(&mut b[2..4], 0);
-            put_u32(&mut b[4..8], rank);
-            put_u32(&mut b[16..20], body.len() as u32);
+            wire::put_data(b, F_FIRST | F_LAST | F_CTRL, 0, rank, body.len() as u32);
             b[PKT..PKT + body.len()].copy_from_slice(&body);
             self.send_len[slot as usize] = (PKT + body.len()) as u32;
             if self.link(r).send(slot).is_err() {
@@ -1350,11 +1320,9 @@ impl Provider for VerbsUd {
             let n = room.min(bytes - k * room);
             // SAFETY: a free send slot: no send of it is outstanding.
             let b = unsafe { self.send.buf(slot) };
-            b[0] = KIND_DATA;
-            b[1] = if k == 0 { F_FIRST } else { 0 } | if k + 1 == packets { F_LAST } else { 0 };
-            put_u16(&mut b[2..4], header.len() as u16);
-            put_u32(&mut b[4..8], self.rank);
-            put_u32(&mut b[16..20], total as u32);
+            let flags =
+                if k == 0 { F_FIRST } else { 0 } | if k + 1 == packets { F_LAST } else { 0 };
+            wire::put_data(b, flags, header.len() as u16, self.rank, total as u32);
             let mut filled = 0;
             while filled < n {
                 let src = &parts[part][at..];

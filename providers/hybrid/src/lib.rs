@@ -24,5 +24,6 @@ pub mod order;
 mod provider;
 pub mod rules;
 pub mod scale;
+pub mod wire;
 
 pub use provider::{chain_in_force, limits_in_force, Hybrid};

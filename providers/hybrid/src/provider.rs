@@ -27,6 +27,7 @@
 use crate::budget::{Action, Budget, Ctrl, Limits, Link, RcState, Record};
 use crate::order::{Arrival, Holding, Reorder, Sequencer};
 use crate::rules::{Chain, Channel, JobChain, Open};
+use crate::wire::{self, PREFIX};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -75,12 +76,6 @@ weft_provider::param!(FAIR: Bool = "hybrid", "FAIR", "1",
 weft_provider::param!(STATS: Bool = "hybrid", "STATS", "0",
     "hybrid: print messages and bytes per peer and channel, RC connections and RC-FP slots opened and closed, and the limits in force, at finalize (standard error)");
 
-/// Kind byte of a data message (then a 4-byte sequence number, then the core's header).
-const K_DATA: u8 = 0;
-/// Kind byte of a budget control message (then its code).
-const K_CTRL: u8 = 1;
-/// Bytes the hybrid provider puts before the core's header.
-const PREFIX: usize = 5;
 /// Room for the prefix and the core's header when sending: no channel takes a longer header
 /// (verbs-rc 128 bytes, verbs-ud fewer), and `max_am_header` is theirs less the prefix.
 const HDR_ROOM: usize = 160;
@@ -719,21 +714,11 @@ impl Hybrid {
                 self.ctrl_out.pop_front();
                 continue;
             }
-            let mut m = [0u8; 6];
-            m[0] = K_CTRL;
-            m[1] = c.code();
-            let len = if c == Ctrl::Closed {
-                // Our next sequence number: every message to the peer before it (over RC
-                // too: drained, so completed) is numbered below it.
-                let next = self.budget.peer(p).map_or(0, |s| s.seq.peek());
-                m[2..6].copy_from_slice(&next.to_le_bytes());
-                6
-            } else if let Some(n) = c.count() {
-                m[2..4].copy_from_slice(&n.to_le_bytes());
-                4
-            } else {
-                2
-            };
+            let mut m = [0u8; wire::CTRL_MAX];
+            // `Closed` carries our next sequence number: every message to the peer before it
+            // (over RC too: drained, so completed) is numbered below it.
+            let next = self.budget.peer(p).map_or(0, |s| s.seq.peek());
+            let len = wire::put_ctrl(&mut m, c, next);
             self.ud_quiet = 0;
             match self.ud.am_send(p, &m[..len], &[]) {
                 Ok(SendOutcome::Sent) => {
@@ -825,7 +810,16 @@ impl Recv<'_> {
 
 impl Sink for Recv<'_> {
     fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        if let [K_DATA, a, b, c, d, h @ ..] = header {
+        let msg = match wire::decode(header) {
+            Ok(m) => m,
+            Err(why) => {
+                if self.budget.peer(src).is_some_and(|p| !p.failed) {
+                    self.malformed(src, &why);
+                }
+                return;
+            }
+        };
+        if let wire::Msg::Data { seq, header: h } = msg {
             // Data, on every message: one look at the peer's record.
             let Some(p) = self.budget.peer_mut(src) else {
                 return;
@@ -833,7 +827,6 @@ impl Sink for Recv<'_> {
             if p.failed {
                 return;
             }
-            let seq = u32::from_le_bytes([*a, *b, *c, *d]);
             let len = h.len() + payload.len();
             match p.reorder.arrive(self.holding, src, seq, len, || Held {
                 header: h.to_vec(),
@@ -860,31 +853,10 @@ impl Sink for Recv<'_> {
         if self.budget.peer(src).is_none_or(|p| p.failed) {
             return;
         }
-        match header {
-            // `Closed` carries the sender's next sequence number: everything it sent before
-            // (over RC too) must be delivered here before the connection goes.
-            // The budget's counts take two bytes after the code.
-            [K_CTRL, code, rest @ ..] => {
-                let closed = *code == Ctrl::Closed.code();
-                let got = match (Ctrl::takes_count(*code), rest) {
-                    (Some(true), &[a, b]) => {
-                        Ctrl::from_parts(*code, Some(u16::from_le_bytes([a, b]))).map(|c| (c, 0))
-                    }
-                    (Some(false), &[a, b, c, d]) if closed => {
-                        Some((Ctrl::Closed, u32::from_le_bytes([a, b, c, d])))
-                    }
-                    (Some(false), []) if !closed => Ctrl::from_parts(*code, None).map(|c| (c, 0)),
-                    _ => None,
-                };
-                match got {
-                    Some((c, seq)) => self.ctrl_in.push((src, c, seq)),
-                    None => self.malformed(
-                        src,
-                        &format!("control code {code} with {} bytes after it", rest.len()),
-                    ),
-                }
-            }
-            _ => self.malformed(src, &format!("a header of {} bytes", header.len())),
+        // `Closed` carries the sender's next sequence number: everything it sent before (over
+        // RC too) must be delivered here before the connection goes.
+        if let wire::Msg::Ctrl { ctrl, seq } = msg {
+            self.ctrl_in.push((src, ctrl, seq));
         }
     }
 
@@ -961,8 +933,7 @@ impl Provider for Hybrid {
         let hdr = buf
             .get_mut(..PREFIX + header.len())
             .ok_or_else(|| Error::invalid("hybrid: header longer than the channels take"))?;
-        hdr[0] = K_DATA;
-        hdr[1..PREFIX].copy_from_slice(&st.seq.peek().to_le_bytes());
+        wire::put_data(hdr, st.seq.peek());
         hdr[PREFIX..].copy_from_slice(header);
         let hdr = &*hdr;
         let mut used = want;
@@ -1432,6 +1403,7 @@ pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::{K_CTRL, K_DATA};
 
     /// The order state of one peer: a job of 16K ranks holds one per peer talked to.
     #[test]

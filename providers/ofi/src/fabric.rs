@@ -26,17 +26,7 @@ use weft_provider::provider::{
 use weft_provider::types::{AtomicTable, BasicType, Op as WOp};
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
-/// Largest active-message header.
-const MAX_HDR: usize = 128;
-/// Bytes before the header: kind, 0, header length (u16), source rank (u32), sequence (u32).
-const PREFIX: usize = 12;
-/// Active message from the core.
-const K_AM: u8 = 0;
-/// Acknowledgement of a synchronous send's match (header: the sender's operation index).
-const K_SYNC_ACK: u8 = 1;
-/// A large message's receiver asks for its data (header: the sender's operation index (u64),
-/// the data id (u32), the bytes it takes (u64)).
-const K_CTS: u8 = 2;
+use crate::wire::{self, K_AM, K_CTS, K_SYNC_ACK, MAX_HDR, PREFIX};
 /// No bounce buffer.
 const NO_BOUNCE: u32 = u32::MAX;
 /// Bounce buffers allocated (and registered) at a time.
@@ -1119,11 +1109,7 @@ impl Ofi {
         let plen: usize = payload.iter().map(|p| p.len()).sum();
         let total = PREFIX + header.len() + plen;
         let fill = |buf: &mut [u8], rank: Rank, seq: u32| {
-            buf[0] = kind;
-            buf[1] = 0;
-            buf[2..4].copy_from_slice(&(header.len() as u16).to_le_bytes());
-            buf[4..8].copy_from_slice(&rank.to_le_bytes());
-            buf[8..12].copy_from_slice(&seq.to_le_bytes());
+            wire::put_prefix(buf, kind, header.len() as u16, rank, seq);
             buf[PREFIX..PREFIX + header.len()].copy_from_slice(header);
             let mut o = PREFIX + header.len();
             for p in payload {
@@ -1196,27 +1182,21 @@ impl Ofi {
     /// An arrived active message in `m` (prefix included): deliver it in per-pair order.
     /// `Some(bytes)` is returned when it must wait for an earlier one.
     fn on_am(&mut self, m: &[u8], sink: &mut dyn Sink) -> Option<(Rank, u32)> {
-        if m.len() < PREFIX {
-            tracing::warn!(
-                "ofi: a {}-byte active message is shorter than its prefix; dropped",
-                m.len()
-            );
-            return None;
-        }
-        let kind = m[0];
-        let hlen = u16::from_le_bytes([m[2], m[3]]) as usize;
-        let src = u32::from_le_bytes([m[4], m[5], m[6], m[7]]);
-        let seq = u32::from_le_bytes([m[8], m[9], m[10], m[11]]);
-        if src >= self.size || PREFIX + hlen > m.len() || hlen > MAX_HDR {
-            tracing::warn!(
-                "ofi: malformed active message (source {src}, header {hlen} of {} bytes); dropped",
-                m.len()
-            );
-            if src < self.size {
-                sink.peer_failed(src, "malformed active message");
+        let wire::Prefix {
+            kind,
+            hlen,
+            src,
+            seq,
+        } = match wire::decode(m, self.size) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!("ofi: {}; dropped", e.why);
+                if let Some(src) = e.src {
+                    sink.peer_failed(src, "malformed active message");
+                }
+                return None;
             }
-            return None;
-        }
+        };
         if self.refused.contains(&src) {
             return None;
         }
@@ -1234,8 +1214,8 @@ impl Ofi {
         let (h, p) = m[PREFIX..].split_at(hlen);
         match kind {
             K_AM => sink.am(src, h, p),
-            K_SYNC_ACK if h.len() == 8 => {
-                let i = u64::from_le_bytes(h.try_into().unwrap_or_default()) as usize;
+            K_SYNC_ACK if wire::sync_ack(h).is_some() => {
+                let i = wire::sync_ack(h).unwrap_or_default() as usize;
                 match self.ops.get(i).copied() {
                     Some(Op::Send {
                         token,
@@ -1258,11 +1238,9 @@ impl Ofi {
                     _ => sink.peer_failed(src, "acknowledged a synchronous send it was not sent"),
                 }
             }
-            K_CTS if h.len() == 20 => {
-                let op = u64::from_le_bytes(h[..8].try_into().unwrap_or_default()) as usize;
-                let id = u32::from_le_bytes(h[8..12].try_into().unwrap_or_default());
-                let take = u64::from_le_bytes(h[12..20].try_into().unwrap_or_default()) as usize;
-                if let Err(e) = self.send_data(src, op, id, take) {
+            K_CTS if wire::cts(h).is_some() => {
+                let (op, id, take) = wire::cts(h).unwrap_or_default();
+                if let Err(e) = self.send_data(src, op as usize, id, take as usize) {
                     sink.peer_failed(src, &format!("large message: {e}"));
                 }
             }
@@ -1456,14 +1434,7 @@ impl Ofi {
                             sink.peer_failed(src, &e.0);
                         }
                     }
-                    let src = (len >= PREFIX).then(|| {
-                        u32::from_le_bytes([
-                            mem[base + 4],
-                            mem[base + 5],
-                            mem[base + 6],
-                            mem[base + 7],
-                        ])
-                    });
+                    let src = wire::src_of(&mem[base..base + len]);
                     self.rx_mem = mem;
                     if let Some(s) = src.filter(|s| *s < self.size && late.is_none()) {
                         self.drain_stash(s, sink);
@@ -2054,10 +2025,7 @@ impl Provider for Ofi {
             }
         }
         while let Some(&(r, op, id, take)) = self.cts.front() {
-            let mut h = [0u8; 20];
-            h[..8].copy_from_slice(&op.to_le_bytes());
-            h[8..12].copy_from_slice(&id.to_le_bytes());
-            h[12..].copy_from_slice(&take.to_le_bytes());
+            let h = wire::put_cts(op, id, take);
             match self.am_post(r, K_CTS, &h, &[])? {
                 SendOutcome::Sent => {
                     self.cts.pop_front();

@@ -40,6 +40,7 @@
 
 pub mod stash;
 pub mod tag;
+pub mod wire;
 
 mod fabric;
 pub use fabric::Ofi;

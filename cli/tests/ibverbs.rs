@@ -12,14 +12,7 @@ use std::process::Command;
 
 /// Build the drop-in with the tests' profile and install it with `weft soft-hca env`.
 fn install(test: &str) -> PathBuf {
-    let dir = profile_dir();
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "-p", "weft-ibverbs"]);
-    if dir.file_name().is_some_and(|f| f == "release") {
-        cmd.arg("--release");
-    }
-    let o = run_bounded(&mut cmd, 900);
-    assert!(o.status.success(), "building weft-ibverbs: {}", stderr(&o));
+    build_package("weft-ibverbs");
     let out = std::env::temp_dir().join(format!("weft-ibv-{test}-{}", std::process::id()));
     let o = run_bounded(
         Command::new(weft())

@@ -238,16 +238,22 @@ pub fn slurm_hold(stdin: Stdio) -> Result<(std::process::Child, PathBuf), String
     }
 }
 
-/// Build weft-fi with the tests' profile and install it as libfabric names providers.
-pub fn fi_provider_dir(test: &str) -> PathBuf {
-    let dir = profile_dir();
+/// Build workspace package `pkg` with the tests' profile (its library lands in
+/// [`profile_dir`]).
+pub fn build_package(pkg: &str) {
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "-p", "weft-fi"]);
-    if dir.file_name().is_some_and(|f| f == "release") {
+    cmd.args(["build", "--quiet", "-p", pkg]);
+    if profile_dir().file_name().is_some_and(|f| f == "release") {
         cmd.arg("--release");
     }
     let o = run_bounded(&mut cmd, 900);
-    assert!(o.status.success(), "building weft-fi: {}", stderr(&o));
+    assert!(o.status.success(), "building {pkg}: {}", stderr(&o));
+}
+
+/// Build weft-fi with the tests' profile and install it as libfabric names providers.
+pub fn fi_provider_dir(test: &str) -> PathBuf {
+    let dir = profile_dir();
+    build_package("weft-fi");
     let out = std::env::temp_dir().join(format!("weft-fi-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     std::fs::copy(dir.join("libweft_fi.so"), out.join("libweft-fi.so")).expect("install");

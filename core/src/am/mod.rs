@@ -16,11 +16,14 @@
 pub(crate) mod codec;
 pub(crate) mod mr_cache;
 pub(crate) mod outbox;
-pub(crate) mod slab;
 
 pub(crate) use codec::{Hdr, Rd, MIN_AM_HEADER};
 pub(crate) use outbox::Out;
-pub(crate) use slab::{ReqId, Slab};
+/// Request id: generation in bits 32..62, slot in the low 32 ([`weft_proto::slab`], 31
+/// generation bits). Bit 63 is never set (that half of the token space belongs to RMA, see
+/// [`TOKEN_RMA`]) and no id is 0 (which the C ABI reads as "no token").
+pub(crate) type ReqId = weft_proto::slab::Id;
+pub(crate) use weft_proto::slab::Slab;
 
 use crate::provider::{Caps, ConnEvent, PeerCaps, Provider};
 use crate::types::Rank;

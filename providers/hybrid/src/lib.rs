@@ -20,7 +20,6 @@
 
 pub mod auto;
 pub mod budget;
-pub mod order;
 mod provider;
 pub mod rules;
 pub mod scale;

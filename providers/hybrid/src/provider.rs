@@ -25,13 +25,13 @@
 //! been delivered here.
 
 use crate::budget::{Action, Budget, Ctrl, Limits, Link, RcState, Record};
-use crate::order::{Arrival, Holding, Reorder, Sequencer};
 use crate::rules::{Chain, Channel, JobChain, Open};
 use crate::wire::{self, PREFIX};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::Arc;
+use weft_proto::order::{Arrival, Holding, Reorder, Sequencer};
 use weft_provider::bootstrap::Bootstrap;
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{

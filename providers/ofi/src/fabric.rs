@@ -27,6 +27,18 @@ use weft_provider::types::{AtomicTable, BasicType, Op as WOp};
 use weft_provider::{Error, ErrorDetail, Rank, Result};
 
 use crate::wire::{self, K_AM, K_CTS, K_SYNC_ACK, MAX_HDR, PREFIX};
+use weft_proto::order::{Arrival, Bounds, Holding, OrderError, Reorder, Sequencer};
+
+/// What a peer can make this process hold of its active messages that overtook others: a
+/// sender has at most its send buffers' worth in flight (4096 at most, `WEFT_OFI_AM_RX`) and
+/// injected ones besides, so 2^16 ahead, 2^13 messages or 64 MiB of one peer, and 256 MiB in
+/// all are past anything a well-behaved peer sends; a peer past them is failed.
+const HOLD: Bounds = Bounds {
+    window: 1 << 16,
+    per_peer: 1 << 13,
+    per_peer_bytes: 64 << 20,
+    total_bytes: 256 << 20,
+};
 /// No bounce buffer.
 const NO_BOUNCE: u32 = u32::MAX;
 /// Bounce buffers allocated (and registered) at a time.
@@ -516,9 +528,12 @@ pub struct Ofi {
     own_mr: Vec<OwnMr>,
     rx_desc: *mut c_void,
     tx_desc: *mut c_void,
-    seq_out: Vec<u32>,
-    seq_in: Vec<u32>,
-    stash: crate::stash::Stash,
+    /// Per-peer order of active messages: libfabric does not promise that completions of one
+    /// sender come in send order, so each carries a sequence number and one that overtook
+    /// others waits in `holding` (within [`HOLD`]).
+    seq_out: Vec<Sequencer>,
+    seq_in: Vec<Reorder>,
+    holding: Holding<Vec<u8>>,
     /// Peers failed for what they sent (their messages are dropped from then on).
     refused: std::collections::HashSet<Rank>,
     selfq: VecDeque<Vec<u8>>,
@@ -602,12 +617,12 @@ impl Ofi {
             own_mr: Vec::new(),
             rx_desc: null_mut(),
             tx_desc: null_mut(),
-            seq_out: vec![0; boot.size() as usize],
-            seq_in: vec![0; boot.size() as usize],
+            seq_out: vec![Sequencer::default(); boot.size() as usize],
+            seq_in: vec![Reorder::default(); boot.size() as usize],
             watch: weft_provider::shmem::Watch::of_pids(std::iter::empty()),
             dead: vec![false; boot.size() as usize],
             ticks: 0,
-            stash: Default::default(),
+            holding: Holding::new(HOLD),
             refused: Default::default(),
             selfq: VecDeque::new(),
             acks: VecDeque::new(),
@@ -1123,7 +1138,7 @@ impl Ofi {
             self.selfq.push_back(m);
             return Ok(SendOutcome::Sent);
         }
-        let seq = self.seq_out[dest as usize];
+        let seq = self.seq_out[dest as usize].peek();
         let addr = self.addrs[dest as usize];
         if total <= self.caps.inject_size {
             self.scratch.resize(total, 0);
@@ -1132,7 +1147,7 @@ impl Ofi {
                 // SAFETY: `scratch` holds `total` bytes; fi_inject copies them before returning.
                 let rc = unsafe { fi_inject(self.ep, self.scratch.as_ptr().cast(), total, addr) };
                 if rc == 0 {
-                    self.seq_out[dest as usize] = seq.wrapping_add(1);
+                    self.seq_out[dest as usize].take();
                     self.n_inject += 1;
                     return Ok(SendOutcome::Sent);
                 }
@@ -1174,14 +1189,15 @@ impl Ofi {
             }
             return Err(fi_err("fi_send", rc));
         }
-        self.seq_out[dest as usize] = seq.wrapping_add(1);
+        self.seq_out[dest as usize].take();
         self.n_am_copy += 1;
         Ok(SendOutcome::Sent)
     }
 
-    /// An arrived active message in `m` (prefix included): deliver it in per-pair order.
-    /// `Some(bytes)` is returned when it must wait for an earlier one.
-    fn on_am(&mut self, m: &[u8], sink: &mut dyn Sink) -> Option<(Rank, u32)> {
+    /// An arrived active message in `m` (prefix included): deliver it in per-pair order, or
+    /// hold a copy when it overtook others (`in_order`: it was held and its turn came). The
+    /// peer whose message was delivered, so that what waited behind it goes next.
+    fn on_am(&mut self, m: &[u8], in_order: bool, sink: &mut dyn Sink) -> Option<Rank> {
         let wire::Prefix {
             kind,
             hlen,
@@ -1200,16 +1216,23 @@ impl Ofi {
         if self.refused.contains(&src) {
             return None;
         }
-        if src != self.rank {
-            let want = self.seq_in[src as usize];
-            if seq != want {
-                if seq.wrapping_sub(want) < u32::MAX / 2 {
-                    return Some((src, seq));
+        if src != self.rank && !in_order {
+            let r = &mut self.seq_in[src as usize];
+            let behind = seq.wrapping_sub(r.expected()) >= u32::MAX / 2;
+            match r.arrive(&mut self.holding, src, seq, m.len(), || m.to_vec()) {
+                Ok(Arrival::Deliver) => {}
+                Ok(Arrival::Held) => return None,
+                Err(OrderError::Duplicate { .. }) if behind => {
+                    tracing::warn!("ofi: duplicate active message {seq} from rank {src}; dropped");
+                    return None;
                 }
-                tracing::warn!("ofi: duplicate active message {seq} from rank {src}; dropped");
-                return None;
+                Err(e) => {
+                    self.holding.forget(src);
+                    self.refused.insert(src);
+                    sink.peer_failed(src, &format!("active messages out of order: {e}"));
+                    return None;
+                }
             }
-            self.seq_in[src as usize] = want.wrapping_add(1);
         }
         let (h, p) = m[PREFIX..].split_at(hlen);
         match kind {
@@ -1246,7 +1269,7 @@ impl Ofi {
             }
             _ => sink.peer_failed(src, "unknown active-message kind"),
         }
-        None
+        (src != self.rank).then_some(src)
     }
 
     /// A receive matched a large message's announcement: post a receive for the bytes it takes
@@ -1380,15 +1403,10 @@ impl Ofi {
         }
     }
 
-    /// Deliver stashed messages from `src` that are now next in order.
-    fn drain_stash(&mut self, src: Rank, sink: &mut dyn Sink) {
-        if self.stash.is_empty() {
-            return;
-        }
-        while let Some(m) = self.stash.take(src, self.seq_in[src as usize]) {
-            if self.on_am(&m, sink).is_some() {
-                break;
-            }
+    /// Deliver held messages from `src` that are now next in order.
+    fn drain_held(&mut self, src: Rank, sink: &mut dyn Sink) {
+        while let Some(m) = self.seq_in[src as usize].pop(&mut self.holding, src) {
+            self.on_am(&m, true, sink);
         }
     }
 
@@ -1425,19 +1443,10 @@ impl Ofi {
                     let len = ev.len.min(self.slot);
                     // Borrow the buffer out of `self` while the sink runs.
                     let mem = std::mem::take(&mut self.rx_mem);
-                    let late = self.on_am(&mem[base..base + len], sink);
-                    if let Some((src, seq)) = late {
-                        let want = self.seq_in[src as usize];
-                        if let Err(e) = self.stash.hold(src, seq, want, &mem[base..base + len]) {
-                            self.stash.forget(src);
-                            self.refused.insert(src);
-                            sink.peer_failed(src, &e.0);
-                        }
-                    }
-                    let src = wire::src_of(&mem[base..base + len]);
+                    let delivered = self.on_am(&mem[base..base + len], false, sink);
                     self.rx_mem = mem;
-                    if let Some(s) = src.filter(|s| *s < self.size && late.is_none()) {
-                        self.drain_stash(s, sink);
+                    if let Some(s) = delivered {
+                        self.drain_held(s, sink);
                     }
                 } else if ev.err != FI_ECANCELED as i32 {
                     tracing::warn!("ofi: active-message receive failed: {}", reason());
@@ -2035,7 +2044,7 @@ impl Provider for Ofi {
             }
         }
         while let Some(m) = self.selfq.pop_front() {
-            self.on_am(&m, sink);
+            self.on_am(&m, false, sink);
             n += 1;
         }
         while let Some(ev) = self.early.pop_front() {

@@ -38,7 +38,6 @@
 //! it is missing or too old the provider is registered all the same and says why it cannot run,
 //! in one line; installing it makes the provider available with no rebuild.
 
-pub mod stash;
 pub mod tag;
 pub mod wire;
 

@@ -12,7 +12,7 @@ mod lock;
 mod pool;
 mod queue;
 mod segment;
-mod sync;
+use weft_proto::sync;
 
 #[cfg(not(loom))]
 #[doc(hidden)]

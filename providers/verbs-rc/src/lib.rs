@@ -46,15 +46,17 @@ use eager::{Design, Peek, RingMem, Shape};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use std::cmp::Reverse;
-use std::collections::BTreeMap;
 use std::collections::BinaryHeap;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use weft_proto::book::AddressBook;
+use weft_proto::order::{Arrival, Bounds, Holding, Reorder, Sequencer};
+use weft_proto::slab::{Id as OpId, Slab};
 use weft_provider::backoff::Backoff;
-use weft_provider::bootstrap::{Bootstrap, KvSpace};
+use weft_provider::bootstrap::Bootstrap;
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Access, AtomicOp, Caps, CntrId, CntrValue, Completion, CompletionLevel, CompletionTable,
@@ -67,6 +69,17 @@ use weft_verbs::{
     self as verbs, Chunked, Endpoint, Hca, Pool, QpType, SendWr, WcOpcode, WcStatus, WrOpcode,
 };
 use wire::{CmKind, CmMsg, Frame, FrameKind, Offer, CM_LEN, FRAME_HDR};
+
+/// What a peer can make this process hold of its send/receive frames that overtook eager
+/// records: a peer has at most its send queue's depth (16,384 at most, `WEFT_VERBS_RC_SQ`) of
+/// frames in flight, so these are past anything a well-behaved peer sends; a peer past them is
+/// failed (before they were, one that skipped a number made the receiver copy without end).
+const HOLD: Bounds = Bounds {
+    window: 1 << 20,
+    per_peer: 1 << 14,
+    per_peer_bytes: 64 << 20,
+    total_bytes: 512 << 20,
+};
 
 /// Bytes after a ring's memory ([`Shape::mem_len`]) in a peer block: basic's tail word (the
 /// peer acknowledges *our* ring there) and the source word of the tail pointers we write.
@@ -187,17 +200,16 @@ struct Peer {
     /// Work requests posted on the QP and not yet completed.
     inflight: u32,
     /// RMA operations waiting for the connection or for room in the send queue.
-    queued: VecDeque<(SendWr, u32)>,
+    /// With the id of the operation each carries (in `ops`).
+    queued: VecDeque<(SendWr, OpId)>,
     /// Listed in the provider's backlog.
     backlogged: bool,
-    /// The peer's connection-manager address.
-    ud: Option<(verbs::Ah, u32)>,
-    /// Sequence number of our next active message to the peer.
-    seq_out: u32,
-    /// Sequence number of the next active message we deliver from the peer.
-    expect: u32,
-    /// Send/receive frames that overtook eager records (by sequence number): copies.
-    stash: BTreeMap<u32, (usize, Vec<u8>)>,
+    /// Sequence numbers of our active messages to the peer (over the ring and send/receive
+    /// alike).
+    seq_out: Sequencer,
+    /// The next active message we deliver from the peer; send/receive frames that overtook
+    /// eager records wait in the provider's `holding`.
+    expect: Reorder,
     /// Active messages received from the peer (the fast path's set-up threshold).
     got: u64,
     /// The ring we write into, in the peer's memory.
@@ -275,10 +287,8 @@ impl Default for Peer {
             inflight: 0,
             queued: VecDeque::new(),
             backlogged: false,
-            ud: None,
-            seq_out: 0,
-            expect: 0,
-            stash: BTreeMap::new(),
+            seq_out: Sequencer::default(),
+            expect: Reorder::default(),
             got: 0,
             etx: None,
             erx: None,
@@ -320,17 +330,18 @@ pub struct VerbsRc {
     backlog: Vec<Rank>,
     /// Where `poll_cq` puts completions.
     wcs: [verbs::Wc; POLL],
-    ops: Vec<Option<OpRec>>,
-    free_ops: Vec<u32>,
+    /// RMA and atomic operations posted or queued, by the id in their work request (below
+    /// the kind's byte: 24 generation bits, so a completion can never reach a later operation
+    /// that reuses the slot).
+    ops: Slab<OpRec, 24>,
     /// RMA and atomic requests posted and not yet completed (at most `OPS_IN_FLIGHT`).
     ops_posted: usize,
     table: CompletionTable,
     events: Vec<(Rank, ConnEvent)>,
     failures: Vec<(Rank, String)>,
-    kv: Option<Arc<dyn KvSpace>>,
-    /// Connection-manager addresses read so far (all of them at open without a key-value
-    /// space; otherwise those of the peers we connect to).
-    ud_addrs: HashMap<Rank, Endpoint>,
+    /// The peers' connection-manager addresses (read at first contact, or all at open without
+    /// a key-value space) and their address handles.
+    book: AddressBook<Endpoint, verbs::Ah>,
     job: u64,
     connect_timeout: Duration,
     rc: verbs::RcParams,
@@ -366,6 +377,8 @@ pub struct VerbsRc {
     pools_due: Option<(usize, usize)>,
     /// Largest frame a send buffer holds.
     slot: usize,
+    /// Send/receive frames that overtook eager records, of every peer: copies (within `HOLD`).
+    holding: Holding<(usize, Vec<u8>)>,
     stats: Stats,
 }
 
@@ -587,7 +600,7 @@ impl VerbsRc {
             host += p.erx.as_ref().map_or(0, |e| e.block.host_bytes());
         }
         let peers = self.peers.bytes()
-            + self.ud_addrs.capacity() * (std::mem::size_of::<(Rank, Endpoint)>() + 1)
+            + self.book.bytes()
             + self.by_qpn.len() * 8
             + self.cm_due.capacity() * std::mem::size_of::<Reverse<(Instant, Rank)>>();
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
@@ -726,9 +739,9 @@ impl VerbsRc {
         p.psn = 0;
         p.rep = None;
         p.remote_qpn = None;
-        p.seq_out = 0;
-        p.expect = 0;
-        p.stash.clear();
+        p.seq_out = Sequencer::default();
+        p.expect = Reorder::default();
+        self.holding.forget(peer);
         p.got = 0;
         p.offer_pending = false;
         self.polling.retain(|&x| x != peer);
@@ -838,14 +851,12 @@ impl VerbsRc {
             by_qpn: HashMap::new(),
             backlog: Vec::new(),
             wcs: [verbs::Wc::EMPTY; POLL],
-            ops: Vec::new(),
-            free_ops: Vec::new(),
+            ops: Slab::default(),
             ops_posted: 0,
             table: CompletionTable::default(),
             events: Vec::new(),
             failures: Vec::new(),
-            kv: None,
-            ud_addrs: HashMap::new(),
+            book: AddressBook::empty("verbs-rc", size),
             job: wire::job_hash(boot.job_id()),
             connect_timeout: cfg.connect_timeout,
             rc: cfg.rc,
@@ -867,6 +878,7 @@ impl VerbsRc {
             ring_in_flight: cfg.ring_in_flight,
             pools_due: cfg.lazy_pools.then_some((cfg.srq, cfg.send_bufs)),
             slot,
+            holding: Holding::new(HOLD),
             stats: Stats::default(),
         };
         if !cfg.lazy_pools {
@@ -881,16 +893,9 @@ impl VerbsRc {
         }
         me.ud_recv.free.clear();
         let ep = Endpoint::of(&*me.hca, me.ud_qp, 0);
-        boot.put(&format!("verbs-rc.{rank}"), &ep.to_string())?;
+        AddressBook::<Endpoint, verbs::Ah>::publish(boot, "verbs-rc", &ep)?;
         boot.fence()?;
-        me.kv = boot.kv();
-        if me.kv.is_none() {
-            // No key-value space after open: read every address now (strings, not connections).
-            for r in 0..size {
-                let v = boot.get(&format!("verbs-rc.{r}"))?;
-                me.ud_addrs.insert(r, v.parse()?);
-            }
-        }
+        me.book = AddressBook::open(boot, "verbs-rc")?;
         Ok(me)
     }
 
@@ -981,19 +986,7 @@ impl VerbsRc {
 
     /// The connection-manager address `r` published (looked up once).
     fn published(&mut self, r: Rank) -> Result<Endpoint> {
-        if let Some(e) = self.ud_addrs.get(&r) {
-            return Ok(*e);
-        }
-        let kv = self
-            .kv
-            .as_ref()
-            .ok_or_else(|| Error::invalid("verbs-rc: no key-value space"))?;
-        let v = kv
-            .get(&format!("verbs-rc.{r}"))?
-            .ok_or_else(|| Error::invalid(format!("verbs-rc: rank {r} published no address")))?;
-        let e: Endpoint = v.parse()?;
-        self.ud_addrs.insert(r, e);
-        Ok(e)
+        self.book.get(r)
     }
 
     /// Whether connection-manager datagram `m` is from the rank it names, on that rank's HCA:
@@ -1009,29 +1002,20 @@ impl VerbsRc {
         let Ok(e) = self.published(m.src) else {
             return false;
         };
-        let gid_ok = match grh {
-            Some(g) if g.len() >= verbs::GRH_LEN && g[0] >> 4 == 6 => g[8..24] == e.gid.0,
-            Some(g) if g.len() >= verbs::GRH_LEN && g[20] >> 4 == 4 => g[32..36] == e.gid.0[12..16],
-            _ => true,
-        };
-        e.qpn == src_qp && gid_ok && m.ep.gid == e.gid && m.ep.lid == e.lid
+        e.sent(src_qp, grh) && m.ep.gid == e.gid && m.ep.lid == e.lid
     }
 
     /// The peer's connection-manager address and handle.
     fn ud_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
-        if let Some(u) = self.peers[r as usize].ud {
-            return Ok(u);
-        }
-        let ep = self.published(r)?;
-        let ah = self.hca.create_ah(
-            self.pd,
-            &verbs::AhAttr {
+        let (hca, pd) = (&self.hca, self.pd);
+        let (ah, ep) = self.book.handle(r, |ep| {
+            let at = verbs::AhAttr {
                 dgid: ep.gid,
                 dlid: ep.lid,
                 port_num: 1,
-            },
-        )?;
-        self.peers[r as usize].ud = Some((ah, ep.qpn));
+            };
+            hca.create_ah(pd, &at)
+        })?;
         Ok((ah, ep.qpn))
     }
 
@@ -1271,27 +1255,15 @@ impl VerbsRc {
         Ok(())
     }
 
-    fn new_op(&mut self, rec: OpRec) -> u32 {
-        match self.free_ops.pop() {
-            Some(i) => {
-                self.ops[i as usize] = Some(rec);
-                i
-            }
-            None => {
-                self.ops.push(Some(rec));
-                self.ops.len() as u32 - 1
-            }
-        }
-    }
-
     /// Post (or queue) an RMA or atomic work request towards `dest`.
     fn submit(&mut self, dest: Rank, mut wr: SendWr, done: Completion) -> Result<()> {
         let i = self.check_rank(dest)?;
         if self.peers[i].conn == Conn::Failed {
             return Err(self.peer_gone(dest));
         }
-        let op = self.new_op(OpRec { peer: dest, done });
-        wr.wr_id = K_OP | op as u64;
+        let op = self.ops.insert(OpRec { peer: dest, done });
+        debug_assert_eq!(op & K_MASK, 0);
+        wr.wr_id = K_OP | op;
         wr.signaled = true;
         self.peers[i].queued.push_back((wr, op));
         if self.peers[i].conn == Conn::Idle {
@@ -1418,8 +1390,7 @@ impl VerbsRc {
         tracing::debug!("verbs-rc: rank {r}: {reason}");
         let queued: Vec<_> = self.peers[i].queued.drain(..).collect();
         for (_, op) in queued {
-            if let Some(rec) = self.ops[op as usize].take() {
-                self.free_ops.push(op);
+            if let Some(rec) = self.ops.remove(op) {
                 self.table
                     .finish(rec.done, Err(Error::peer_failed(r, reason.clone())));
             }
@@ -1449,10 +1420,9 @@ impl VerbsRc {
                 }
             }
             K_OP => {
-                let Some(rec) = self.ops.get_mut(idx as usize).and_then(Option::take) else {
+                let Some(rec) = self.ops.remove(wc.wr_id & !K_MASK) else {
                     return Ok(());
                 };
-                self.free_ops.push(idx);
                 self.ops_posted = self.ops_posted.saturating_sub(1);
                 let r = rec.peer;
                 let p = &mut self.peers[r as usize];
@@ -1522,6 +1492,11 @@ impl VerbsRc {
     }
 
     fn on_recv(&mut self, src: Rank, idx: u32, wc: &verbs::Wc, sink: &mut dyn Sink) -> Result<()> {
+        if self.peers[src as usize].conn == Conn::Failed {
+            // What a failed peer still sends is dropped: the core was told it is gone, and
+            // nothing of it may be held again.
+            return Ok(());
+        }
         if wc.opcode == WcOpcode::RecvRdmaWithImm {
             self.stats.write_data += 1;
             sink.rma_data(src, wc.imm.unwrap_or(0) as u64);
@@ -1543,21 +1518,28 @@ impl VerbsRc {
         }
         match f.kind {
             FrameKind::Am => {
-                let d = f.seq.wrapping_sub(self.peers[i].expect) as i32;
-                if d == 0 {
-                    let h = &b[FRAME_HDR..FRAME_HDR + f.hlen];
-                    self.stats.am_recv += 1;
-                    sink.am(src, h, &b[FRAME_HDR + f.hlen..]);
-                    self.delivered(src)?;
-                } else if d > 0 {
-                    // Eager records written before this send are in our ring: keep a copy
-                    // of this frame until they have been delivered.
-                    self.stats.overtaken += 1;
-                    let v = b[FRAME_HDR..].to_vec();
-                    self.peers[i].stash.insert(f.seq, (f.hlen, v));
-                    self.poll_ring(src, sink)?;
-                } else {
-                    self.malformed(src, "verbs-rc: an active message out of sequence", sink);
+                // Eager records written before this send may still be in our ring: then a copy
+                // of this frame waits until they have been delivered.
+                let body = &b[FRAME_HDR..];
+                let hold = || (f.hlen, body.to_vec());
+                match self.peers[i]
+                    .expect
+                    .arrive(&mut self.holding, src, f.seq, body.len(), hold)
+                {
+                    Ok(Arrival::Deliver) => {
+                        self.stats.am_recv += 1;
+                        sink.am(src, &body[..f.hlen], &body[f.hlen..]);
+                        self.delivered(src)?;
+                    }
+                    Ok(Arrival::Held) => {
+                        self.stats.overtaken += 1;
+                        self.poll_ring(src, sink)?;
+                    }
+                    Err(e) => {
+                        self.holding.forget(src);
+                        let why = format!("verbs-rc: active messages out of sequence: {e}");
+                        self.malformed(src, &why, sink);
+                    }
                 }
             }
             FrameKind::Rtu => {
@@ -1617,7 +1599,6 @@ impl VerbsRc {
     /// and set up the fast path once the peer has earned it.
     fn delivered(&mut self, src: Rank) -> Result<()> {
         let p = &mut self.peers[src as usize];
-        p.expect = p.expect.wrapping_add(1);
         p.got += 1;
         if self.shape.design == Design::Fastpath
             && p.erx.is_none()
@@ -1630,13 +1611,15 @@ impl VerbsRc {
         Ok(())
     }
 
-    /// Deliver stashed send/receive frames from `src` that are next in sequence.
-    fn drain_stash(&mut self, src: Rank, sink: &mut dyn Sink) -> Result<bool> {
+    /// Deliver held send/receive frames from `src` that are next in sequence.
+    fn drain_held(&mut self, src: Rank, sink: &mut dyn Sink) -> Result<bool> {
         let mut any = false;
         loop {
+            if self.holding.is_empty() {
+                return Ok(any);
+            }
             let p = &mut self.peers[src as usize];
-            let want = p.expect;
-            let Some((hlen, v)) = p.stash.remove(&want) else {
+            let Some((hlen, v)) = p.expect.pop(&mut self.holding, src) else {
                 return Ok(any);
             };
             self.stats.am_recv += 1;
@@ -1775,11 +1758,11 @@ impl VerbsRc {
             self.stats.busy += 1;
             return Ok(SendOutcome::Busy);
         }
-        let seq = self.peers[i].seq_out;
+        let seq = self.peers[i].seq_out.peek();
         let o = self.send_frame(dest, FrameKind::Am, seq, header, payload)?;
         match o {
             SendOutcome::Sent => {
-                self.peers[i].seq_out = seq.wrapping_add(1);
+                self.peers[i].seq_out.take();
                 self.stats.am_sent += 1;
                 self.stats.eager_sr += 1;
             }
@@ -1828,11 +1811,10 @@ impl VerbsRc {
             kind: FrameKind::Am,
             hlen: header.len(),
             plen,
-            seq: p.seq_out,
+            seq: p.seq_out.take(),
             ack,
         }
         .write(&mut fh);
-        p.seq_out = p.seq_out.wrapping_add(1);
         let qp = p.qp.expect("connected peers have a QP");
         let (addr, rkey) = (e.addr, e.rkey);
         let mut parts: SmallVec<[&[u8]; 4]> = SmallVec::new();
@@ -1923,15 +1905,18 @@ impl VerbsRc {
                             return Ok(n);
                         }
                     };
-                    let d = f.seq.wrapping_sub(p.expect) as i32;
-                    if d > 0 {
+                    match p.expect.check(f.seq, HOLD.window) {
+                        Ok(0) => {}
                         // A send/receive frame before it is still in the completion queue.
-                        break;
+                        Ok(_) => break,
+                        Err(e) => {
+                            let why = format!("verbs-rc: an eager record out of sequence: {e}");
+                            self.holding.forget(r);
+                            self.malformed(r, &why, sink);
+                            return Ok(n);
+                        }
                     }
-                    if d < 0 {
-                        self.malformed(r, "verbs-rc: an eager record out of sequence", sink);
-                        return Ok(n);
-                    }
+                    p.expect.advance();
                     self.stats.am_recv += 1;
                     sink.am(
                         r,
@@ -1945,11 +1930,11 @@ impl VerbsRc {
                     n += 1;
                 }
             }
-            if self.drain_stash(r, sink)? {
+            if self.drain_held(r, sink)? {
                 n += 1;
             }
         }
-        if self.drain_stash(r, sink)? {
+        if self.drain_held(r, sink)? {
             n += 1;
         }
         self.ring_control(r)?;
@@ -2417,10 +2402,8 @@ impl Drop for VerbsRc {
         for q in qps {
             let _ = self.hca.destroy_qp(q);
         }
-        for (_, p) in self.peers.iter() {
-            if let Some((ah, _)) = p.ud {
-                let _ = self.hca.destroy_ah(ah);
-            }
+        for ah in self.book.handles() {
+            let _ = self.hca.destroy_ah(ah);
         }
         let _ = self.hca.destroy_srq(self.srq);
         for m in self.mrs.drain().map(|(_, m)| m).collect::<Vec<_>>() {

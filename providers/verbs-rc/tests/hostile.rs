@@ -10,7 +10,7 @@ use weft_provider::bootstrap::{Bootstrap, InProcessJob};
 use weft_provider::provider::{Provider, SendOutcome, StaticProvider};
 use weft_verbs::soft::SoftHca;
 use weft_verbs::*;
-use weft_verbs_rc::wire::{job_hash, CmKind, CmMsg, CM_LEN};
+use weft_verbs_rc::wire::{job_hash, CmKind, CmMsg, Frame, FrameKind, CM_LEN, FRAME_HDR};
 use weft_verbs_rc::VerbsRc;
 
 mod common;
@@ -194,4 +194,149 @@ fn a_requester_gone_before_the_answer_fails_that_peer_only() {
         "the failure names the requester: {failed:?}"
     );
     assert_eq!(out[2].1, 0, "rank 2 saw no failure");
+}
+
+/// Rank 1, a hostile peer written with raw verbs, connects to rank 0 as the connection manager
+/// asks (its own published UD QP, REQ, REP, RTU) and then sends active messages numbered from 1
+/// on — never message 0. Rank 0 used to keep a copy of every one, waiting for message 0, for
+/// as long as rank 1 went on: 8 KiB each, without a bound. Now what it holds of a peer is
+/// bounded (`weft_proto::order::Bounds`: 64 MiB of one peer) and rank 1 is failed past it.
+#[test]
+fn a_peer_that_skips_a_number_cannot_pin_the_receivers_memory() {
+    std::env::set_var("WEFT_VERBS_DEVICE", "soft");
+    let job = InProcessJob::new(2, T);
+    let failed = Arc::new(AtomicU32::new(0));
+    let (j0, f0) = (job.clone(), failed.clone());
+    let r0 = std::thread::spawn(move || {
+        let mut boot = j0.rank(0);
+        let mut p = VerbsRc::open(&mut boot).unwrap();
+        let mut ev = Events::default();
+        let t0 = Instant::now();
+        while ev.failed.is_empty() {
+            p.progress(&mut ev).unwrap();
+            assert!(
+                t0.elapsed() < T,
+                "rank 0 never failed rank 1 ({} messages held)",
+                counter(&p, "overtaken")
+            );
+        }
+        f0.store(1, Ordering::Release);
+        // Stay (dropping what rank 1 still sends) until its sends in flight are done.
+        let t0 = Instant::now();
+        while f0.load(Ordering::Acquire) != 2 {
+            p.progress(&mut ev).unwrap();
+            assert!(t0.elapsed() < T, "rank 1 never finished");
+        }
+        assert!(ev.am.is_empty(), "nothing of rank 1 is delivered");
+        (ev.failed[0].clone(), counter(&p, "overtaken"))
+    });
+    let mut boot = job.rank(1);
+    skip_message_0(&mut boot, job.id(), &failed);
+    failed.store(2, Ordering::Release);
+    let ((who, why), held) = r0.join().unwrap();
+    assert_eq!(who, 1);
+    assert!(why.contains("wait for message 0"), "{why}");
+    // As many 8,200-byte messages as fit in 64 MiB were held; the next one failed rank 1.
+    assert_eq!(held, (64 << 20) / 8200, "{why}");
+}
+
+/// Rank 1's side of the test above: messages 1, 2, ... until rank 0 failed rank 1 (or 12,000
+/// of them, 96 MiB, went).
+fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
+    let h = SoftHca::with_config(Default::default()).unwrap();
+    let pd = h.alloc_pd().unwrap();
+    let cq = h.create_cq(512).unwrap();
+    let init = |ty| QpInitAttr {
+        qp_type: ty,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: QpCap {
+            max_send_wr: 128,
+            max_recv_wr: 4,
+            ..QpCap::default()
+        },
+        sq_sig_all: true,
+    };
+    let ud = h.create_qp(pd, &init(QpType::Ud)).unwrap();
+    activate_ud(&h, ud, QKEY).unwrap();
+    let rc = h.create_qp(pd, &init(QpType::Rc)).unwrap();
+    const MSG: usize = FRAME_HDR + 8 + 8192;
+    let mut buf = vec![0u8; 4096 + 64 * MSG];
+    // SAFETY: `buf` outlives every work request posted on it: all complete (or are flushed)
+    // before this function returns, and the HCA is dropped before `buf`.
+    let mr = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), buf.len(), Access::LOCAL_WRITE) }.unwrap();
+    h.post_recv(ud, &[RecvWr::new(1, &[mr.sge(0, 40 + CM_LEN)])])
+        .unwrap();
+    boot.put("verbs-rc.1", &Endpoint::of(&h, ud, 0).to_string())
+        .unwrap();
+    boot.fence().unwrap();
+    let to: Endpoint = boot.get("verbs-rc.0").unwrap().parse().unwrap();
+    let ah = h
+        .create_ah(
+            pd,
+            &AhAttr {
+                dgid: to.gid,
+                dlid: to.lid,
+                port_num: 1,
+            },
+        )
+        .unwrap();
+    let psn = 7;
+    let req = CmMsg {
+        kind: CmKind::Req,
+        job: job_hash(job),
+        src: 1,
+        dst: 0,
+        gen: 0,
+        ep: Endpoint::of(&h, rc, psn),
+    };
+    buf[1024..1024 + CM_LEN].copy_from_slice(&req.encode());
+    h.post_send(
+        ud,
+        &[SendWr::send(2, &[mr.sge(1024, CM_LEN)]).to(ah, to.qpn, QKEY)],
+    )
+    .unwrap();
+    let w = wait_cq(&h, cq, 2, T).unwrap();
+    assert!(w.iter().all(|w| w.status == WcStatus::Success), "{w:?}");
+    let rep = CmMsg::decode(&buf[40..40 + CM_LEN]).expect("rank 0 answers with a REP");
+    assert_eq!(rep.kind, CmKind::Rep);
+    connect_rc(&h, rc, psn, &rep.ep, &RcParams::default()).unwrap();
+    // RTU, then messages 1, 2, 3, ...: message 0 never comes.
+    let frame = |kind, hlen, plen, seq, out: &mut [u8]| {
+        Frame {
+            kind,
+            hlen,
+            plen,
+            seq,
+            ack: 0,
+        }
+        .write(out)
+    };
+    frame(FrameKind::Rtu, 0, 0, 0, &mut buf[4096..]);
+    h.post_send(rc, &[SendWr::send(3, &[mr.sge(4096, FRAME_HDR)])])
+        .unwrap();
+    assert_eq!(wait_cq(&h, cq, 1, T).unwrap()[0].status, WcStatus::Success);
+    let (mut seq, mut inflight) = (1u32, 0usize);
+    let mut wcs = [Wc::EMPTY; 64];
+    let t0 = Instant::now();
+    while failed.load(Ordering::Acquire) == 0 && seq <= 12_000 {
+        while inflight < 64 && seq <= 12_000 {
+            let off = 4096 + (seq as usize % 64) * MSG;
+            frame(FrameKind::Am, 8, 8192, seq, &mut buf[off..]);
+            h.post_send(rc, &[SendWr::send(u64::from(seq), &[mr.sge(off, MSG)])])
+                .unwrap();
+            (seq, inflight) = (seq + 1, inflight + 1);
+        }
+        let n = h.poll_cq(cq, &mut wcs).unwrap();
+        inflight -= n;
+        assert!(t0.elapsed() < T, "rank 1's sends stalled");
+    }
+    // Let what is in flight complete (or fail) before the buffer goes.
+    let t0 = Instant::now();
+    while inflight > 0 {
+        let n = h.poll_cq(cq, &mut wcs).unwrap();
+        inflight -= n;
+        assert!(t0.elapsed() < T, "rank 1's last sends never completed");
+    }
 }

@@ -1,6 +1,6 @@
 //! The `verbs-ud` provider: active messages over one InfiniBand Unreliable Datagram queue
 //! pair per process (MVAPICH-Aptus' UD-SR channel), made reliable and ordered by the sans-IO
-//! engine of `weft_verbs::reliable`, one link per peer.
+//! engine of `weft_proto::reliable`, one link per peer.
 //!
 //! * **Constant memory per peer.** One UD QP reaches every peer; receive buffers come from one
 //!   pool posted to it (`WEFT_VERBS_UD_RECVS`), send buffers from one pool
@@ -40,8 +40,10 @@ use wire::{F_CTRL, F_FIRST, F_LAST, F_PING, KIND_DATA, PKT};
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::time::Duration;
+use weft_proto::book::AddressBook;
+use weft_proto::reliable::{self, Header, Instant, Link};
 use weft_provider::backoff::Backoff;
-use weft_provider::bootstrap::{Bootstrap, KvSpace};
+use weft_provider::bootstrap::Bootstrap;
 use weft_provider::peers::PeerTable;
 use weft_provider::provider::{
     Access, Caps, Completed, Completion, CompletionLevel, Discard, MemRegion, PeerCaps,
@@ -49,7 +51,6 @@ use weft_provider::provider::{
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, ErrorDetail, Result};
-use weft_verbs::reliable::{self, Header, Instant, Link};
 use weft_verbs::{self as verbs, Endpoint, Hca, Pool, QpType, SendWr, WcStatus};
 
 weft_provider::param!(MTU: Uint[256, 4096] check(weft_provider::param::checks::power_of_two) = "verbs", "UD_MTU", "2048",
@@ -219,7 +220,6 @@ struct Rx {
 
 #[derive(Default)]
 struct Peer {
-    ah: Option<(verbs::Ah, u32)>,
     link: Option<Link<u32, Vec<u8>>>,
     rx: Rx,
     failed: bool,
@@ -308,8 +308,9 @@ pub struct VerbsUd {
     /// ([`Link::idle`]), so a progress call costs what the busy peers need however many peers
     /// the process has talked to.
     busy: Vec<Rank>,
-    kv: Option<std::sync::Arc<dyn KvSpace>>,
-    addrs: Vec<Option<Endpoint>>,
+    /// The peers' addresses (read at first contact, or all at open without a key-value space)
+    /// and their address handles.
+    book: AddressBook<Endpoint, verbs::Ah>,
     failures: VecDeque<(Rank, String)>,
     /// Why each failed peer failed (only failed peers: nothing per healthy peer).
     gone: std::collections::HashMap<Rank, String>,
@@ -398,8 +399,7 @@ impl VerbsUd {
             peers: PeerTable::new(size as usize),
             active: Vec::new(),
             busy: Vec::new(),
-            kv: None,
-            addrs: vec![None; size as usize],
+            book: AddressBook::empty("verbs-ud", size),
             failures: VecDeque::new(),
             gone: std::collections::HashMap::new(),
             wcs: vec![verbs::Wc::EMPTY; POLL],
@@ -423,15 +423,9 @@ impl VerbsUd {
         }
         me.recv.free.clear();
         let ep = Endpoint::of(&*me.hca, me.qp, 0);
-        boot.put(&format!("verbs-ud.{rank}"), &ep.to_string())?;
+        AddressBook::<Endpoint, verbs::Ah>::publish(boot, "verbs-ud", &ep)?;
         boot.fence()?;
-        me.kv = boot.kv();
-        if me.kv.is_none() {
-            for r in 0..size {
-                let v = boot.get(&format!("verbs-ud.{r}"))?;
-                me.addrs[r as usize] = Some(v.parse()?);
-            }
-        }
+        me.book = AddressBook::open(boot, "verbs-ud")?;
         Ok(me)
     }
 
@@ -466,57 +460,24 @@ impl VerbsUd {
     }
 
     /// The address `r` published (looked up once).
-    fn addr_of(&mut self, r: Rank) -> Result<Endpoint> {
-        if let Some(e) = self.addrs[r as usize] {
-            return Ok(e);
-        }
-        let kv = self
-            .kv
-            .as_ref()
-            .ok_or_else(|| Error::invalid("verbs-ud: no key-value space"))?;
-        let v = kv
-            .get(&format!("verbs-ud.{r}"))?
-            .ok_or_else(|| Error::invalid(format!("verbs-ud: rank {r} published no address")))?;
-        let e: Endpoint = v.parse()?;
-        self.addrs[r as usize] = Some(e);
-        Ok(e)
-    }
-
-    /// Whether a packet that claims to be from `r` came from `r`'s QP on `r`'s HCA: the HCA
-    /// stamps every UD receive with the sender's QP number and, in the GRH (when the receive
-    /// has one), its GID, which no sender chooses; they must be what `r` published through
-    /// the bootstrap. A GRH as InfiniBand and RoCE v1 lay it out carries the GID at bytes
-    /// 8..24; RoCE v2 over IPv4 puts an IPv4 header in the last 20 bytes, whose source address
-    /// is the GID's IPv4-mapped part.
+    /// Whether a packet that claims to be from `r` came from `r`'s QP on `r`'s HCA, the one
+    /// `r` published through the bootstrap ([`Endpoint::sent`]).
+    #[inline]
     fn sent_by(&mut self, r: Rank, src_qp: u32, grh: Option<&[u8]>) -> bool {
-        let Ok(e) = self.addr_of(r) else {
-            return false;
-        };
-        if e.qpn != src_qp {
-            return false;
-        }
-        match grh {
-            Some(g) if g.len() >= GRH && g[0] >> 4 == 6 => g[8..24] == e.gid.0,
-            Some(g) if g.len() >= GRH && g[20] >> 4 == 4 => g[32..36] == e.gid.0[12..16],
-            _ => true,
-        }
+        self.book.get(r).is_ok_and(|e| e.sent(src_qp, grh))
     }
 
     /// The peer's address handle and QP number.
     fn ah_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
-        if let Some(a) = self.peers[r as usize].ah {
-            return Ok(a);
-        }
-        let ep = self.addr_of(r)?;
-        let ah = self.hca.create_ah(
-            self.pd,
-            &verbs::AhAttr {
+        let (hca, pd) = (&self.hca, self.pd);
+        let (ah, ep) = self.book.handle(r, |ep| {
+            let at = verbs::AhAttr {
                 dgid: ep.gid,
                 dlid: ep.lid,
                 port_num: 1,
-            },
-        )?;
-        self.peers[r as usize].ah = Some((ah, ep.qpn));
+            };
+            hca.create_ah(pd, &at)
+        })?;
         Ok((ah, ep.qpn))
     }
 
@@ -576,7 +537,7 @@ impl VerbsUd {
             })
             .sum();
         let peers = self.peers.bytes()
-            + self.addrs.len() * std::mem::size_of::<Option<Endpoint>>()
+            + self.book.bytes()
             + self.active.capacity() * std::mem::size_of::<Rank>()
             + heap;
         (a.queues(), a.dm_bytes + host as u64, peers as u64)
@@ -627,12 +588,8 @@ impl VerbsUd {
         if p.link.is_none() || p.failed {
             return Ok(());
         }
-        let (ah, qpn) = match p.ah {
-            Some(a) => a,
-            None => match self.reach(r)? {
-                Some(a) => a,
-                None => return Ok(()),
-            },
+        let Some((ah, qpn)) = self.reach(r)? else {
+            return Ok(());
         };
         let Some(link) = self.peers[i].link.as_mut() else {
             return Ok(());
@@ -1739,10 +1696,8 @@ impl Drop for VerbsUd {
             let _ = self.hca.dereg_mr(*m);
         }
         self.scratch.release(&*self.hca);
-        for (_, p) in self.peers.iter() {
-            if let Some((ah, _)) = p.ah {
-                let _ = self.hca.destroy_ah(ah);
-            }
+        for ah in self.book.handles() {
+            let _ = self.hca.destroy_ah(ah);
         }
         for pool in [&self.recv, &self.send, &self.ctl] {
             pool.release(&*self.hca);
@@ -1857,8 +1812,11 @@ pub fn footprint() -> Result<Footprint> {
     Ok(Footprint {
         hca: a1.queues() - a0.queues(),
         buffers: a2.dm_bytes - a1.dm_bytes + host as u64,
-        per_rank: (4 + std::mem::size_of::<Option<Endpoint>>()) as u64,
-        per_peer: (std::mem::size_of::<Peer>() + 4 + std::mem::size_of::<Rank>()) as u64,
+        per_rank: (4 + AddressBook::<Endpoint, verbs::Ah>::PER_RANK) as u64,
+        per_peer: (std::mem::size_of::<Peer>()
+            + 4
+            + std::mem::size_of::<Rank>()
+            + AddressBook::<Endpoint, verbs::Ah>::PER_ENTRY) as u64,
     })
 }
 

@@ -28,9 +28,8 @@ pub mod hca;
 pub mod pool;
 #[cfg(feature = "rdma-core")]
 pub mod rdma;
-pub mod reliable;
 pub mod soft;
-mod sync;
+use weft_proto::sync;
 pub mod types;
 
 pub use hca::{Accounting, Counters, Hca};
@@ -164,6 +163,22 @@ impl Endpoint {
             qpn: qp.qpn,
             psn: psn & 0xff_ffff,
             lid: hca.lid(),
+        }
+    }
+
+    /// Whether a UD receive the HCA stamped with the sender's QP number `src_qp` and (when
+    /// the receive has one) global route header `grh` came from this endpoint's QP on this
+    /// endpoint's HCA: no sender chooses those. A GRH as InfiniBand and RoCE v1 lay it out
+    /// carries the source GID at bytes 8..24; RoCE v2 over IPv4 puts an IPv4 header in its
+    /// last 20 bytes, whose source address is the GID's IPv4-mapped part.
+    pub fn sent(&self, src_qp: u32, grh: Option<&[u8]>) -> bool {
+        if self.qpn != src_qp {
+            return false;
+        }
+        match grh {
+            Some(g) if g.len() >= GRH_LEN && g[0] >> 4 == 6 => g[8..24] == self.gid.0,
+            Some(g) if g.len() >= GRH_LEN && g[20] >> 4 == 4 => g[32..36] == self.gid.0[12..16],
+            _ => true,
         }
     }
 }

@@ -1,34 +1,49 @@
-//! Order across channels, without I/O (paper 001's "generalized framework to re-order messages
-//! from all message channels").
+//! Per-peer order, without I/O: sequence numbers on the sending side ([`Sequencer`]) and, on
+//! the receiving side, one that overtook its predecessors held back ([`Reorder`], [`Holding`])
+//! until the gap is filled. For a provider whose messages to one peer can arrive out of the
+//! order they were sent in: several channels to one peer (hybrid's UD-SR and RC, paper 001's
+//! "generalized framework to re-order messages from all message channels"), a fabric that does
+//! not order completions (ofi), or two paths of one channel (verbs-rc's eager ring beside its
+//! send/receive frames). Held messages are copies (the channel's receive buffer goes back to
+//! its pool), which only happens around a change of path; in the steady state every message
+//! arrives in order and is delivered in place.
 //!
-//! Each channel keeps its own order (RC by the wire, UD-SR by the reliability engine), but two
-//! messages to one peer that take different channels — a small one over UD-SR, then a medium
-//! one over a freshly opened RC-SR — may arrive the other way round. The core needs the
-//! messages of one source in send order, so every active message of the hybrid provider
-//! carries a per-peer sequence number ([`Sequencer`]) and the receiver holds back one that
-//! overtook its predecessors ([`Reorder`]) until the gap is filled. Held messages are copied
-//! (the channel's receive buffer goes back to its pool), which only happens around a change
-//! of channel; in the steady state every message arrives in order and is delivered in place.
-//!
-//! Sequence numbers are 32-bit and wrap; a message more than [`WINDOW`] ahead of the next
-//! expected one, or behind it (a duplicate: every channel below is reliable and delivers once),
-//! is a protocol violation by the peer. So is holding more than [`HOLD_PEER`] messages or
-//! [`HOLD_PEER_BYTES`] of one peer, or more than [`HOLD_BYTES`] of all peers together: what
-//! overtook a gap is bounded by what the channels can have in flight, and a peer that skips a
-//! number (or never sends it) cannot pin the receiver's memory; it is failed instead.
+//! Sequence numbers are 32-bit and wrap. A message more than [`Bounds::window`] ahead of the
+//! next expected one, or behind it (a duplicate: the channels below are reliable and deliver
+//! once), is a protocol violation by the peer. So is holding more than
+//! [`Bounds::per_peer`] messages or [`Bounds::per_peer_bytes`] of one peer, or more than
+//! [`Bounds::total_bytes`] of all peers together: what overtook a gap is bounded by what the
+//! channels can have in flight, and a peer that skips a number (or never sends it) cannot pin
+//! the receiver's memory; the provider fails it instead ([`Holding::forget`]).
 
 use std::collections::hash_map::{Entry, HashMap};
 
-/// How far ahead of the next expected message one may arrive. A sender never has more than
-/// this many messages to one peer in flight across its channels (each channel's own window is
-/// far smaller).
-pub const WINDOW: u32 = 1 << 20;
-/// Messages of one peer held at most (every channel's window together is far smaller).
-pub const HOLD_PEER: u32 = 1 << 14;
-/// Bytes of one peer's held messages at most.
-pub const HOLD_PEER_BYTES: usize = 64 << 20;
-/// Bytes held at most for all peers together; the peer whose message would go past it fails.
-pub const HOLD_BYTES: usize = 512 << 20;
+/// What a receiver holds at most, and how far ahead a message may be. Each provider states its
+/// own from what its channels can have in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// How far ahead of the next expected message one may arrive.
+    pub window: u32,
+    /// Messages of one peer held at most.
+    pub per_peer: u32,
+    /// Bytes of one peer's held messages at most.
+    pub per_peer_bytes: usize,
+    /// Bytes held at most for all peers together; the peer whose message would go past it fails.
+    pub total_bytes: usize,
+}
+
+impl Default for Bounds {
+    /// A sender never has more than 2^20 messages to one peer in flight across its channels;
+    /// 2^14 held of one peer, 64 MiB of one peer, 512 MiB in all.
+    fn default() -> Self {
+        Bounds {
+            window: 1 << 20,
+            per_peer: 1 << 14,
+            per_peer_bytes: 64 << 20,
+            total_bytes: 512 << 20,
+        }
+    }
+}
 
 /// The sending side: the next sequence number towards one peer.
 #[derive(Debug, Default, Clone)]
@@ -37,6 +52,11 @@ pub struct Sequencer {
 }
 
 impl Sequencer {
+    /// Start from `seq` (tests: the behaviour across a wrap).
+    pub fn starting_at(seq: u32) -> Self {
+        Sequencer { next: seq }
+    }
+
     /// The number the next message will carry.
     pub fn peek(&self) -> u32 {
         self.next
@@ -65,10 +85,14 @@ pub enum Arrival {
 pub enum OrderError {
     /// Behind the next expected number or already held: delivered twice.
     Duplicate { seq: u32, expected: u32 },
-    /// Further ahead than [`WINDOW`].
-    TooFarAhead { seq: u32, expected: u32 },
-    /// Holding it would go past [`HOLD_PEER`], [`HOLD_PEER_BYTES`] or [`HOLD_BYTES`]:
-    /// `held` messages of `bytes` bytes of this peer wait for `expected`.
+    /// Further ahead than the window.
+    TooFarAhead {
+        seq: u32,
+        expected: u32,
+        window: u32,
+    },
+    /// Holding it would go past one of the [`Bounds`]: `held` messages of `bytes` bytes of this
+    /// peer wait for `expected`.
     TooMuchHeld {
         expected: u32,
         held: u32,
@@ -82,8 +106,12 @@ impl std::fmt::Display for OrderError {
             OrderError::Duplicate { seq, expected } => {
                 write!(f, "message {seq} arrived twice (expecting {expected})")
             }
-            OrderError::TooFarAhead { seq, expected } => {
-                write!(f, "message {seq} is more than {WINDOW} ahead of {expected}")
+            OrderError::TooFarAhead {
+                seq,
+                expected,
+                window,
+            } => {
+                write!(f, "message {seq} is more than {window} ahead of {expected}")
             }
             OrderError::TooMuchHeld {
                 expected,
@@ -116,20 +144,33 @@ pub struct Holding<T> {
     bytes: usize,
     /// The most messages held at once (statistics).
     max: usize,
+    bounds: Bounds,
 }
 
 impl<T> Default for Holding<T> {
+    /// Within the [`Bounds::default`] bounds.
     fn default() -> Self {
+        Holding::new(Bounds::default())
+    }
+}
+
+impl<T> Holding<T> {
+    /// Nothing held yet; what is held and how far ahead a message may be within `bounds`.
+    pub fn new(bounds: Bounds) -> Self {
         Holding {
             map: HashMap::new(),
             per: HashMap::new(),
             bytes: 0,
             max: 0,
+            bounds,
         }
     }
-}
 
-impl<T> Holding<T> {
+    /// The bounds it holds within.
+    pub fn bounds(&self) -> Bounds {
+        self.bounds
+    }
+
     /// Messages held now.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -166,8 +207,12 @@ impl<T> Holding<T> {
 }
 
 impl Reorder {
-    /// Distance of `seq` ahead of the next expected number (0: it is the one), or an error.
-    fn ahead(&self, seq: u32) -> Result<u32, OrderError> {
+    /// Distance of `seq` ahead of the next expected number (0: it is the one), or why a
+    /// message numbered so breaks the protocol (behind: a duplicate; more than `window` ahead).
+    /// Nothing changes: for a path that leaves a message where it lies until its turn (an
+    /// eager ring), with [`Reorder::advance`] once it is delivered.
+    #[inline]
+    pub fn check(&self, seq: u32, window: u32) -> Result<u32, OrderError> {
         let d = seq.wrapping_sub(self.expected);
         if d >= u32::MAX / 2 {
             return Err(OrderError::Duplicate {
@@ -175,13 +220,21 @@ impl Reorder {
                 expected: self.expected,
             });
         }
-        if d >= WINDOW {
+        if d >= window {
             return Err(OrderError::TooFarAhead {
                 seq,
                 expected: self.expected,
+                window,
             });
         }
         Ok(d)
+    }
+
+    /// The expected message was delivered without [`Reorder::arrive`] (after a
+    /// [`Reorder::check`] of 0).
+    #[inline]
+    pub fn advance(&mut self) {
+        self.expected = self.expected.wrapping_add(1);
     }
 
     /// A message numbered `seq` of `len` bytes arrived from `src` (whose record this is).
@@ -196,12 +249,16 @@ impl Reorder {
         len: usize,
         hold: impl FnOnce() -> T,
     ) -> Result<Arrival, OrderError> {
-        if self.ahead(seq)? == 0 {
+        let bounds = held.bounds;
+        if self.check(seq, bounds.window)? == 0 {
             self.expected = self.expected.wrapping_add(1);
             return Ok(Arrival::Deliver);
         }
         let (n, b) = held.per.get(&src).copied().unwrap_or((0, 0));
-        if n + 1 > HOLD_PEER || b + len > HOLD_PEER_BYTES || held.bytes + len > HOLD_BYTES {
+        if n + 1 > bounds.per_peer
+            || b + len > bounds.per_peer_bytes
+            || held.bytes + len > bounds.total_bytes
+        {
             return Err(OrderError::TooMuchHeld {
                 expected: self.expected,
                 held: n,
@@ -249,8 +306,7 @@ impl Reorder {
     }
 
     /// Start from `seq` (tests: the behaviour across a wrap).
-    #[cfg(test)]
-    fn starting_at(seq: u32) -> Self {
+    pub fn starting_at(seq: u32) -> Self {
         Reorder { expected: seq }
     }
 }
@@ -259,6 +315,10 @@ impl Reorder {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    const WINDOW: u32 = 1 << 20;
+    const HOLD_PEER: u32 = 1 << 14;
+    const HOLD_PEER_BYTES: usize = 64 << 20;
 
     /// Deliver `order` (a permutation of message numbers from `start`) and return what the
     /// receiver handed on, in order.
@@ -359,6 +419,60 @@ mod tests {
         assert!(r.arrive(&mut h, 0, WINDOW, 1, || ()).is_ok());
     }
 
+    /// A provider's own bounds are the ones held to (ofi's and verbs-rc's are smaller than
+    /// hybrid's): the window, the count and bytes of one peer, the bytes of all.
+    #[test]
+    fn a_provider_s_own_bounds_hold() {
+        let b = Bounds {
+            window: 8,
+            per_peer: 3,
+            per_peer_bytes: 100,
+            total_bytes: 150,
+        };
+        let mut h = Holding::new(b);
+        assert_eq!(h.bounds(), b);
+        let mut r = Reorder::default();
+        assert!(matches!(
+            r.arrive(&mut h, 0, 8, 1, || ()),
+            Err(OrderError::TooFarAhead { window: 8, .. })
+        ));
+        for s in 1..=3 {
+            assert_eq!(r.arrive(&mut h, 0, s, 10, || ()), Ok(Arrival::Held));
+        }
+        assert!(matches!(
+            r.arrive(&mut h, 0, 4, 10, || ()),
+            Err(OrderError::TooMuchHeld {
+                held: 3,
+                bytes: 30,
+                ..
+            })
+        ));
+        let mut r1 = Reorder::default();
+        assert!(
+            r1.arrive(&mut h, 1, 1, 101, || ()).is_err(),
+            "bytes of one peer"
+        );
+        assert!(r1.arrive(&mut h, 1, 1, 100, || ()).is_ok());
+        let mut r2 = Reorder::default();
+        assert!(
+            r2.arrive(&mut h, 2, 1, 21, || ()).is_err(),
+            "bytes of all: 130 held"
+        );
+        assert!(r2.arrive(&mut h, 2, 1, 20, || ()).is_ok());
+        // check/advance: a path that leaves the message where it lies until its turn.
+        let mut q = Reorder::starting_at(u32::MAX);
+        assert_eq!(q.check(u32::MAX, 8), Ok(0));
+        assert_eq!(q.check(1, 8), Ok(2));
+        q.advance();
+        assert_eq!(q.expected(), 0);
+        assert!(matches!(
+            q.check(u32::MAX, 8),
+            Err(OrderError::Duplicate { .. })
+        ));
+        let mut s = Sequencer::starting_at(u32::MAX);
+        assert_eq!((s.peek(), s.take(), s.take()), (u32::MAX, u32::MAX, 0));
+    }
+
     #[test]
     fn sequencer_wraps() {
         let mut s = Sequencer { next: u32::MAX };
@@ -394,7 +508,7 @@ mod tests {
     }
 
     /// A peer that skips a number cannot pin the receiver's memory: it may have at most
-    /// `HOLD_PEER` messages and `HOLD_PEER_BYTES` held, all peers `HOLD_BYTES`; past that the
+    /// `per_peer` messages and `per_peer_bytes` held, all peers `total_bytes`; past that the
     /// message is refused (the provider fails the peer) and nothing more is copied. Before
     /// these bounds a peer that skipped 0 could have 2^20 messages of any size held.
     #[test]

@@ -3,8 +3,9 @@
 //! ([`Link::on_packet`]) and the time ([`Link::on_timeout`]), and takes from it what to send
 //! ([`Link::poll_transmit`]), what to deliver in order ([`Link::poll_deliver`]), which sent
 //! packets the peer has acknowledged ([`Link::poll_acked`], so their buffers can be reused) and
-//! when to call again ([`Link::next_timeout`]). The verbs-ud and hybrid providers drive one
-//! `Link` per peer over a UD QP; nothing here knows about verbs, so any unreliable channel can.
+//! when to call again ([`Link::next_timeout`]). The verbs-ud provider drives one
+//! `Link` per peer over a UD QP (and so hybrid, through the verbs-ud it composes); nothing here
+//! knows about verbs, so any unreliable channel can.
 //!
 //! # Protocol
 //! - Every data packet carries a 32-bit packet sequence number (PSN, wrapping) and every

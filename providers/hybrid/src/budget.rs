@@ -24,7 +24,7 @@
 //!   stops sending on RC to the other and waits until what it sent there has completed
 //!   ([`Budget::drained`]), then sends `Closed`; each side tears down once it has drained and
 //!   received `Closed`. Messages sent meanwhile go over UD and the receiver's reordering
-//!   ([`crate::order`]) puts them after the ones still on RC, so none is lost or reordered.
+//!   ([`weft_proto::order`]) puts them after the ones still on RC, so none is lost or reordered.
 //!
 //! The provider feeds it [`Budget::note`] for each message to or from a peer, the control
 //! messages that arrive ([`Budget::on_ctrl`]) and drain notices, and carries out the

@@ -919,18 +919,7 @@ fn allocated_windows() {
 // ------------------------------------------------------------ random epochs vs a reference
 
 /// Deterministic generator shared by all ranks (each can compute everyone's operations).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use weft_proto::sim::Rng;
 
 const SLOTS: usize = 48; // 0..24: puts (slot % n owned by one origin), 24..36: sums, 36..48: reads
 
@@ -943,7 +932,7 @@ enum ROp {
 
 /// The operations rank `r` issues in epoch `ep`.
 fn ops_of(seed: u64, ep: u64, r: u32, n: u32) -> Vec<ROp> {
-    let mut g = Rng(seed ^ (ep * 7919 + r as u64 * 104_729 + 1));
+    let mut g = Rng::new(seed ^ (ep * 7919 + r as u64 * 104_729 + 1));
     let k = 1 + g.below(6) as usize;
     let mut used = std::collections::HashSet::new();
     let mut v = vec![];

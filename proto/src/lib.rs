@@ -17,6 +17,10 @@
 //!   RMA and atomic work requests).
 //! * [`book`] — the address book: peers' published addresses, looked up at first contact, and
 //!   the fabric's handle for each made once (verbs-rc's and verbs-ud's UD address handles).
+//! * [`sim`] — a simulated network for tests of these engines and of providers' own: a seeded
+//!   generator and a wire on virtual time that loses, duplicates and reorders from the seed.
+//! * [`testkit`] — a provider's own tests with ranks as threads: a sink that keeps events,
+//!   bounded waits, a job of `n` ranks.
 //! * [`sync`] — the atomics and cells of lock-free structures, switched to loom's under
 //!   `--cfg loom` (shm's queues and locks, the soft HCA's rings).
 //!
@@ -29,5 +33,7 @@
 pub mod book;
 pub mod order;
 pub mod reliable;
+pub mod sim;
 pub mod slab;
 pub mod sync;
+pub mod testkit;

@@ -577,24 +577,6 @@ impl<S, R> Link<S, R> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::BinaryHeap;
-
-    /// xorshift: deterministic per seed.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn chance(&mut self, p: f64) -> bool {
-            (self.next() % 1_000_000) as f64 / 1e6 < p
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n.max(1)
-        }
-    }
 
     fn message(i: u64) -> Vec<u8> {
         let len = 1 + (i.wrapping_mul(2_654_435_761) % 61) as usize;
@@ -604,39 +586,7 @@ mod tests {
     }
 
     /// Faults of the simulated network.
-    #[derive(Clone, Copy, Debug)]
-    struct Net {
-        loss: f64,
-        dup: f64,
-        /// Base one-way delay and the random extra on top (extra reorders).
-        delay: Duration,
-        jitter: Duration,
-    }
-
-    struct InFlight {
-        at: Instant,
-        order: u64,
-        to: usize,
-        header: Header,
-        payload: Option<Vec<u8>>,
-    }
-    impl PartialEq for InFlight {
-        fn eq(&self, o: &Self) -> bool {
-            (self.at, self.order) == (o.at, o.order)
-        }
-    }
-    impl Eq for InFlight {}
-    impl PartialOrd for InFlight {
-        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-            Some(self.cmp(o))
-        }
-    }
-    impl Ord for InFlight {
-        // Earliest first out of the max-heap.
-        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-            (o.at, o.order).cmp(&(self.at, self.order))
-        }
-    }
+    type Net = crate::sim::Faults;
 
     type L = Link<Vec<u8>, Vec<u8>>;
     /// Packets on their way to each side.
@@ -660,7 +610,6 @@ mod tests {
     ) -> (Duration, [Stats; 2]) {
         let t0 = Instant::now();
         let mut now = t0;
-        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let mut links: [L; 2] = [
             Link::new(cfg, now, psn0, psn0.wrapping_add(7)),
             Link::new(cfg, now, psn0.wrapping_add(7), psn0),
@@ -671,8 +620,7 @@ mod tests {
         // Payloads taken by the fast path: they precede whatever `poll_deliver` holds (the
         // fast path takes a packet only while that is empty).
         let mut direct: [std::collections::VecDeque<Vec<u8>>; 2] = Default::default();
-        let mut wire: BinaryHeap<InFlight> = BinaryHeap::new();
-        let mut order = 0u64;
+        let mut wire = crate::sim::Wire::new(net, seed);
         let limit = t0 + Duration::from_secs(3600);
         loop {
             for s in 0..2 {
@@ -681,25 +629,7 @@ mod tests {
                     next[s] += 1;
                 }
                 while let Some(tx) = links[s].poll_transmit(now) {
-                    let copies = if rng.chance(net.loss) {
-                        0
-                    } else if rng.chance(net.dup) {
-                        2
-                    } else {
-                        1
-                    };
-                    for _ in 0..copies {
-                        let extra = net.jitter.as_nanos() as u64;
-                        let at = now + net.delay + Duration::from_nanos(rng.below(extra + 1));
-                        order += 1;
-                        wire.push(InFlight {
-                            at,
-                            order,
-                            to: 1 - s,
-                            header: tx.header,
-                            payload: tx.payload.cloned(),
-                        });
-                    }
+                    wire.send(now, 1 - s, (tx.header, tx.payload.cloned()));
                 }
                 while let Some(m) = direct[s].pop_front().or_else(|| links[s].poll_deliver()) {
                     assert_eq!(
@@ -725,20 +655,19 @@ mod tests {
             }
             // The next event: a packet landing or a timer.
             let timers = links.iter().filter_map(|l| l.next_timeout());
-            let t = wire.peek().map(|p| p.at).into_iter().chain(timers).min();
+            let t = wire.next_at().into_iter().chain(timers).min();
             let t = t.unwrap_or_else(|| panic!("seed {seed}: stuck with nothing to wait for"));
             now = now.max(t);
             assert!(
                 now < limit,
                 "seed {seed}: no end in virtual time: got {got:?}"
             );
-            while wire.peek().is_some_and(|p| p.at <= now) {
-                let p = wire.pop().unwrap();
-                let link = &mut links[p.to];
-                if fast && p.payload.is_some() && link.on_next_in_order(now, p.header) {
-                    direct[p.to].extend(p.payload);
+            while let Some((to, (header, payload))) = wire.pop_due(now) {
+                let link = &mut links[to];
+                if fast && payload.is_some() && link.on_next_in_order(now, header) {
+                    direct[to].extend(payload);
                 } else {
-                    link.on_packet(now, p.header, p.payload);
+                    link.on_packet(now, header, payload);
                 }
             }
             for l in &mut links {

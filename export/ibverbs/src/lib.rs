@@ -1,3 +1,4 @@
+// Over 800 lines: a `.symver` binding must sit in the object that defines its symbol, so every exported call shares one module.
 //! The soft HCA as `libibverbs.so.1`: a drop-in for Debian 12's rdma-core 44 library (same
 //! SONAME, the same version nodes and symbols, the structures of its `infiniband/verbs.h`), so
 //! that unmodified verbs programs (rdma-core's `ibv_*` examples, perftest) run on weft-verbs's

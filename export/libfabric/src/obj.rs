@@ -1,3 +1,4 @@
+// Over 800 lines: libfabric's object structs and their operation tables, every entry filled, one kind after another.
 //! libfabric's objects for the `weft` provider. Each is a `#[repr(C)]` struct whose first
 //! field is libfabric's `fid_*` (so a `*mut fid_ep` is a `*mut Ep`) and which carries its own
 //! operation tables; it is leaked, never freed, so that a call through a closed object's

@@ -1,3 +1,4 @@
+// Over 800 lines: all of weft-fi's mutable state, behind its one lock, in one place by design.
 //! The process's weft world and what libfabric's objects hold, behind one lock.
 //!
 //! Objects are never freed (a closed one is only marked dead), so a call through a closed

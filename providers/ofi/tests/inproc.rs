@@ -9,60 +9,13 @@ use std::time::{Duration, Instant};
 use weft_ofi::Ofi;
 use weft_provider::bootstrap::InProcessJob;
 use weft_provider::provider::{
-    Access, Completed, Completion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome, Sink,
-    Token,
+    Access, Completed, Completion, Provider, RawIov, RawIovMut, RemoteAddr, SendOutcome,
 };
-use weft_provider::{Rank, Result};
+use weft_provider::Rank;
 
-const T: Duration = Duration::from_secs(20);
 const FABRICS: [&str; 2] = ["shm", "tcp;ofi_rxm"];
 
-#[derive(Default)]
-struct Events {
-    am: Vec<(Rank, Vec<u8>, Vec<u8>)>,
-    done: Vec<(Token, Result<Completed>)>,
-    failed: Vec<(Rank, String)>,
-}
-
-impl Sink for Events {
-    fn am(&mut self, src: Rank, header: &[u8], payload: &[u8]) {
-        self.am.push((src, header.to_vec(), payload.to_vec()));
-    }
-    fn complete(&mut self, token: Token, result: Result<Completed>) {
-        self.done.push((token, result));
-    }
-    fn peer_failed(&mut self, rank: Rank, reason: &str) {
-        self.failed.push((rank, reason.to_string()));
-    }
-}
-
-impl Events {
-    fn take(&mut self, t: Token) -> Option<Result<Completed>> {
-        let i = self.done.iter().position(|d| d.0 == t)?;
-        Some(self.done.remove(i).1)
-    }
-}
-
-fn until(p: &mut Ofi, ev: &mut Events, what: &str, mut cond: impl FnMut(&mut Events) -> bool) {
-    let t0 = Instant::now();
-    while !cond(ev) {
-        p.progress(ev).unwrap();
-        assert!(
-            t0.elapsed() < T,
-            "rank {}: timed out waiting for {what}",
-            p.rank()
-        );
-    }
-}
-
-fn wait(p: &mut Ofi, ev: &mut Events, t: Token) -> Result<Completed> {
-    let mut out = None;
-    until(p, ev, &format!("token {t}"), |e| {
-        out = e.take(t);
-        out.is_some()
-    });
-    out.unwrap()
-}
+use weft_proto::testkit::{until, wait, Events, T};
 
 /// Whether libfabric offers `fab` here; else the reason to skip.
 fn available(fab: &str) -> bool {
@@ -105,21 +58,7 @@ fn world<R: Send + 'static>(
     native: Option<bool>,
     f: impl Fn(Ofi, Arc<Barrier>) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let job = InProcessJob::new(n, T);
-    let bar = Arc::new(Barrier::new(n as usize));
-    let f = Arc::new(f);
-    let hs: Vec<_> = (0..n)
-        .map(|r| {
-            let (job, bar, f) = (job.clone(), bar.clone(), f.clone());
-            std::thread::spawn(move || {
-                f(
-                    Ofi::open_with(&mut job.rank(r), fab, "", native).unwrap(),
-                    bar,
-                )
-            })
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().unwrap()).collect()
+    weft_proto::testkit::world(n, move |b| Ofi::open_with(b, fab, "", native).unwrap(), f)
 }
 
 /// Send one active message, progressing while the provider is busy.

@@ -534,19 +534,7 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::VecDeque;
 
-    /// A tiny deterministic generator (xorshift).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n.max(1)
-        }
-    }
+    use weft_proto::sim::Rng;
 
     const DESIGNS: [Design; 4] = [
         Design::Basic,
@@ -635,11 +623,11 @@ mod tests {
     /// often the sender found the ring full.
     fn run(design: Design, seed: u64, msgs: usize) -> u64 {
         let sh = shape(design);
-        let mut rng = Rng(seed | 1);
+        let mut rng = Rng::new(seed);
         let mut tx = Tx::new(sh);
         let mut rx = Rx::new(sh);
         // Memory starts out full of old bytes, the same on both sides (the mirror's promise).
-        let mut staging: Vec<u8> = (0..sh.mem_len()).map(|_| rng.next() as u8).collect();
+        let mut staging: Vec<u8> = (0..sh.mem_len()).map(|_| rng.next_u64() as u8).collect();
         if design == Design::Basic {
             let h = sh.head_at();
             staging[h..h + 8].fill(0);
@@ -917,8 +905,8 @@ mod tests {
             d in 0usize..4,
         ) {
             let sh = shape(DESIGNS[d]);
-            let mut rng = Rng(seed | 1);
-            let mut mem: Vec<u8> = (0..sh.mem_len()).map(|_| rng.next() as u8).collect();
+            let mut rng = Rng::new(seed);
+            let mut mem: Vec<u8> = (0..sh.mem_len()).map(|_| rng.next_u64() as u8).collect();
             let mut rx = Rx::new(sh);
             for _ in 0..8 {
                 match rx.peek(&mut mem[..]) {

@@ -1,3 +1,4 @@
+// Over 800 lines: the `Hca` implementation on libibverbs, one call per verb.
 //! The rdma-core backend: [`Hca`] on a real HCA through libibverbs (`ibverbs-sys`, the raw
 //! bindings of the `ibverbs` crate; built with the `rdma-core` cargo feature). The `ibverbs`
 //! crate's safe layer covers RC set-up and plain sends, not SRQs, UD address handles, atomics

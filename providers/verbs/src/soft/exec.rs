@@ -1,3 +1,4 @@
+// Over 800 lines: the responder: every work request kind executed against a target's segment, sharing one set of key, range and rights checks.
 //! The responder, run by the initiator: a process posting to a peer on its host reaches into
 //! the peer's segment and does what the peer's HCA would do — check the key, range and rights
 //! of the target region, take a posted receive, move the bytes, deliver the completion, execute

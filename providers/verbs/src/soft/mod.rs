@@ -1,3 +1,4 @@
+// Over 800 lines: the soft HCA's state (objects, segment bookkeeping, the engine thread) that `verbs`, `exec`, `wire` and `service` share.
 //! The soft HCA: a user-space emulation of an InfiniBand HCA, faithful in what providers can
 //! observe (key, range and rights checks; reliable in-order RC with RNR and transport retries;
 //! unreliable UD with a GRH; last byte last; HCA-level atomics executed once; flushing on

@@ -137,28 +137,9 @@ impl Config {
     }
 }
 
-/// A small seeded generator (xorshift64*) for fault injection: reproducible for a seed.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn next_f64(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// True with probability `p` (draws nothing when `p` is 0, so an idle knob changes no
-    /// other knob's sequence).
-    pub fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && self.next_f64() < p
-    }
-}
+/// The seeded generator of fault injection (xorshift64*, `weft_proto::sim`): reproducible for
+/// a seed.
+pub use weft_proto::sim::Rng;
 
 // ---- accounting model (mlx5-shaped; docs/verbs.md) ----
 

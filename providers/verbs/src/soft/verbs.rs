@@ -1,3 +1,4 @@
+// Over 800 lines: the soft HCA's `Hca` implementation, one call per verb.
 //! The verbs calls of the soft HCA: object creation and destruction, the QP state machine,
 //! posting and polling.
 

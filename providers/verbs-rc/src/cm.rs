@@ -29,14 +29,7 @@ impl VerbsRc {
     /// The peer's connection-manager address and handle.
     pub(crate) fn ud_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
         let (hca, pd) = (&self.hca, self.pd);
-        let (ah, ep) = self.book.handle(r, |ep| {
-            let at = verbs::AhAttr {
-                dgid: ep.gid,
-                dlid: ep.lid,
-                port_num: 1,
-            };
-            hca.create_ah(pd, &at)
-        })?;
+        let (ah, ep) = self.book.handle(r, |ep| hca.create_ah(pd, &ep.ah_attr()))?;
         Ok((ah, ep.qpn))
     }
 

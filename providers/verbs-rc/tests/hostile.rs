@@ -109,16 +109,7 @@ fn forge_request(boot: &mut impl Bootstrap, job: &str) {
     assert_eq!(buf.len(), CM_LEN);
     // SAFETY: `buf` outlives the send, which completes before it is dropped (polled below).
     let mr = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), CM_LEN, Access::LOCAL_WRITE) }.unwrap();
-    let ah = h
-        .create_ah(
-            pd,
-            &AhAttr {
-                dgid: to.gid,
-                dlid: to.lid,
-                port_num: 1,
-            },
-        )
-        .unwrap();
+    let ah = h.create_ah(pd, &to.ah_attr()).unwrap();
     h.post_send(
         ud,
         &[SendWr::send(1, &[mr.sge(0, CM_LEN)]).to(ah, to.qpn, QKEY)],
@@ -272,16 +263,7 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
         .unwrap();
     boot.fence().unwrap();
     let to: Endpoint = boot.get("verbs-rc.0").unwrap().parse().unwrap();
-    let ah = h
-        .create_ah(
-            pd,
-            &AhAttr {
-                dgid: to.gid,
-                dlid: to.lid,
-                port_num: 1,
-            },
-        )
-        .unwrap();
+    let ah = h.create_ah(pd, &to.ah_attr()).unwrap();
     let psn = 7;
     let req = CmMsg {
         kind: CmKind::Req,

@@ -54,16 +54,7 @@ fn spoof(boot: &mut impl Bootstrap) {
     pkt.extend_from_slice(b"forgedz");
     // SAFETY: `pkt` outlives the send, which completes before it is dropped (polled below).
     let mr = unsafe { h.reg_mr(pd, pkt.as_mut_ptr(), pkt.len(), Access::LOCAL_WRITE) }.unwrap();
-    let ah = h
-        .create_ah(
-            pd,
-            &AhAttr {
-                dgid: to.gid,
-                dlid: to.lid,
-                port_num: 1,
-            },
-        )
-        .unwrap();
+    let ah = h.create_ah(pd, &to.ah_attr()).unwrap();
     h.post_send(
         qp,
         &[SendWr::send(1, &[mr.sge(0, pkt.len())]).to(ah, to.qpn, qk)],

@@ -166,6 +166,16 @@ impl Endpoint {
         }
     }
 
+    /// The address vector that reaches this endpoint's port (port 1): for an address handle,
+    /// or an RC QP's path.
+    pub fn ah_attr(&self) -> AhAttr {
+        AhAttr {
+            dgid: self.gid,
+            dlid: self.lid,
+            port_num: 1,
+        }
+    }
+
     /// Whether a UD receive the HCA stamped with the sender's QP number `src_qp` and (when
     /// the receive has one) global route header `grh` came from this endpoint's QP on this
     /// endpoint's HCA: no sender chooses those. A GRH as InfiniBand and RoCE v1 lay it out
@@ -290,11 +300,7 @@ pub fn connect_rc(
         &QpAttr {
             qp_state: Some(QpState::Rtr),
             path_mtu: Some(mtu),
-            ah_attr: Some(AhAttr {
-                dgid: remote.gid,
-                dlid: remote.lid,
-                port_num: 1,
-            }),
+            ah_attr: Some(remote.ah_attr()),
             dest_qp_num: Some(remote.qpn),
             rq_psn: Some(remote.psn),
             max_dest_rd_atomic: Some(p.rd_atomic),

@@ -112,7 +112,7 @@ impl VerbsRc {
             }
             FrameKind::Rtu => {
                 let p = &mut self.peers[i];
-                if p.conn == Conn::Accepted {
+                if cm_state::on_rtu(p.conn) {
                     p.conn = Conn::Up;
                     sink.connection(src, ConnEvent::Connected);
                     self.on_up(src)?;

@@ -3,6 +3,7 @@
 //! requests), resent until answered and failed after `WEFT_VERBS_RC_CONNECT_TIMEOUT`.
 
 use super::*;
+use cm_state::{OnCm, OnTimer};
 
 impl VerbsRc {
     /// The connection-manager address `r` published (looked up once).
@@ -111,38 +112,26 @@ impl VerbsRc {
         }
     }
 
-    /// A connection-manager datagram arrived.
+    /// A connection-manager datagram arrived: decided by [`cm_state::on_cm`], carried out
+    /// here.
     pub(crate) fn on_cm(&mut self, m: CmMsg) -> Result<()> {
-        if m.job != self.job || m.dst != self.rank || m.src >= self.size || m.src == self.rank {
-            return Ok(());
-        }
         let r = m.src;
-        let i = r as usize;
-        let gen = self.peers[i].gen;
-        match (m.kind, self.peers[i].conn) {
-            (_, Conn::Failed | Conn::Draining) => {}
-            // A request or answer of an earlier connection between us (torn down since, on
-            // either side) is stale: answering it could leave one side half-connected.
-            (CmKind::Req | CmKind::Rep, Conn::Idle | Conn::Requesting { .. }) if m.gen != gen => {
-                self.stats.cm_stale += 1;
-            }
-            (CmKind::Req, Conn::Idle) => self.accept(r, &m)?,
-            (CmKind::Req, Conn::Requesting { .. }) => {
-                // Both asked: the higher rank answers, with the QP it already made.
-                if self.rank > r {
-                    self.accept(r, &m)?;
+        let Some(p) = self.peers.get(r as usize) else {
+            return Ok(());
+        };
+        let answered = p.rep.and(p.remote_qpn);
+        let d = cm_state::on_cm(self.rank, self.size, self.job, p.conn, p.gen, answered, &m);
+        match d {
+            OnCm::Ignore => {}
+            OnCm::Stale => self.stats.cm_stale += 1,
+            OnCm::Accept => self.accept(r, &m)?,
+            OnCm::RepeatRep => {
+                if let Some(rep) = self.peers[r as usize].rep {
+                    self.send_cm(r, &rep)?;
                 }
             }
-            (CmKind::Req, Conn::Accepted | Conn::Up) => {
-                // Our REP was lost: say it again (only to the QP we connected to).
-                let p = &self.peers[i];
-                if let (Some(rep), Some(q)) = (p.rep, p.remote_qpn) {
-                    if q == m.ep.qpn {
-                        self.send_cm(r, &rep)?;
-                    }
-                }
-            }
-            (CmKind::Rep, Conn::Requesting { .. }) => {
+            OnCm::Complete => {
+                let i = r as usize;
                 let p = &self.peers[i];
                 let qp = p.qp.expect("requesting peers have a QP");
                 verbs::connect_rc(&*self.hca, qp, p.psn, &m.ep, &self.rc)?;
@@ -152,7 +141,6 @@ impl VerbsRc {
                 self.events.push((r, ConnEvent::Connected));
                 self.on_up(r)?;
             }
-            (CmKind::Rep, _) => {}
         }
         Ok(())
     }
@@ -194,23 +182,17 @@ impl VerbsRc {
             }
             self.cm_due.pop();
             self.stats.cm_checked += 1;
-            let Conn::Requesting { first, next, wait } = self.peers[r as usize].conn else {
-                continue;
+            let conn = self.peers[r as usize].conn;
+            let next = match cm_state::on_timer(conn, at, now, self.connect_timeout) {
+                OnTimer::Skip => continue,
+                OnTimer::Fail => {
+                    self.conn_failed(r, WcStatus::Success);
+                    continue;
+                }
+                OnTimer::Resend { conn, due } => (conn, due),
             };
-            if next != at {
-                continue;
-            }
-            if now - first > self.connect_timeout {
-                self.conn_failed(r, WcStatus::Success);
-                continue;
-            }
-            let wait = (wait * 2).min(Duration::from_secs(1));
-            self.peers[r as usize].conn = Conn::Requesting {
-                first,
-                next: now + wait,
-                wait,
-            };
-            self.cm_due.push(Reverse((now + wait, r)));
+            self.peers[r as usize].conn = next.0;
+            self.cm_due.push(Reverse((next.1, r)));
             self.stats.cm_resends += 1;
             let m = self.req(r);
             self.send_cm(r, &m)?;

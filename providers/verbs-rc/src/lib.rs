@@ -41,7 +41,7 @@
 //!
 //! # Where things are
 //! `lib.rs` the provider's state (`VerbsRc`, `Peer`, `Stats`) and opening; `config` the
-//! parameters; `cm` the connection manager; `am` active messages over send/receive and their
+//! parameters; `cm` the connection manager (its decisions without I/O: `cm_state`); `am` active messages over send/receive and their
 //! order with the rings; `ring_io` the eager rings' I/O (the rings without I/O: `eager`);
 //! `rma` RMA and atomic work requests; `events` completions and failures; `keepalive`;
 //! `provider` the `Provider` entry points and teardown; `compose` the interface the hybrid
@@ -49,6 +49,7 @@
 
 mod am;
 mod cm;
+mod cm_state;
 mod compose;
 mod config;
 pub mod eager;

@@ -76,9 +76,10 @@ pub struct Config {
 impl Default for Config {
     /// UD defaults for one host or a cluster: a 256-packet window; 10 ms timeout until the
     /// round trip is measured (UCX's tick), then the measured one, at least 200 µs (a loss
-    /// on one host or one switch waits no longer than that: with 1 ms, 1 MiB bandwidth under
-    /// 1 % loss was 2330 MB/s against 2740), backing off to 1 s; acknowledgements within
-    /// 100 µs; 30 s of silence (UCX ud).
+    /// on one host or one switch waits no longer than that; a 1 ms floor cost bandwidth
+    /// under loss: docs/history/benchmarks-notebook.md, "Measurements behind code
+    /// decisions"), backing off to 1 s; acknowledgements within 100 µs; 30 s of silence
+    /// (UCX ud).
     fn default() -> Config {
         Config {
             window: 256,
@@ -391,8 +392,8 @@ impl<S, R> Link<S, R> {
             self.early[i] = Some(payload);
             self.stats.kept += 1;
             // A gap: tell the sender now (its fast retransmit counts these). Every time: sending
-            // only the first three per gap cut pure acknowledgements by 85 % under 1 % loss,
-            // but 1 MiB bandwidth fell (3902 to 3763 MB/s, alternated runs).
+            // only the first three per gap sent fewer pure acknowledgements but cost bandwidth
+            // (docs/history/benchmarks-notebook.md, "Measurements behind code decisions").
             self.ack_now = true;
             self.note_pending(now);
             return Arrival::Kept;
@@ -861,7 +862,8 @@ mod tests {
 
     /// The packet that fills a gap is acknowledged at once, with everything kept behind it:
     /// the sender's window is held by the packets behind the gap until it learns. (Left to
-    /// the delayed rule, 1 MiB bandwidth under 1 % loss was 2773 MB/s against 3964.)
+    /// the delayed rule, bandwidth under loss fell: docs/history/benchmarks-notebook.md,
+    /// "Measurements behind code decisions".)
     #[test]
     fn a_filled_gap_is_acknowledged_at_once() {
         let cfg = Config::default();

@@ -100,8 +100,9 @@ fn spec_limit_from_env() -> Result<Option<usize>> {
 
 /// Speculation saves the `RTS`/`CTS` round trip: worth it where that trip crosses a network
 /// stack (providers that span hosts) and there is no zero-copy read to use instead. Past a
-/// few MiB the trip is lost in the transfer time (≈9 µs against 0.2 ms for 1 MiB on loopback
-/// TCP), while data that finds no receive and no staging room is sent twice.
+/// few MiB the trip is lost in the transfer time (docs/history/benchmarks-notebook.md,
+/// "Measurements behind code decisions"), while data that finds no receive and no staging
+/// room is sent twice.
 pub(crate) fn spec_limit_auto(caps: &Caps) -> usize {
     if caps.spans_hosts && !caps.rma.is_some_and(|r| r.read) {
         4 << 20

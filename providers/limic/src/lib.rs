@@ -13,8 +13,9 @@
 //! receive posted does not push; it hands the receiver its descriptor (state `MATCHED`) and
 //! the receiver pulls at its next progress call. Every large copy then runs on the receiver's
 //! core, into the buffer it will read, and destination cache lines stop bouncing between
-//! cores — 64 KiB one-way latency falls from 9.5 to 6.0 µs on the 2-core test machine
-//! (docs/history/benchmarks-notebook.md). `WEFT_LIMIC_PULL=0` restores the literal push.
+//! cores, which lowers 64 KiB latency by about a third (measured: docs/history/
+//! benchmarks-notebook.md, "Measurements behind code decisions"). `WEFT_LIMIC_PULL=0`
+//! restores the literal push.
 //!
 //! RMA on windows over user memory is one-sided for real: put is `process_vm_writev` and get
 //! `process_vm_readv` into the target's registered region, which the origin checks against

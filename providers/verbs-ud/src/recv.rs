@@ -122,7 +122,8 @@ impl VerbsUd {
     /// `r`'s next data packet in order, from the receive buffer or from its link: a
     /// zero-copy control message waits in `zin`, a probe is dropped, anything else goes to
     /// the message being assembled. Returns the messages delivered to `sink`. Inlined: out of
-    /// line it cost 8-byte latency 0.03 µs (0.52 against 0.49, alternated runs).
+    /// line it cost measurable 8-byte latency (docs/history/benchmarks-notebook.md,
+    /// "Measurements behind code decisions").
     #[inline]
     pub(crate) fn take(
         rx: &mut Rx,

@@ -234,6 +234,20 @@ fn a_peer_that_skips_a_number_cannot_pin_the_receivers_memory() {
 /// Rank 1's side of the test above: messages 1, 2, ... until rank 0 failed rank 1 (or 12,000
 /// of them, 96 MiB, went).
 fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
+    const MSG: usize = FRAME_HDR + 8 + 8192;
+    // Declared before the HCA, so dropped after it: if an assertion below unwinds with the
+    // receive still posted, the HCA (and with it every work request) is gone before the bytes.
+    let mut buf = vec![0u8; 4096 + 64 * MSG];
+    let base = buf.as_mut_ptr();
+    // The bytes `[off, off + len)` of `buf`, for one step while no work request names them.
+    let bytes = |off: usize, len: usize| {
+        assert!(off + len <= 4096 + 64 * MSG);
+        // SAFETY: in bounds of `buf` (checked above), which lives to the end of this function;
+        // every call below names a range no posted work request covers at that moment (the
+        // receive at 0..40+CM_LEN has completed before it is read, a send slot is written only
+        // after its previous send completed), and the slice is dropped within the statement.
+        unsafe { std::slice::from_raw_parts_mut(base.add(off), len) }
+    };
     let h = SoftHca::with_config(Default::default()).unwrap();
     let pd = h.alloc_pd().unwrap();
     let cq = h.create_cq(512).unwrap();
@@ -252,11 +266,10 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
     let ud = h.create_qp(pd, &init(QpType::Ud)).unwrap();
     activate_ud(&h, ud, QKEY).unwrap();
     let rc = h.create_qp(pd, &init(QpType::Rc)).unwrap();
-    const MSG: usize = FRAME_HDR + 8 + 8192;
-    let mut buf = vec![0u8; 4096 + 64 * MSG];
-    // SAFETY: `buf` outlives every work request posted on it: all complete (or are flushed)
-    // before this function returns, and the HCA is dropped before `buf`.
-    let mr = unsafe { h.reg_mr(pd, buf.as_mut_ptr(), buf.len(), Access::LOCAL_WRITE) }.unwrap();
+    // SAFETY: `buf` outlives the HCA (declared before it), so every work request posted on
+    // the region ends before the memory goes, on return and on unwinding alike; while one may
+    // run, the only references made to the region are `bytes`' ranges, which no request names.
+    let mr = unsafe { h.reg_mr(pd, base, 4096 + 64 * MSG, Access::LOCAL_WRITE) }.unwrap();
     h.post_recv(ud, &[RecvWr::new(1, &[mr.sge(0, 40 + CM_LEN)])])
         .unwrap();
     boot.put("verbs-rc.1", &Endpoint::of(&h, ud, 0).to_string())
@@ -273,7 +286,7 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
         gen: 0,
         ep: Endpoint::of(&h, rc, psn),
     };
-    buf[1024..1024 + CM_LEN].copy_from_slice(&req.encode());
+    bytes(1024, CM_LEN).copy_from_slice(&req.encode());
     h.post_send(
         ud,
         &[SendWr::send(2, &[mr.sge(1024, CM_LEN)]).to(ah, to.qpn, QKEY)],
@@ -281,7 +294,7 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
     .unwrap();
     let w = wait_cq(&h, cq, 2, T).unwrap();
     assert!(w.iter().all(|w| w.status == WcStatus::Success), "{w:?}");
-    let rep = CmMsg::decode(&buf[40..40 + CM_LEN]).expect("rank 0 answers with a REP");
+    let rep = CmMsg::decode(bytes(40, CM_LEN)).expect("rank 0 answers with a REP");
     assert_eq!(rep.kind, CmKind::Rep);
     connect_rc(&h, rc, psn, &rep.ep, &RcParams::default()).unwrap();
     // RTU, then messages 1, 2, 3, ...: message 0 never comes.
@@ -295,7 +308,7 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
         }
         .write(out)
     };
-    frame(FrameKind::Rtu, 0, 0, 0, &mut buf[4096..]);
+    frame(FrameKind::Rtu, 0, 0, 0, bytes(4096, FRAME_HDR));
     h.post_send(rc, &[SendWr::send(3, &[mr.sge(4096, FRAME_HDR)])])
         .unwrap();
     assert_eq!(wait_cq(&h, cq, 1, T).unwrap()[0].status, WcStatus::Success);
@@ -303,9 +316,11 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
     let mut wcs = [Wc::EMPTY; 64];
     let t0 = Instant::now();
     while failed.load(Ordering::Acquire) == 0 && seq <= 12_000 {
+        // RC completes in order, so with at most 64 in flight the slot of message `seq` was
+        // last used by `seq - 64`, which has completed.
         while inflight < 64 && seq <= 12_000 {
             let off = 4096 + (seq as usize % 64) * MSG;
-            frame(FrameKind::Am, 8, 8192, seq, &mut buf[off..]);
+            frame(FrameKind::Am, 8, 8192, seq, bytes(off, MSG));
             h.post_send(rc, &[SendWr::send(u64::from(seq), &[mr.sge(off, MSG)])])
                 .unwrap();
             (seq, inflight) = (seq + 1, inflight + 1);
@@ -314,11 +329,13 @@ fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
         inflight -= n;
         assert!(t0.elapsed() < T, "rank 1's sends stalled");
     }
-    // Let what is in flight complete (or fail) before the buffer goes.
+    // Let what is in flight complete (or fail) before the HCA and then the buffer go.
     let t0 = Instant::now();
     while inflight > 0 {
         let n = h.poll_cq(cq, &mut wcs).unwrap();
         inflight -= n;
         assert!(t0.elapsed() < T, "rank 1's last sends never completed");
     }
+    drop(h);
+    drop(buf);
 }

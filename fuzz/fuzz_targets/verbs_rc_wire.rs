@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use weft_verbs_rc::wire::{CmMsg, Frame, Offer, FRAME_HDR};
+use weft_verbs::rc::wire::{CmMsg, Frame, Offer, FRAME_HDR};
 
 fuzz_target!(|data: &[u8]| {
     if let Some(m) = CmMsg::decode(data) {

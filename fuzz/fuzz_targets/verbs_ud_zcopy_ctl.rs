@@ -1,10 +1,10 @@
-//! verbs-ud's UD zero-copy control messages (`weft_verbs_ud::zcopy::Ctl`: done, grant with its
+//! verbs-ud's UD zero-copy control messages (`weft_verbs::ud::zcopy::Ctl`: done, grant with its
 //! piece ranges, fin, abort), which a peer sends: decoding any bytes must never panic, a grant
 //! never names more pieces than a transfer has, and what decodes encodes back to itself.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use weft_verbs_ud::zcopy::{Ctl, MAX_PIECES};
+use weft_verbs::ud::zcopy::{Ctl, MAX_PIECES};
 
 fuzz_target!(|data: &[u8]| {
     if let Some(c) = Ctl::decode(data) {

@@ -1,7 +1,7 @@
 //! Helpers for a provider's own tests, ranks as threads of one process: a sink that keeps
 //! what progress reports ([`Events`]), bounded waits ([`until`], [`wait`], [`send`]) that fail
-//! loudly instead of hanging, a provider's counter by name, and a job of `n` ranks
-//! ([`world`]). Every wait is bounded by [`T`].
+//! loudly instead of hanging, a provider's counter by name, a job of `n` ranks
+//! ([`world`]), and the CPU time a thread ran ([`thread_cpu_ticks`]). Every wait is bounded by [`T`].
 
 use std::io::IoSlice;
 use std::sync::{Arc, Barrier};
@@ -112,4 +112,16 @@ pub fn world<P, R: Send + 'static>(
     hs.into_iter()
         .map(|h| h.join().expect("a rank's thread panicked"))
         .collect()
+}
+
+/// CPU time the calling thread has run so far, in clock ticks (1/100 s), from
+/// `/proc/thread-self/stat`: for tests that a wait leaves the CPU to others.
+pub fn thread_cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("/proc/thread-self/stat");
+    // The command name may hold spaces: the fields after it start at the last ')'.
+    let rest = &stat[stat.rfind(')').expect("a command name") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime, fields 14 and 15 of the whole line.
+    let tick = |i: usize| f[i].parse::<u64>().expect("a tick count");
+    tick(11) + tick(12)
 }

@@ -274,17 +274,7 @@ pub fn oracle<T: weft::Element>(op: weft::Op, target: T, origin: T) -> T {
     *bytemuck::from_bytes(&r.to_le_bytes()[..ty.size()])
 }
 
-/// CPU time the calling thread has run so far, in clock ticks (1/100 s), from
-/// `/proc/thread-self/stat`: for tests that a wait leaves the CPU to others.
-pub fn thread_cpu_ticks() -> u64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("/proc/thread-self/stat");
-    // The command name may hold spaces: the fields after it start at the last ')'.
-    let rest = &stat[stat.rfind(')').expect("a command name") + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime, fields 14 and 15 of the whole line.
-    let tick = |i: usize| f[i].parse::<u64>().expect("a tick count");
-    tick(11) + tick(12)
-}
+pub use weft_proto::testkit::thread_cpu_ticks;
 
 #[cfg(test)]
 mod oracle_tests {

@@ -32,8 +32,9 @@ use weft_provider::bootstrap::{Bootstrap, Singleton};
 use weft_provider::provider::{Discard, Provider, SendOutcome};
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
-use weft_verbs_rc::{Sizing, VerbsRc};
-use weft_verbs_ud::VerbsUd;
+use weft_verbs::channel::{RcChannel, Sizing, UdChannel};
+use weft_verbs::rc::VerbsRc;
+use weft_verbs::ud::VerbsUd;
 
 weft_provider::param!(AUTO_CACHE: Str = "hybrid", "AUTO_CACHE", "",
     "hybrid: directory of the calibration cache of WEFT_HYBRID_RULES=auto (empty: $XDG_CACHE_HOME/weft or ~/.cache/weft; none: calibrate at every start)");

@@ -1,6 +1,9 @@
-//! The `hybrid` provider: verbs-ud and verbs-rc opened side by side, each active message sent
-//! over the channel the send-rule chain picks among those open to its peer, RC connections
-//! opened by the budget's agreement, and order across channels restored on receipt.
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
+//! The `hybrid` provider: the UD and RC channels (`weft_verbs::channel`) opened side by side,
+//! each active message sent over the channel the send-rule chain picks among those open to its
+//! peer, RC connections opened by the budget's agreement, and order across channels (and
+//! across RC-FP and RC-SR: the RC channel does not order them in a composition) restored on
+//! receipt by one sequencer.
 //!
 //! Every peer starts on UD-SR (verbs-ud's one UD QP). A message to or from a peer counts
 //! towards its RC threshold; past it the two budgets agree ([`crate::budget`], control
@@ -50,9 +53,10 @@ use weft_provider::provider::{
 };
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
+use weft_verbs::channel::{RcChannel, Sizing, UdChannel};
+use weft_verbs::rc::VerbsRc;
+use weft_verbs::ud::VerbsUd;
 use weft_verbs::Hca;
-use weft_verbs_rc::{Sizing, VerbsRc};
-use weft_verbs_ud::VerbsUd;
 
 /// Room for the prefix and the core's header when sending: no channel takes a longer header
 /// (verbs-rc 128 bytes, verbs-ud fewer), and `max_am_header` is theirs less the prefix.

@@ -24,8 +24,8 @@ use weft_provider::bootstrap::{Bootstrap, KvSpace, NodeMap};
 use weft_provider::provider::{Discard, Provider, StaticProvider};
 use weft_provider::types::Rank;
 use weft_provider::{Error, Result};
-use weft_verbs_rc::VerbsRc;
-use weft_verbs_ud::VerbsUd;
+use weft_verbs::rc::VerbsRc;
+use weft_verbs::ud::VerbsUd;
 
 /// The queue-pair number the phantoms' addresses carry: the largest a 24-bit field holds, which
 /// no HCA hands out before the 16 millionth queue pair.
@@ -287,7 +287,7 @@ mod tests {
     fn ud_counters_count_each_peer_once() {
         let f = {
             let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
-            weft_verbs_ud::footprint().expect("footprint")
+            weft_verbs::ud::footprint().expect("footprint")
         };
         let (a, b) = (
             measure("verbs-ud", 2).expect("measured"),

@@ -4,6 +4,7 @@
 use weft_hybrid::Hybrid;
 use weft_provider::bootstrap::Singleton;
 use weft_provider::provider::StaticProvider;
+use weft_verbs::channel::RcChannel;
 
 /// RC-FP slots are sized for what the chain sends through them: the default chain sends up to
 /// 2 KiB by RC-FP, so its slots (2,816 bytes with their slack) are well below verbs-rc's own
@@ -12,7 +13,7 @@ use weft_provider::provider::StaticProvider;
 fn rc_fp_slots_follow_the_chain() {
     let rc_own = {
         let mut boot = Singleton::new();
-        let rc = weft_verbs_rc::VerbsRc::open(&mut boot).expect("open verbs-rc");
+        let rc = weft_verbs::rc::VerbsRc::open(&mut boot).expect("open verbs-rc");
         rc.ring_bytes_per_peer()
     };
     let fp = |rules: Option<&str>| {

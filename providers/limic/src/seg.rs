@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! The limic segment: one per host and job, created by local rank 0 (mode 0600, named after the
 //! job), mapped by the others and unlinked before `open` returns. It holds, per local rank, an
 //! *area*: liveness, the matching lock and the two queues of the LiMIC design (posted receives
@@ -662,9 +663,12 @@ mod tests {
                 l.word.store(0, Ordering::Release);
             })
         };
-        let (t0, c0) = (std::time::Instant::now(), weft_testing::thread_cpu_ticks());
+        let (t0, c0) = (
+            std::time::Instant::now(),
+            weft_proto::testkit::thread_cpu_ticks(),
+        );
         drop(lock(&l, 0, |_| true));
-        let (wall, cpu) = (t0.elapsed(), weft_testing::thread_cpu_ticks() - c0);
+        let (wall, cpu) = (t0.elapsed(), weft_proto::testkit::thread_cpu_ticks() - c0);
         holder.join().unwrap();
         assert!(wall >= held / 2, "the lock was not waited for ({wall:?})");
         assert!(

@@ -11,7 +11,7 @@ use weft_provider::provider::{Provider, SendOutcome, StaticProvider};
 use weft_verbs::soft::SoftHca;
 use weft_verbs::*;
 use weft_verbs_rc::wire::{job_hash, CmKind, CmMsg, Frame, FrameKind, CM_LEN, FRAME_HDR};
-use weft_verbs_rc::VerbsRc;
+use weft_verbs_rc::{RcChannel, Sizing, VerbsRc};
 
 mod common;
 use common::*;
@@ -231,7 +231,64 @@ fn a_peer_that_skips_a_number_cannot_pin_the_receivers_memory() {
     assert_eq!(held, (64 << 20) / 8200, "{why}");
 }
 
-/// Rank 1's side of the test above: messages 1, 2, ... until rank 0 failed rank 1 (or 12,000
+/// The same peer against the channel a composition opens (`RcChannel::open_sized`): there
+/// the composition's own sequencer orders what all its channels deliver, so the RC channel
+/// hands each frame on as it comes and holds none (one sequencer, not two: a hybrid's RC
+/// channel used to hold frames behind eager records, which the hybrid then ordered again).
+#[test]
+fn a_compositions_channel_hands_frames_on_as_they_come() {
+    std::env::set_var("WEFT_VERBS_DEVICE", "soft");
+    let job = InProcessJob::new(2, T);
+    let failed = Arc::new(AtomicU32::new(0));
+    let (j0, f0) = (job.clone(), failed.clone());
+    let r0 = std::thread::spawn(move || {
+        let mut boot = j0.rank(0);
+        let sizing = Sizing {
+            fp_peers: 0,
+            fp_threshold: 0,
+            buf: 8192,
+            pool: 64,
+            conns: 1,
+            fp_payload: 0,
+            fp_bufs: 0,
+            sq: 0,
+            sges: 0,
+        };
+        let hca = weft_verbs::open_default().unwrap();
+        let mut p = VerbsRc::open_sized(&mut boot, sizing, hca).unwrap();
+        let mut ev = Events::default();
+        let t0 = Instant::now();
+        while ev.am.len() < 500 {
+            p.progress(&mut ev).unwrap();
+            assert!(
+                t0.elapsed() < T,
+                "rank 0 delivered {} messages ({} held)",
+                ev.am.len(),
+                counter(&p, "overtaken")
+            );
+        }
+        f0.store(1, Ordering::Release);
+        let t0 = Instant::now();
+        while f0.load(Ordering::Acquire) != 2 {
+            p.progress(&mut ev).unwrap();
+            assert!(t0.elapsed() < T, "rank 1 never finished");
+        }
+        assert!(ev.failed.is_empty(), "{:?}", ev.failed);
+        let sizes = ev
+            .am
+            .iter()
+            .all(|(src, h, b)| *src == 1 && h.len() == 8 && b.len() == 8192);
+        (sizes, counter(&p, "overtaken"))
+    });
+    let mut boot = job.rank(1);
+    skip_message_0(&mut boot, job.id(), &failed);
+    failed.store(2, Ordering::Release);
+    let (sizes, held) = r0.join().unwrap();
+    assert!(sizes, "every message delivered whole, from rank 1");
+    assert_eq!(held, 0, "nothing held for order");
+}
+
+/// Rank 1's side of the two tests above: messages 1, 2, ... until rank 0 says stop (or 12,000
 /// of them, 96 MiB, went).
 fn skip_message_0(boot: &mut impl Bootstrap, job: &str, failed: &AtomicU32) {
     const MSG: usize = FRAME_HDR + 8 + 8192;

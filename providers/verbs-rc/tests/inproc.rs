@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft_provider::provider::{Access, Completion, Provider, RawIov, RemoteAddr};
 use weft_provider::ErrorKind;
+use weft_verbs_rc::RcChannel;
 
 mod common;
 use common::*;

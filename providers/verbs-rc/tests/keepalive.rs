@@ -8,7 +8,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use weft_provider::bootstrap::InProcessJob;
 use weft_provider::provider::{Provider, SendOutcome};
-use weft_verbs_rc::{Sizing, VerbsRc};
+use weft_verbs_rc::{RcChannel, Sizing, VerbsRc};
 
 mod common;
 use common::Events;

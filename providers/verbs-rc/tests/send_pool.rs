@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Barrier};
 use weft_provider::bootstrap::InProcessJob;
 use weft_provider::provider::Provider;
-use weft_verbs_rc::{Sizing, VerbsRc};
+use weft_verbs_rc::{RcChannel, Sizing, VerbsRc};
 
 mod common;
 use common::*;

@@ -3,8 +3,13 @@
 //! InfiniBand, and real HCAs through rdma-core (`rdma::RdmaHca`, with the `rdma-core` cargo
 //! feature; see `docs/verbs.md`).
 //!
-//! The providers `verbs-rc`, `verbs-ud` and `hybrid` are written against [`Hca`] only, so what
-//! passes on the soft HCA runs the same on hardware. `WEFT_VERBS_DEVICE` picks the device.
+//! On it, the two channels: [`rc`] (Reliable Connection: on-demand connections, send/receive
+//! over a shared receive queue, eager rings, native RDMA and atomics) and [`ud`] (Unreliable
+//! Datagram: one QP for every peer, reliability by `weft_proto::reliable`, UD zero-copy). Each
+//! implements the provider contract — the `verbs-rc` and `verbs-ud` crates register them under
+//! those names — and [`channel`] declares what a composition (the `hybrid` provider) asks of
+//! them beyond it. All are written against [`Hca`] only, so what passes on the soft HCA runs
+//! the same on hardware. `WEFT_VERBS_DEVICE` picks the device.
 //!
 //! ```no_run
 //! use weft_verbs::*;
@@ -24,13 +29,16 @@
 //! // exchange Endpoint::of(&*hca, qp).to_string() with the peer, then connect_rc(...)
 //! ```
 
+pub mod channel;
 pub mod hca;
 pub mod pool;
+pub mod rc;
 #[cfg(feature = "rdma-core")]
 pub mod rdma;
 pub mod soft;
 use weft_proto::sync;
 pub mod types;
+pub mod ud;
 
 pub use hca::{Accounting, Counters, Hca};
 pub use pool::{Chunked, Pool};

@@ -120,8 +120,8 @@ impl Config {
             max_fp_set: MAX_FP.is_set(),
             small_job: SMALL_JOB.get_u64()?,
             limits_from: LIMITS_FROM.get_u64()?,
-            fp_ring: if FP_SPREAD.get_bool()? && !weft_verbs_rc::FP_BUFS.is_set() {
-                Some(weft_verbs_rc::FP_BUFS.get_u64()? as usize)
+            fp_ring: if FP_SPREAD.get_bool()? && !weft_verbs::rc::FP_BUFS.is_set() {
+                Some(weft_verbs::rc::FP_BUFS.get_u64()? as usize)
             } else {
                 None
             },
@@ -286,7 +286,7 @@ pub fn chain_in_force(size: u32) -> std::result::Result<String, String> {
     }
     let (job, upto) = cfg.job(size).map_err(|e| e.to_string())?;
     let zcopy_off = job.rules().iter().any(|r| r.channel == Channel::UdZcopy)
-        && !weft_verbs_ud::zero_copy_on().map_err(|e| e.to_string())?;
+        && !weft_verbs::ud::zero_copy_on().map_err(|e| e.to_string())?;
     Ok(format!(
         "{} ({}){}",
         crate::rules::Chain(job.rules().to_vec()),

@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! The eager RDMA channels of verbs-rc, written sans-IO: which bytes of a ring a message
 //! occupies, which RDMA writes carry it, when the receiver sees it complete, and when space is
 //! handed back. The provider does the I/O (copies into staging memory, posts the writes, reads

@@ -6,7 +6,7 @@ use super::*;
 impl VerbsUd {
     /// The address handle of `r`; a peer whose process is gone is failed (`None`), not an
     /// error of this call: a rank that finished may exit before a slower one first answers it.
-    pub(crate) fn reach(&mut self, r: Rank) -> Result<Option<(verbs::Ah, u32)>> {
+    pub(super) fn reach(&mut self, r: Rank) -> Result<Option<(verbs::Ah, u32)>> {
         match self.ah_of(r) {
             Ok(a) => Ok(Some(a)),
             Err(e) if e.kind() == weft_provider::ErrorKind::PeerFailed => {
@@ -24,7 +24,7 @@ impl VerbsUd {
     }
 
     /// Post what `r`'s link has to send, while the send queue has room.
-    pub(crate) fn transmit(&mut self, r: Rank, now: Instant) -> Result<()> {
+    pub(super) fn transmit(&mut self, r: Rank, now: Instant) -> Result<()> {
         let i = r as usize;
         let p = &self.peers[i];
         if p.link.is_none() || p.failed {
@@ -81,7 +81,7 @@ impl VerbsUd {
     /// most half the send buffers (a probe keeps its buffer until acknowledged): a process that
     /// had talked to 16K peers probed until no send buffer was left, every 2 s, and its own
     /// messages waited for the acknowledgements of a thousand probes.
-    pub(crate) fn keepalives(&mut self) {
+    pub(super) fn keepalives(&mut self) {
         let n = self.active.len();
         for _ in 0..self.cfg.keepalive_peers.min(n) {
             let k = self.ka_next % n;
@@ -114,7 +114,7 @@ impl VerbsUd {
     }
 
     /// A send slot is free once acknowledged and no longer read by the HCA.
-    pub(crate) fn maybe_free(&mut self, slot: u32) {
+    pub(super) fn maybe_free(&mut self, slot: u32) {
         let s = slot as usize;
         if self.send_acked[s] && self.send_refs[s] == 0 {
             self.send_acked[s] = false;

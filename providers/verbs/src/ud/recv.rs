@@ -9,7 +9,7 @@ impl VerbsUd {
     /// order, with nothing kept ahead of it, is assembled straight from the receive buffer
     /// (returns the messages that delivers to `sink`); any other packet is copied into its
     /// link to wait for `drain`.
-    pub(crate) fn on_recv(
+    pub(super) fn on_recv(
         &mut self,
         i: u32,
         n: usize,
@@ -89,7 +89,7 @@ impl VerbsUd {
     }
 
     /// Deliver `r`'s packets that are next in order, and free the send slots it acknowledged.
-    pub(crate) fn drain(&mut self, r: Rank, sink: &mut dyn Sink) -> usize {
+    pub(super) fn drain(&mut self, r: Rank, sink: &mut dyn Sink) -> usize {
         let i = r as usize;
         let mut n = 0;
         let peer = &mut self.peers[i];
@@ -125,7 +125,7 @@ impl VerbsUd {
     /// line it cost measurable 8-byte latency (docs/history/benchmarks-notebook.md,
     /// "Measurements behind code decisions").
     #[inline]
-    pub(crate) fn take(
+    pub(super) fn take(
         rx: &mut Rx,
         zin: &mut Vec<(Rank, Vec<u8>)>,
         stats: &mut Stats,
@@ -146,7 +146,7 @@ impl VerbsUd {
 
     /// Put `r`'s next packet in order (`body`, with its flags and lengths) into the message
     /// being assembled; deliver a message it completes. Returns the messages delivered.
-    pub(crate) fn assemble(
+    pub(super) fn assemble(
         rx: &mut Rx,
         stats: &mut Stats,
         r: Rank,

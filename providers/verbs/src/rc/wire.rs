@@ -2,7 +2,7 @@
 //! at the front of every RC send buffer. Both come from peers, so decoding checks every field
 //! and never panics (property-tested below, fuzzed by `fuzz/verbs_rc_wire`).
 
-use weft_verbs::{Endpoint, Gid};
+use crate::{Endpoint, Gid};
 
 /// "WFRC": a datagram that is not from a weft verbs-rc connection manager is dropped.
 pub const CM_MAGIC: u32 = 0x5746_5243;

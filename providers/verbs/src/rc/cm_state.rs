@@ -16,11 +16,11 @@ use super::{CmKind, CmMsg, Conn, Rank};
 use std::time::{Duration, Instant};
 
 /// The longest wait between two resends of a `REQ`.
-pub(crate) const MAX_RESEND: Duration = Duration::from_secs(1);
+pub(super) const MAX_RESEND: Duration = Duration::from_secs(1);
 
 /// What to do with a connection-manager datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OnCm {
+pub(super) enum OnCm {
     /// Not for this pair, or the pair is failed or being closed: nothing.
     Ignore,
     /// Of another connection generation: counted, never answered.
@@ -39,7 +39,7 @@ pub(crate) enum OnCm {
 /// whose pair with `m.src` is in state `conn` at generation `gen`; `answered` is the QP
 /// number our QP was connected to when we answered a `REQ` of this pair (with a `REP` kept
 /// for a repeat).
-pub(crate) fn on_cm(
+pub(super) fn on_cm(
     me: Rank,
     size: u32,
     job: u64,
@@ -69,7 +69,7 @@ pub(crate) fn on_cm(
 
 /// What a pair's resend timer, set for `at`, means at `now`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OnTimer {
+pub(super) enum OnTimer {
     /// Not requesting any more, or a later timer replaced this one: nothing.
     Skip,
     /// Unanswered for longer than the connect timeout: the peer is failed.
@@ -80,7 +80,7 @@ pub(crate) enum OnTimer {
 }
 
 /// The decision for the resend timer of a pair in state `conn`.
-pub(crate) fn on_timer(conn: Conn, at: Instant, now: Instant, timeout: Duration) -> OnTimer {
+pub(super) fn on_timer(conn: Conn, at: Instant, now: Instant, timeout: Duration) -> OnTimer {
     let Conn::Requesting { first, next, wait } = conn else {
         return OnTimer::Skip;
     };
@@ -103,17 +103,17 @@ pub(crate) fn on_timer(conn: Conn, at: Instant, now: Instant, timeout: Duration)
 }
 
 /// Whether `RTU` makes the pair up: only a pair that answered a request waits for one.
-pub(crate) fn on_rtu(conn: Conn) -> bool {
+pub(super) fn on_rtu(conn: Conn) -> bool {
     conn == Conn::Accepted
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::REQ_RESEND;
+    use crate::rc::REQ_RESEND;
+    use crate::{Endpoint, Gid};
     use std::collections::VecDeque;
     use weft_proto::sim::Rng;
-    use weft_verbs::{Endpoint, Gid};
 
     const JOB: u64 = 77;
 

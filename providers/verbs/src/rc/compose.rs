@@ -1,11 +1,11 @@
-//! The interface of verbs-rc as a channel of a composition (the hybrid provider): open on a
-//! shared HCA with a `Sizing`, and per peer: its route and fast path, quiescing and
+//! verbs-rc as a channel of a composition ([`crate::channel::RcChannel`], declared there): open
+//! on a shared HCA with a `Sizing`, and per peer: its route and fast path, quiescing and
 //! disconnecting it (connection generations), sending an active message by a chosen channel
-//! (`am_send_via`, in `am.rs`).
+//! (`send_via`, in `am.rs`).
 
 use super::*;
 
-impl VerbsRc {
+impl RcChannel for VerbsRc {
     /// Open as one channel of a composition (the hybrid provider): the parameters of the
     /// environment, but RC-FP slots for at most `fp_peers` peers, and the slots' threshold, the
     /// eager buffer size and the shared pools' sizes given in `sizing` where the environment
@@ -13,11 +13,7 @@ impl VerbsRc {
     /// it).
     /// `hca` is the device the composition's other channels use too (one per process, as on
     /// hardware: one QP-context cache, one set of service threads).
-    pub fn open_sized(
-        boot: &mut dyn Bootstrap,
-        sizing: Sizing,
-        hca: Arc<dyn Hca>,
-    ) -> Result<VerbsRc> {
+    fn open_sized(boot: &mut dyn Bootstrap, sizing: Sizing, hca: Arc<dyn Hca>) -> Result<VerbsRc> {
         let mut cfg = Config::from_env()?;
         cfg.fp_peers = sizing.fp_peers;
         // One more than the budget: the connection to ourselves.
@@ -28,6 +24,7 @@ impl VerbsRc {
         cfg.ops_in_flight = 64;
         cfg.ring_in_flight = (sizing.fp_peers * 32).clamp(64, RING_IN_FLIGHT);
         cfg.lazy_pools = true;
+        cfg.ordered = false;
         if !FP_THRESHOLD.is_set() {
             cfg.fp_threshold = sizing.fp_threshold;
         }
@@ -67,7 +64,7 @@ impl VerbsRc {
 
     /// This process writes into an eager ring (RC-FP slots) in `peer`'s memory: RC-FP is open
     /// towards it.
-    pub fn fast_path_to(&self, peer: Rank) -> bool {
+    fn fast_path_to(&self, peer: Rank) -> bool {
         self.peers
             .get(peer as usize)
             .is_some_and(|p| p.etx.is_some())
@@ -75,15 +72,15 @@ impl VerbsRc {
 
     /// Eager-ring memory of one peer, both directions (the ring it writes into here and the
     /// mirror of ours), with the geometry in force (see [`Sizing::fp_payload`]).
-    pub fn ring_bytes_per_peer(&self) -> u64 {
+    fn ring_bytes_per_peer(&self) -> u64 {
         ring_pair_bytes(self.shape) as u64
     }
 
     /// Stop posting anything to `peer` (a composition is closing the connection): sends to
     /// it are refused (`Busy`), no ring write, credit, offer or keepalive goes out, and an
     /// error completion no longer fails the peer. What the peer already wrote is still taken
-    /// in. Then wait for [`VerbsRc::quiet`] and [`VerbsRc::disconnect`].
-    pub fn quiesce(&mut self, peer: Rank) -> Result<()> {
+    /// in. Then wait for [`RcChannel::quiet`] and [`RcChannel::disconnect`].
+    fn quiesce(&mut self, peer: Rank) -> Result<()> {
         let i = self.check_rank(peer)?;
         if peer == self.rank {
             return Err(Error::invalid(
@@ -97,27 +94,27 @@ impl VerbsRc {
     }
 
     /// RDMA operations towards `peer` can be posted: its connection is up, or closing with
-    /// its queue pair still there (they complete before [`VerbsRc::quiet`] holds).
-    pub fn rdma_open(&self, peer: Rank) -> bool {
+    /// its queue pair still there (they complete before [`RcChannel::quiet`] holds).
+    fn rdma_open(&self, peer: Rank) -> bool {
         self.peers
             .get(peer as usize)
             .is_some_and(|p| matches!(p.conn, Conn::Up | Conn::Draining))
     }
 
     /// Nothing of ours towards `peer` is in flight or queued.
-    pub fn quiet(&self, peer: Rank) -> bool {
+    fn quiet(&self, peer: Rank) -> bool {
         self.peers
             .get(peer as usize)
             .is_none_or(|p| p.inflight == 0 && p.queued.is_empty())
     }
 
-    /// Tear down the connection to `peer` (after [`VerbsRc::quiesce`] and once
-    /// [`VerbsRc::quiet`]): destroy its QP, release both eager rings, forget the connection's
+    /// Tear down the connection to `peer` (after [`RcChannel::quiesce`] and once
+    /// [`RcChannel::quiet`]): destroy its QP, release both eager rings, forget the connection's
     /// sequence numbers, and count a new generation so that requests of this connection still
     /// in the network are not answered. A later `connect` makes a fresh connection. The caller
     /// (the hybrid's budget) makes sure the peer has taken in everything we sent and we
     /// everything it sent.
-    pub fn disconnect(&mut self, peer: Rank) -> Result<()> {
+    fn disconnect(&mut self, peer: Rank) -> Result<()> {
         let i = self.check_rank(peer)?;
         if peer == self.rank {
             return Err(Error::invalid(
@@ -164,7 +161,7 @@ impl VerbsRc {
 
     /// Set up RC-FP slots for the connected `peer` if it has none and fewer than
     /// `fp_peers` peers have (a slot freed by a teardown goes to another connection).
-    pub fn open_fast_path(&mut self, peer: Rank) -> Result<()> {
+    fn open_fast_path(&mut self, peer: Rank) -> Result<()> {
         let i = self.check_rank(peer)?;
         if self.shape.design == Design::Fastpath
             && self.peers[i].conn == Conn::Up
@@ -178,23 +175,28 @@ impl VerbsRc {
 
     /// The largest active message (header and payload) the eager slots take in one record;
     /// larger ones go by send/receive. 0 without slots in this design.
-    pub fn ring_max(&self) -> usize {
+    fn ring_max(&self) -> usize {
         self.shape.max_body().saturating_sub(FRAME_HDR)
     }
 
-    /// The RC connection to `peer` is up (sends to it go out now rather than wait).
-    pub fn connected(&self, peer: Rank) -> bool {
-        self.route(peer).is_some()
-    }
-
-    /// [`VerbsRc::connected`] and [`VerbsRc::fast_path_to`] in one look at the peer's record:
+    /// [`RcChannel::connected`] and [`RcChannel::fast_path_to`] in one look at the peer's record:
     /// `None` while not connected, else whether its eager slots are set up (a composition
     /// asks on every send).
     #[inline]
-    pub fn route(&self, peer: Rank) -> Option<bool> {
+    fn route(&self, peer: Rank) -> Option<bool> {
         self.peers
             .get(peer as usize)
             .filter(|p| p.conn == Conn::Up)
             .map(|p| p.etx.is_some())
+    }
+
+    fn am_send_via(
+        &mut self,
+        dest: Rank,
+        header: &[u8],
+        payload: &[IoSlice<'_>],
+        ring: bool,
+    ) -> Result<SendOutcome> {
+        self.send_via(dest, header, payload, ring)
     }
 }

@@ -5,7 +5,7 @@ use super::*;
 
 impl VerbsRc {
     /// Post `r`'s queued RMA operations while its send queue has room.
-    pub(crate) fn flush_queued(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn flush_queued(&mut self, r: Rank) -> Result<()> {
         let i = r as usize;
         // A closing connection still takes RDMA operations (a rendezvous read decided
         // before the close): they complete before it is quiet.
@@ -25,7 +25,7 @@ impl VerbsRc {
     }
 
     /// Post (or queue) an RMA or atomic work request towards `dest`.
-    pub(crate) fn submit(&mut self, dest: Rank, mut wr: SendWr, done: Completion) -> Result<()> {
+    pub(super) fn submit(&mut self, dest: Rank, mut wr: SendWr, done: Completion) -> Result<()> {
         let i = self.check_rank(dest)?;
         if self.peers[i].conn == Conn::Failed {
             return Err(self.peer_gone(dest));
@@ -48,7 +48,7 @@ impl VerbsRc {
     }
 
     /// Local SGEs of an RMA operation (empty pieces dropped).
-    pub(crate) fn sges<'a>(
+    pub(super) fn sges<'a>(
         &self,
         pieces: impl Iterator<Item = (u64, usize, u64)> + 'a,
     ) -> Result<SmallVec<[verbs::Sge; 2]>> {
@@ -80,7 +80,7 @@ impl VerbsRc {
 
     /// Post (or queue) one RDMA read, write or write with immediate of `sg`; a read or write
     /// that moves nothing completes at once.
-    pub(crate) fn rdma(
+    pub(super) fn rdma(
         &mut self,
         peer: Rank,
         op: WrOpcode,
@@ -112,7 +112,7 @@ impl VerbsRc {
         self.submit(peer, wr, done)
     }
 
-    pub(crate) fn rkey(remote: RemoteAddr) -> Result<u32> {
+    pub(super) fn rkey(remote: RemoteAddr) -> Result<u32> {
         u32::try_from(remote.key)
             .map_err(|_| Error::invalid(format!("verbs-rc: {:#x} is not an rkey", remote.key)))
     }

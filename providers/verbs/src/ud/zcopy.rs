@@ -541,14 +541,12 @@ mod tests {
         assert_eq!(rounds, 6);
     }
 
-    /// Whether piece `i` of round `round` is lost: `loss` % of them, by a hash of `seed`.
+    /// Whether piece `i` of round `round` is lost: `loss` % of them, drawn from `seed`, the
+    /// round and the piece (the same answer however often it is asked).
     fn lossy(seed: u64, loss: u32) -> impl Fn(u32, usize) -> bool {
         move |round: u32, i: usize| {
-            let mut x = seed ^ (round as u64) << 32 ^ i as u64;
-            x ^= x >> 33;
-            x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-            x ^= x >> 33;
-            (x % 100) < loss as u64
+            let mut rng = weft_proto::sim::Rng::new(seed ^ (round as u64) << 32 ^ i as u64);
+            rng.below(100) < loss as u64
         }
     }
 

@@ -6,7 +6,7 @@ use super::*;
 impl VerbsUd {
     /// Post receives for `pieces` of zero-copy receive `z` (recorded as posted by its
     /// [`zcopy::Recv`] already), in this order.
-    pub(crate) fn zpost(&mut self, z: usize, pieces: &[u32]) -> Result<()> {
+    pub(super) fn zpost(&mut self, z: usize, pieces: &[u32]) -> Result<()> {
         let Some(zr) = self.zrecvs[z].as_ref() else {
             return Ok(());
         };
@@ -30,7 +30,7 @@ impl VerbsUd {
 
     /// Register `[base, base + len)` for one zero-copy transfer into it: a pool QP, the
     /// first round's receives posted.
-    pub(crate) fn zrecv_open(
+    pub(super) fn zrecv_open(
         &mut self,
         base: *mut u8,
         len: usize,
@@ -106,7 +106,7 @@ impl VerbsUd {
     /// End zero-copy receive `z`: receives still posted over the buffer are taken back (QP
     /// reset) and the buffer deregistered (waiting out a landing under way) before this
     /// returns; a sender not yet told the transfer ended is told it was given up.
-    pub(crate) fn zrecv_close(&mut self, z: usize) -> Result<()> {
+    pub(super) fn zrecv_close(&mut self, z: usize) -> Result<()> {
         let zr = self
             .zrecvs
             .get_mut(z)
@@ -145,12 +145,12 @@ impl VerbsUd {
     }
 
     /// Queue control message `c` to `r` and send what the link has room for.
-    pub(crate) fn send_ctl(&mut self, r: Rank, c: &zcopy::Ctl) {
+    pub(super) fn send_ctl(&mut self, r: Rank, c: &zcopy::Ctl) {
         self.peers[r as usize].ctl_out.push_back(c.encode());
         self.flush_ctl(r);
     }
 
-    pub(crate) fn flush_ctl(&mut self, r: Rank) {
+    pub(super) fn flush_ctl(&mut self, r: Rank) {
         let i = r as usize;
         while !self.peers[i].ctl_out.is_empty() && !self.peers[i].failed {
             if self.link(r).room() < 1 {
@@ -175,7 +175,7 @@ impl VerbsUd {
 
     /// Post the pieces zero-copy sends have due, while the send queue has room; announce a
     /// round's end once all its pieces are posted.
-    pub(crate) fn zpump(&mut self) -> Result<()> {
+    pub(super) fn zpump(&mut self) -> Result<()> {
         for s in 0..self.zsends.len() {
             let Some(z) = self.zsends[s].as_ref() else {
                 continue;
@@ -224,7 +224,7 @@ impl VerbsUd {
     }
 
     /// A zero-copy control message from `src`.
-    pub(crate) fn zctl(&mut self, src: Rank, body: &[u8]) -> Result<()> {
+    pub(super) fn zctl(&mut self, src: Rank, body: &[u8]) -> Result<()> {
         use zcopy::Ctl;
         let Some(c) = Ctl::decode(body) else {
             self.stats.malformed += 1;
@@ -315,7 +315,7 @@ impl VerbsUd {
         Ok(())
     }
 
-    pub(crate) fn zsend_of(&mut self, dest: Rank, xfer: u32) -> Option<&mut ZSend> {
+    pub(super) fn zsend_of(&mut self, dest: Rank, xfer: u32) -> Option<&mut ZSend> {
         self.zsends
             .iter_mut()
             .flatten()
@@ -323,7 +323,7 @@ impl VerbsUd {
     }
 
     /// Report zero-copy sends that are over and whose pieces the HCA no longer reads.
-    pub(crate) fn zcomplete(&mut self, sink: &mut dyn Sink) -> usize {
+    pub(super) fn zcomplete(&mut self, sink: &mut dyn Sink) -> usize {
         let mut n = 0;
         for slot in &mut self.zsends {
             if slot

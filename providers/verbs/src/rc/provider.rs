@@ -27,7 +27,7 @@ impl Provider for VerbsRc {
         header: &[u8],
         payload: &[IoSlice<'_>],
     ) -> Result<SendOutcome> {
-        self.am_send_via(dest, header, payload, true)
+        self.send_via(dest, header, payload, true)
     }
 
     fn progress(&mut self, sink: &mut dyn Sink) -> Result<usize> {

@@ -7,7 +7,7 @@ impl VerbsRc {
     /// Hand the core the connection events and peer failures noted since the last progress
     /// call (out of line: most calls have none).
     #[inline(never)]
-    pub(crate) fn report_events(&mut self, sink: &mut dyn Sink) -> usize {
+    pub(super) fn report_events(&mut self, sink: &mut dyn Sink) -> usize {
         let mut n = 0;
         for (r, e) in self.events.drain(..) {
             sink.connection(r, e);
@@ -22,7 +22,7 @@ impl VerbsRc {
 
     /// The connection to `r` is gone (`st` is why): fail the peer once, and every operation
     /// queued for it; those in flight fail as the HCA flushes them.
-    pub(crate) fn conn_failed(&mut self, r: Rank, st: WcStatus) {
+    pub(super) fn conn_failed(&mut self, r: Rank, st: WcStatus) {
         // Failed already, or closed on purpose (draining, or torn down: no QP left to fail).
         if matches!(
             self.peers[r as usize].conn,
@@ -45,7 +45,7 @@ impl VerbsRc {
 
     /// Answering `r`'s connection-manager datagram failed (its process is gone, say, before
     /// our QP could be connected to its): that peer is failed, no other.
-    pub(crate) fn cm_failed(&mut self, r: Rank, e: &Error) {
+    pub(super) fn cm_failed(&mut self, r: Rank, e: &Error) {
         if matches!(self.peers[r as usize].conn, Conn::Failed | Conn::Draining) {
             return;
         }
@@ -55,7 +55,7 @@ impl VerbsRc {
         );
     }
 
-    pub(crate) fn fail_peer(&mut self, r: Rank, reason: String) {
+    pub(super) fn fail_peer(&mut self, r: Rank, reason: String) {
         let i = r as usize;
         self.peers[i].conn = Conn::Failed;
         self.polling.retain(|&p| p != r);
@@ -70,7 +70,7 @@ impl VerbsRc {
         self.failures.push((r, reason));
     }
 
-    pub(crate) fn on_wc(&mut self, wc: &verbs::Wc, sink: &mut dyn Sink) -> Result<()> {
+    pub(super) fn on_wc(&mut self, wc: &verbs::Wc, sink: &mut dyn Sink) -> Result<()> {
         let idx = (wc.wr_id & 0xffff_ffff) as u32;
         let ok = wc.status == WcStatus::Success;
         match wc.wr_id & K_MASK {

@@ -6,7 +6,7 @@ use super::*;
 impl VerbsRc {
     /// Probe connected peers with nothing in flight by a zero-length RDMA write: a dead one
     /// fails it with transport retry exceeded.
-    pub(crate) fn keepalives(&mut self) -> Result<()> {
+    pub(super) fn keepalives(&mut self) -> Result<()> {
         let Some(every) = self.keepalive else {
             return Ok(());
         };

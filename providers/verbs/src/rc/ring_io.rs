@@ -6,26 +6,26 @@
 use super::*;
 
 /// Our side of the ring in a peer's memory.
-pub(crate) struct EagerTx {
-    pub(crate) tx: eager::Tx,
+pub(super) struct EagerTx {
+    pub(super) tx: eager::Tx,
     /// The mirror of the ring, the source of the writes, and the head-pointer source word.
-    pub(crate) staging: Pool,
+    pub(super) staging: Pool,
     /// The peer's block: the ring, its head word, our tail word.
-    pub(crate) addr: u64,
-    pub(crate) rkey: u32,
+    pub(super) addr: u64,
+    pub(super) rkey: u32,
 }
 
 /// The ring a peer writes into: our block ([`Shape::mem_len`] + [`BLOCK_EXTRA`] bytes).
-pub(crate) struct EagerRx {
-    pub(crate) rx: eager::Rx,
-    pub(crate) block: Pool,
+pub(super) struct EagerRx {
+    pub(super) rx: eager::Rx,
+    pub(super) block: Pool,
 }
 
 /// The receiver's view of its block for the sans-IO ring: loads and flag stores through raw
 /// pointers, since the peer's HCA writes this memory while we read it.
-pub(crate) struct BlockView {
-    pub(crate) base: *mut u8,
-    pub(crate) len: usize,
+pub(super) struct BlockView {
+    pub(super) base: *mut u8,
+    pub(super) len: usize,
 }
 
 impl RingMem for BlockView {
@@ -53,7 +53,7 @@ impl RingMem for BlockView {
 impl BlockView {
     /// Store a word of ours in the block (the source of the tail pointers we write): through
     /// the pointer, since a reference to the block would cover bytes peers write.
-    pub(crate) fn store(&mut self, off: usize, v: u64) {
+    pub(super) fn store(&mut self, off: usize, v: u64) {
         assert!(off % 8 == 0 && off + 8 <= self.len, "word out of the block");
         // SAFETY: in bounds and 8-aligned (checked above).
         unsafe { AtomicU64::from_ptr(self.base.add(off) as *mut u64) }.store(v, Ordering::Release);
@@ -62,7 +62,7 @@ impl BlockView {
 
 impl VerbsRc {
     /// The connection to `r` is up: the ring designs offer their ring at once.
-    pub(crate) fn on_up(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn on_up(&mut self, r: Rank) -> Result<()> {
         let now = match self.shape.design {
             // The fast path waits for its threshold (in `delivered`), unless that is 0.
             Design::Fastpath => self.fp_threshold == 0 && self.polling.len() < self.fp_peers,
@@ -76,7 +76,7 @@ impl VerbsRc {
 
     /// Make a ring for `r` to write into, and offer it. Without the memory or registrations
     /// for it, the peer stays on send/receive.
-    pub(crate) fn open_rx(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn open_rx(&mut self, r: Rank) -> Result<()> {
         let len = self.shape.mem_len() + BLOCK_EXTRA;
         // Device memory where there is enough: a peer's writes into it are plain stores.
         let block = match Pool::remote(&*self.hca, self.pd, len, true) {
@@ -96,7 +96,7 @@ impl VerbsRc {
         self.send_offer(r)
     }
 
-    pub(crate) fn send_offer(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn send_offer(&mut self, r: Rank) -> Result<()> {
         let Some(e) = self.peers[r as usize].erx.as_ref() else {
             return Ok(());
         };
@@ -116,7 +116,7 @@ impl VerbsRc {
     }
 
     /// `src` offers a ring: check it is ours in shape, and make the mirror to write from.
-    pub(crate) fn on_offer(&mut self, src: Rank, o: Offer) -> std::result::Result<(), String> {
+    pub(super) fn on_offer(&mut self, src: Rank, o: Offer) -> std::result::Result<(), String> {
         let mine = self.shape;
         if o.design != mine.design as u8
             || o.size as usize != mine.size
@@ -142,7 +142,7 @@ impl VerbsRc {
 
     /// Try to send an active message through `r`'s ring: `false` if it cannot go that way
     /// now (no ring yet, too large, full, or the send queue is).
-    pub(crate) fn ring_send(
+    pub(super) fn ring_send(
         &mut self,
         r: Rank,
         header: &[u8],
@@ -245,7 +245,7 @@ impl VerbsRc {
     /// Poll `r`'s ring in our memory: deliver the records that are next in sequence, answer
     /// with acknowledgements when due, and (basic) take the peer's tail pointer and send the
     /// head pointer that waited for it.
-    pub(crate) fn poll_ring(&mut self, r: Rank, sink: &mut dyn Sink) -> Result<usize> {
+    pub(super) fn poll_ring(&mut self, r: Rank, sink: &mut dyn Sink) -> Result<usize> {
         let i = r as usize;
         let mut n = 0;
         loop {
@@ -280,6 +280,7 @@ impl VerbsRc {
                         }
                     };
                     match p.expect.check(f.seq, HOLD.window) {
+                        _ if !self.ordered => {}
                         Ok(0) => {}
                         // A send/receive frame before it is still in the completion queue.
                         Ok(_) => break,
@@ -316,7 +317,7 @@ impl VerbsRc {
     }
 
     /// Acknowledgements, pointers and offers owed to `r`.
-    pub(crate) fn ring_control(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn ring_control(&mut self, r: Rank) -> Result<()> {
         let i = r as usize;
         if self.peers[i].conn == Conn::Draining {
             return Ok(());

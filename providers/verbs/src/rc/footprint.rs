@@ -1,42 +1,7 @@
-//! What a composition asks of verbs-rc (`Sizing`) and what one process and one peer cost
-//! (`footprint()`, for `weft info`), measured on a soft HCA of its own.
+//! What one process and one peer of verbs-rc cost (`footprint()`, for `weft info`), measured
+//! on a soft HCA of its own.
 
 use super::*;
-
-/// Sizes for [`VerbsRc::open_sized`].
-#[derive(Debug, Clone, Copy)]
-pub struct Sizing {
-    /// Peers with RC-FP slots at most (`WEFT_VERBS_RC_FP_PEERS`).
-    pub fp_peers: usize,
-    /// Messages received from a peer over RC before its slots are set up
-    /// (`WEFT_VERBS_RC_FP_THRESHOLD`; 0: at connection).
-    pub fp_threshold: u64,
-    /// Active-message payload of one RC send (`WEFT_VERBS_RC_BUF`).
-    pub buf: usize,
-    /// Receive buffers in the shared receive queue, and send buffers
-    /// (`WEFT_VERBS_RC_SRQ`, `WEFT_VERBS_RC_SEND_BUFS`).
-    pub pool: usize,
-    /// Connections the composition opens at most (its RC budget): the completion queue keeps
-    /// room for that many keepalive probes rather than one per rank of the job. More
-    /// connections still work; their keepalives then take turns.
-    pub conns: usize,
-    /// The largest active-message payload the composition sends through RC-FP: each slot is
-    /// made large enough for it with the largest header and some slack
-    /// ([`eager::Shape::fastpath_slot_for`]; `WEFT_VERBS_RC_FP_SIZE` instead when set). 0:
-    /// that parameter's slots.
-    pub fp_payload: usize,
-    /// Slots of each RC-FP ring (`WEFT_VERBS_RC_FP_BUFS` instead when set; 0: that
-    /// parameter's default): a composition may spread a memory budget over more peers with
-    /// shallower rings.
-    pub fp_bufs: usize,
-    /// Send-queue depth of each RC queue pair (`WEFT_VERBS_RC_SQ` when set; 0: that
-    /// parameter's default).
-    pub sq: u32,
-    /// Scatter-gather entries a work request needs at most: a composition that sends by copy
-    /// and offers RMA on single buffers needs one, and each queue pair's send ring shrinks with
-    /// it (0: as many as the device takes, up to 16).
-    pub sges: usize,
-}
 
 /// What verbs-rc costs in memory with the current parameters, measured with the HCA's own
 /// accounting (the soft HCA counts queue entries and registrations exactly).
@@ -95,7 +60,7 @@ pub fn footprint() -> Result<Footprint> {
 }
 
 /// The connection manager's UD queue pair.
-pub(crate) fn ud_init(cq: verbs::Cq) -> verbs::QpInitAttr {
+pub(super) fn ud_init(cq: verbs::Cq) -> verbs::QpInitAttr {
     verbs::QpInitAttr {
         qp_type: QpType::Ud,
         send_cq: cq,
@@ -113,7 +78,7 @@ pub(crate) fn ud_init(cq: verbs::Cq) -> verbs::QpInitAttr {
 }
 
 /// An RC queue pair towards one peer: receives from the shared receive queue.
-pub(crate) fn rc_init(cq: verbs::Cq, srq: verbs::Srq, sq: u32, max_sge: u32) -> verbs::QpInitAttr {
+pub(super) fn rc_init(cq: verbs::Cq, srq: verbs::Srq, sq: u32, max_sge: u32) -> verbs::QpInitAttr {
     verbs::QpInitAttr {
         qp_type: QpType::Rc,
         send_cq: cq,

@@ -5,7 +5,7 @@ use super::*;
 
 /// The completion queue, the UD QP every peer reaches and the zero-copy pool's QPs, activated
 /// with `qkey` when given.
-pub(crate) fn create_queues(
+pub(super) fn create_queues(
     hca: &dyn Hca,
     pd: verbs::Pd,
     cfg: &Config,
@@ -33,7 +33,7 @@ pub(crate) fn create_queues(
 
 /// The buffer pools: scratch (zero-copy GRHs), receive (where every packet lands: HCA memory
 /// where there is enough of it), send, control.
-pub(crate) fn create_pools(hca: &dyn Hca, pd: verbs::Pd, cfg: &Config) -> Result<[Pool; 4]> {
+pub(super) fn create_pools(hca: &dyn Hca, pd: verbs::Pd, cfg: &Config) -> Result<[Pool; 4]> {
     Ok([
         Pool::new(hca, pd, 1, 64, false)?,
         Pool::new(hca, pd, cfg.recvs, GRH + cfg.mtu, true)?,
@@ -95,7 +95,7 @@ pub fn footprint() -> Result<Footprint> {
 }
 
 /// The UD queue pair: receives from the shared pool.
-pub(crate) fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {
+pub(super) fn qp_init(cq: verbs::Cq, recvs: u32) -> verbs::QpInitAttr {
     verbs::QpInitAttr {
         qp_type: QpType::Ud,
         send_cq: cq,

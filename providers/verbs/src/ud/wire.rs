@@ -25,7 +25,7 @@ pub const F_FIRST: u8 = 1;
 pub const F_LAST: u8 = 2;
 /// A keepalive probe: acknowledged like data, delivered to no one.
 pub const F_PING: u8 = 4;
-/// A zero-copy control message ([`crate::zcopy::Ctl`]).
+/// A zero-copy control message ([`crate::ud::zcopy::Ctl`]).
 pub const F_CTRL: u8 = 8;
 
 fn put_u16(b: &mut [u8], v: u16) {

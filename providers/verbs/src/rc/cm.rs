@@ -7,7 +7,7 @@ use cm_state::{OnCm, OnTimer};
 
 impl VerbsRc {
     /// The connection-manager address `r` published (looked up once).
-    pub(crate) fn published(&mut self, r: Rank) -> Result<Endpoint> {
+    pub(super) fn published(&mut self, r: Rank) -> Result<Endpoint> {
         self.book.get(r)
     }
 
@@ -17,7 +17,7 @@ impl VerbsRc {
     /// offers is on that same HCA. The endpoint a connection is made to is then the
     /// bootstrap's, never one a datagram chose: a forged request cannot point this HCA at
     /// another process (the soft HCA maps the process a GID names).
-    pub(crate) fn cm_from_published(&mut self, m: &CmMsg, src_qp: u32, grh: Option<&[u8]>) -> bool {
+    pub(super) fn cm_from_published(&mut self, m: &CmMsg, src_qp: u32, grh: Option<&[u8]>) -> bool {
         if m.src >= self.size {
             return false;
         }
@@ -28,13 +28,13 @@ impl VerbsRc {
     }
 
     /// The peer's connection-manager address and handle.
-    pub(crate) fn ud_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
+    pub(super) fn ud_of(&mut self, r: Rank) -> Result<(verbs::Ah, u32)> {
         let (hca, pd) = (&self.hca, self.pd);
         let (ah, ep) = self.book.handle(r, |ep| hca.create_ah(pd, &ep.ah_attr()))?;
         Ok((ah, ep.qpn))
     }
 
-    pub(crate) fn send_cm(&mut self, to: Rank, m: &CmMsg) -> Result<()> {
+    pub(super) fn send_cm(&mut self, to: Rank, m: &CmMsg) -> Result<()> {
         let (ah, qpn) = self.ud_of(to)?;
         let Some(i) = self.ud_send.free.pop() else {
             // Every manager send slot is in flight: the resend timer covers a dropped one.
@@ -51,7 +51,7 @@ impl VerbsRc {
         Ok(())
     }
 
-    pub(crate) fn my_ep(&self, p: &Peer) -> Endpoint {
+    pub(super) fn my_ep(&self, p: &Peer) -> Endpoint {
         Endpoint::of(
             &*self.hca,
             p.qp.expect("a QP exists once a connection is asked for"),
@@ -60,7 +60,7 @@ impl VerbsRc {
     }
 
     /// Start connecting to `r` (nothing if already under way).
-    pub(crate) fn start(&mut self, r: Rank) -> Result<()> {
+    pub(super) fn start(&mut self, r: Rank) -> Result<()> {
         let i = self.check_rank(r)?;
         if self.peers[i].conn != Conn::Idle {
             return Ok(());
@@ -100,7 +100,7 @@ impl VerbsRc {
         self.send_cm(r, &m)
     }
 
-    pub(crate) fn req(&self, r: Rank) -> CmMsg {
+    pub(super) fn req(&self, r: Rank) -> CmMsg {
         let p = &self.peers[r as usize];
         CmMsg {
             kind: CmKind::Req,
@@ -114,7 +114,7 @@ impl VerbsRc {
 
     /// A connection-manager datagram arrived: decided by [`cm_state::on_cm`], carried out
     /// here.
-    pub(crate) fn on_cm(&mut self, m: CmMsg) -> Result<()> {
+    pub(super) fn on_cm(&mut self, m: CmMsg) -> Result<()> {
         let r = m.src;
         let Some(p) = self.peers.get(r as usize) else {
             return Ok(());
@@ -146,7 +146,7 @@ impl VerbsRc {
     }
 
     /// Answer `REQ` `m` from `r`: connect a QP to the requester's and say which.
-    pub(crate) fn accept(&mut self, r: Rank, m: &CmMsg) -> Result<()> {
+    pub(super) fn accept(&mut self, r: Rank, m: &CmMsg) -> Result<()> {
         let i = r as usize;
         if self.peers[i].qp.is_none() {
             let qp = self.new_rc_qp()?;
@@ -174,7 +174,7 @@ impl VerbsRc {
     /// Resend unanswered connection requests whose time has come; fail peers that never
     /// answer. Only the due requests are looked at (a heap by time): a process that has
     /// touched thousands of peers pays nothing here for those already connected.
-    pub(crate) fn cm_timers(&mut self) -> Result<()> {
+    pub(super) fn cm_timers(&mut self) -> Result<()> {
         let now = Instant::now();
         while let Some(&Reverse((at, r))) = self.cm_due.peek() {
             if at > now {

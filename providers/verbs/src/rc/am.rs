@@ -1,13 +1,13 @@
 //! Active messages over RC send/receive: frames into the shared send pool, arrivals from the
 //! shared receive queue delivered in sequence with the eager rings' records (what overtook
-//! them held, `weft_proto::order`), and the channel choice per message (`am_send_via`).
+//! them held, `weft_proto::order`), and the channel choice per message (`send_via`).
 
 use super::*;
 
 impl VerbsRc {
     /// Put a frame on `r`'s connection: `Busy` when its send queue or the send buffers are
     /// full.
-    pub(crate) fn send_frame(
+    pub(super) fn send_frame(
         &mut self,
         r: Rank,
         kind: FrameKind,
@@ -53,7 +53,7 @@ impl VerbsRc {
         Ok(SendOutcome::Sent)
     }
 
-    pub(crate) fn on_recv(
+    pub(super) fn on_recv(
         &mut self,
         src: Rank,
         idx: u32,
@@ -89,6 +89,12 @@ impl VerbsRc {
                 // Eager records written before this send may still be in our ring: then a copy
                 // of this frame waits until they have been delivered.
                 let body = &b[FRAME_HDR..];
+                if !self.ordered {
+                    // A composition's channel: its sequencer orders what every channel delivers.
+                    self.stats.am_recv += 1;
+                    sink.am(src, &body[..f.hlen], &body[f.hlen..]);
+                    return self.delivered(src);
+                }
                 let hold = || (f.hlen, body.to_vec());
                 match self.peers[i]
                     .expect
@@ -132,7 +138,7 @@ impl VerbsRc {
     }
 
     /// The peer sent what no verbs-rc peer sends: it is failed.
-    pub(crate) fn malformed(&mut self, src: Rank, why: &str, sink: &mut dyn Sink) {
+    pub(super) fn malformed(&mut self, src: Rank, why: &str, sink: &mut dyn Sink) {
         let p = &mut self.peers[src as usize];
         if p.conn != Conn::Failed {
             p.conn = Conn::Failed;
@@ -142,7 +148,7 @@ impl VerbsRc {
     }
 
     /// An acknowledgement of our ring in `src`'s memory arrived in a frame header.
-    pub(crate) fn take_ack(&mut self, src: Rank, ack: u32) {
+    pub(super) fn take_ack(&mut self, src: Rank, ack: u32) {
         if self.shape.design == Design::Basic {
             return;
         }
@@ -153,7 +159,7 @@ impl VerbsRc {
 
     /// What to acknowledge to `r` in the header of a frame going there (not basic: it has its
     /// tail pointer).
-    pub(crate) fn ack_for(&mut self, r: Rank) -> u32 {
+    pub(super) fn ack_for(&mut self, r: Rank) -> u32 {
         if self.shape.design == Design::Basic {
             return 0;
         }
@@ -165,7 +171,7 @@ impl VerbsRc {
 
     /// One more active message from `src` delivered in order: deliver what waited behind it,
     /// and set up the fast path once the peer has earned it.
-    pub(crate) fn delivered(&mut self, src: Rank) -> Result<()> {
+    pub(super) fn delivered(&mut self, src: Rank) -> Result<()> {
         let p = &mut self.peers[src as usize];
         p.got += 1;
         if self.shape.design == Design::Fastpath
@@ -180,7 +186,7 @@ impl VerbsRc {
     }
 
     /// Deliver held send/receive frames from `src` that are next in sequence.
-    pub(crate) fn drain_held(&mut self, src: Rank, sink: &mut dyn Sink) -> Result<bool> {
+    pub(super) fn drain_held(&mut self, src: Rank, sink: &mut dyn Sink) -> Result<bool> {
         let mut any = false;
         loop {
             if self.holding.is_empty() {
@@ -200,7 +206,7 @@ impl VerbsRc {
     /// Send an active message, through the peer's eager ring where `ring` allows and the ring
     /// takes it, else by RC send/receive (the hybrid provider picks RC-FP or RC-SR per message;
     /// order between the two is kept by the frames' sequence numbers either way).
-    pub fn am_send_via(
+    pub(super) fn send_via(
         &mut self,
         dest: Rank,
         header: &[u8],

@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! A reliability and reordering engine for one peer over an unreliable datagram channel,
 //! written sans-IO: it never sends, receives or reads a clock. The caller feeds it arrivals
 //! ([`Link::on_packet`]) and the time ([`Link::on_timeout`]), and takes from it what to send

@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! Lazy RC allocation under per-process limits, without I/O (paper 001, section on channel
 //! allocation; issue 21).
 //!

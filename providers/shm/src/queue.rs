@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! The lock-free shared-memory protocols of the `shm` provider.
 //!
 //! * **Cells** carry one active message each: a sequence word, the metadata, and up to

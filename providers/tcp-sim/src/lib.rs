@@ -146,7 +146,7 @@ impl TcpSim {
             in_flight: ((cfg.delay + cfg.jitter).as_secs_f64() * cfg.rate.unwrap_or(SIM_FAST_LINK))
                 .min((256 << 20) as f64) as usize,
             nic_free: Instant::now(),
-            rng: 0x9E37_79B9_7F4A_7C15 ^ (rank as u64 + 1),
+            rng: weft_proto::sim::Rng::new(rank as u64 + 1),
         });
         let limits = Limits {
             max_hdr: MAX_HEADER,

@@ -14,7 +14,7 @@ pub(crate) struct Sim {
     /// written and have left the cache (both measured slower).
     pub(crate) in_flight: usize,
     pub(crate) nic_free: Instant,
-    pub(crate) rng: u64,
+    pub(crate) rng: weft_proto::sim::Rng,
 }
 
 impl Sim {
@@ -28,11 +28,7 @@ impl Sim {
         }
         let mut due = depart + self.delay;
         if !self.jitter.is_zero() {
-            // xorshift64
-            self.rng ^= self.rng << 13;
-            self.rng ^= self.rng >> 7;
-            self.rng ^= self.rng << 17;
-            due += Duration::from_nanos(self.rng % (self.jitter.as_nanos() as u64 + 1));
+            due += Duration::from_nanos(self.rng.below(self.jitter.as_nanos() as u64 + 1));
         }
         if let Some(l) = peer.last_due {
             due = due.max(l);

@@ -1,3 +1,4 @@
+// Over 800 lines: its unit tests, below the code (which is under 800), test it through its private state.
 //! The soft HCA between hosts: verbs carried over UDP, as Soft-RoCE carries them.
 //!
 //! Within a host the requester executes the responder in the peer's segment (`exec`). A peer

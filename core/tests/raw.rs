@@ -64,3 +64,80 @@ fn raw_requests_carry_data_and_report_once() {
         }
     });
 }
+
+/// Gather and scatter lists (`isendv_raw`, `irecvv_raw`): the message is the concatenation of
+/// the send's entries in their order (not their addresses'), and fills the receive's entries
+/// one after the other, whatever the two splits — small (eager) and large (rendezvous), with
+/// empty entries, and with the bytes around every receive entry untouched; a message longer
+/// than the receive's entries together is a truncation.
+#[test]
+fn iovec_raw_requests_gather_and_scatter() {
+    world(2, |c| {
+        for (tag, total) in [(1, 1000usize), (2, 3 << 20)] {
+            let want: Vec<u8> = (0..total).map(|i| (i * 7 + tag) as u8).collect();
+            if c.rank() == 0 {
+                // Three pieces, the last first in memory: order is the list's.
+                let (a, b) = (total / 3, total / 3 + 11);
+                let first = total - b + 64;
+                let mut mem = vec![0u8; first + a];
+                mem[..total - b].copy_from_slice(&want[b..]);
+                mem[first..].copy_from_slice(&want[..a]);
+                let mid = want[a..b].to_vec();
+                let iov = [
+                    (mem[first..].as_ptr(), a),
+                    (std::ptr::null(), 0),
+                    (mid.as_ptr(), mid.len()),
+                    (mem.as_ptr(), total - b),
+                ];
+                // SAFETY: `mem` and `mid` outlive the request, waited for below, unchanged.
+                let mut s = unsafe { c.isendv_raw(&iov, 1, tag as i32, false) }.unwrap();
+                until_done(c, &mut s).unwrap();
+            } else {
+                // Four pieces of another split, each with guard bytes around it.
+                let cuts = [0, 5, total / 2, total / 2 + 1, total];
+                let mut bufs: Vec<Vec<u8>> = cuts
+                    .windows(2)
+                    .map(|w| vec![0xEEu8; w[1] - w[0] + 16])
+                    .collect();
+                let iov: Vec<(*mut u8, usize)> = bufs
+                    .iter_mut()
+                    .map(|v| {
+                        let n = v.len() - 16;
+                        // SAFETY: 8 bytes into a vector of n + 16.
+                        (unsafe { v.as_mut_ptr().add(8) }, n)
+                    })
+                    .collect();
+                // SAFETY: `bufs` outlive the request, waited for below, and are not touched
+                // meanwhile.
+                let mut r = unsafe { c.irecvv_raw(&iov, Source::Rank(0), TagSel::Tag(tag as i32)) }
+                    .unwrap();
+                let st = until_done(c, &mut r).unwrap();
+                assert_eq!(st.bytes, total);
+                let mut got = Vec::new();
+                for v in &bufs {
+                    let n = v.len() - 16;
+                    assert!(v[..8].iter().chain(&v[8 + n..]).all(|&g| g == 0xEE));
+                    got.extend_from_slice(&v[8..8 + n]);
+                }
+                assert!(got == want, "{total} bytes scattered out of order");
+            }
+        }
+        // Longer than the receive's entries together: truncated.
+        if c.rank() == 0 {
+            let data = [9u8; 40];
+            let iov = [(data.as_ptr(), 20), (data[20..].as_ptr(), 20)];
+            // SAFETY: `data` outlives the request, waited for below.
+            let mut s = unsafe { c.isendv_raw(&iov, 1, 3, false) }.unwrap();
+            until_done(c, &mut s).unwrap();
+        } else {
+            let (mut x, mut y) = ([0u8; 10], [0u8; 10]);
+            let iov = [(x.as_mut_ptr(), 10), (y.as_mut_ptr(), 10)];
+            // SAFETY: `x` and `y` outlive the request, waited for below.
+            let mut r = unsafe { c.irecvv_raw(&iov, Source::Rank(0), TagSel::Tag(3)) }.unwrap();
+            let e = until_done(c, &mut r).unwrap_err();
+            let (st, cap) = e.truncated().expect("a truncation");
+            assert_eq!((st.bytes, cap), (40, 20));
+            assert_eq!((x, y), ([9u8; 10], [9u8; 10]));
+        }
+    });
+}

@@ -88,6 +88,72 @@ impl<P: Provider> Comm<P> {
         Ok(RawRequest::new(p, true))
     }
 
+    /// [`Self::isend_raw`] of the bytes of `iov`, one entry after the other (a gather list:
+    /// the message is their concatenation, sent from where they lie, as a byte type indexed by
+    /// their addresses would be).
+    ///
+    /// # Safety
+    /// Each `(ptr, len)` must be readable and stay valid and unchanged until
+    /// [`Self::test_raw`] has reported the request complete (or the world is finalized).
+    pub unsafe fn isendv_raw(
+        &self,
+        iov: &[(*const u8, usize)],
+        dest: u32,
+        tag: i32,
+        sync: bool,
+    ) -> Result<RawRequest> {
+        let buf = match gather(iov.iter().map(|&(p, l)| (p as usize, l)))? {
+            None => {
+                let (ptr, len) = iov.first().copied().unwrap_or(([].as_ptr(), 0));
+                SendBuf {
+                    base: if len == 0 { [].as_ptr() } else { ptr },
+                    len,
+                    layout: Layout::Contig,
+                }
+            }
+            Some((base, len, dt)) => SendBuf {
+                base: base as *const u8,
+                len,
+                layout: Layout::Typed(dt, 1),
+            },
+        };
+        let p = self.post_send(buf, dest, tag, sync, self.ctx, DETACHED)?;
+        Ok(RawRequest::new(p, false))
+    }
+
+    /// [`Self::irecv_raw`] into the entries of `iov`, one after the other (a scatter list:
+    /// the message fills the first, then the next...; its capacity is their sum).
+    ///
+    /// # Safety
+    /// Each `(ptr, len)` must be writable, not read or written by anyone else, and stay valid
+    /// until [`Self::test_raw`] has reported the request complete (or the world is finalized).
+    pub unsafe fn irecvv_raw(
+        &self,
+        iov: &[(*mut u8, usize)],
+        src: impl Into<Source>,
+        tag: impl Into<TagSel>,
+    ) -> Result<RawRequest> {
+        let buf = match gather(iov.iter().map(|&(p, l)| (p as usize, l)))? {
+            None => {
+                let (ptr, cap) = iov.first().copied().unwrap_or(([].as_mut_ptr(), 0));
+                RecvBuf {
+                    base: if cap == 0 { [].as_mut_ptr() } else { ptr },
+                    cap,
+                    layout: Layout::Contig,
+                    shared: false,
+                }
+            }
+            Some((base, cap, dt)) => RecvBuf {
+                base: base as *mut u8,
+                cap,
+                layout: Layout::Typed(dt, 1),
+                shared: false,
+            },
+        };
+        let p = self.post_recv(buf, src.into(), tag.into(), self.ctx, DETACHED)?;
+        Ok(RawRequest::new(p, true))
+    }
+
     /// Its result once it has completed (`Some`, once; the request is then spent and its
     /// buffer the caller's again), else `None` after one step of progress. Errors of the call
     /// itself (a spent request) are the outer `Err`.
@@ -165,4 +231,35 @@ impl<P: Provider> Comm<P> {
     pub fn job_id(&self) -> String {
         self.sh.boot.borrow().job_id().to_string()
     }
+}
+
+/// The layout of an iovec of several non-empty entries, as addresses: the lowest address,
+/// the bytes in all, and a byte type whose blocks are the entries in their order at their
+/// distances from it; `None` when at most one entry holds bytes (a plain buffer does).
+fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Option<(usize, usize, Datatype)>> {
+    let full: Vec<(usize, usize)> = iov.filter(|&(_, l)| l > 0).collect();
+    if full.len() <= 1 {
+        return Ok(None);
+    }
+    let base = full
+        .iter()
+        .map(|&(p, _)| p)
+        .min()
+        .expect("two entries or more");
+    let mut lens = Vec::with_capacity(full.len());
+    let mut displs = Vec::with_capacity(full.len());
+    let mut total = 0usize;
+    for &(p, l) in &full {
+        p.checked_add(l)
+            .ok_or_else(|| Error::invalid("an iovec entry wraps the address space"))?;
+        let d =
+            isize::try_from(p - base).map_err(|_| Error::invalid("iovec entries too far apart"))?;
+        total = total
+            .checked_add(l)
+            .ok_or_else(|| Error::invalid("an iovec of more bytes than memory holds"))?;
+        lens.push(l);
+        displs.push(d);
+    }
+    let dt = Datatype::hindexed(&lens, &displs, &Datatype::bytes())?.commit();
+    Ok(Some((base, total, dt)))
 }

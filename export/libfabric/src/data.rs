@@ -1,8 +1,12 @@
 //! The data-path entry points of an endpoint's `fi_ops_msg` and `fi_ops_tagged` tables: each
 //! gathers its arguments into a [`SendArgs`] or [`RecvArgs`] and hands them to
-//! [`crate::state`], under [`guard`]. Vectored calls take an iovec of at most one entry
-//! (`iov_limit` 1); descriptors are ignored (no `FI_MR_LOCAL`).
+//! [`crate::state`], under [`guard`]. Vectored calls take an iovec of up to
+//! [`crate::info::IOV_LIMIT`] entries, gathered (sends) and scattered (receives) in their order:
+//! copied into or out of the bounce buffer when the message goes inline, or handed to weft as a
+//! gather or scatter list when it is long (`Comm::isendv_raw`, `irecvv_raw`: no staging);
+//! descriptors are ignored (no `FI_MR_LOCAL`).
 
+use crate::matching::Parts;
 use crate::obj::addr;
 use crate::state::{self, RecvArgs, SendArgs};
 use crate::{guard, serr, NULL};
@@ -15,23 +19,46 @@ fn send(ep: *mut fi::fid_ep, a: SendArgs) -> isize {
     })
 }
 
+fn sendv(ep: *mut fi::fid_ep, parts: Parts, a: SendArgs) -> isize {
+    send(ep, SendArgs { parts, ..a })
+}
+
+fn recvv(ep: *mut fi::fid_ep, parts: Parts, a: RecvArgs) -> isize {
+    recv(ep, RecvArgs { parts, ..a })
+}
+
 fn recv(ep: *mut fi::fid_ep, a: RecvArgs) -> isize {
     guard(serr(fi::FI_EOTHER as u64), || {
         state::with(|g| g.recv(addr(ep), a))
     })
 }
 
-/// The one buffer of an iovec of at most one entry.
+/// An iovec of at most [`crate::info::IOV_LIMIT`] entries: its first buffer with bytes, the
+/// bytes of all, and (several entries) all of them; `None` when it has too many entries, or
+/// one with bytes at a null address.
 ///
 /// # Safety
 /// `iov` holds `count` entries.
-unsafe fn one(iov: *const fi::iovec, count: usize) -> Option<(*mut c_void, usize)> {
-    match count {
-        0 => Some((NULL, 0)),
-        // SAFETY: per the contract.
-        1 => unsafe { iov.as_ref() }.map(|v| (v.iov_base, v.iov_len)),
-        _ => None,
+unsafe fn vec_of(iov: *const fi::iovec, count: usize) -> Option<(*mut c_void, usize, Parts)> {
+    if count == 0 {
+        return Some((NULL, 0, None));
     }
+    if count > crate::info::IOV_LIMIT || iov.is_null() {
+        return None;
+    }
+    // SAFETY: per the contract, `count` entries at a non-null `iov`.
+    let v = unsafe { std::slice::from_raw_parts(iov, count) };
+    if v.iter().any(|e| e.iov_len > 0 && e.iov_base.is_null()) {
+        return None;
+    }
+    let len = v.iter().try_fold(0usize, |n, e| n.checked_add(e.iov_len))?;
+    let parts = (count > 1).then(|| v.iter().map(|e| (e.iov_base as usize, e.iov_len)).collect());
+    // The buffer a completion names: the first that holds bytes.
+    let first = v
+        .iter()
+        .find(|e| e.iov_len > 0)
+        .map_or(v[0].iov_base, |e| e.iov_base);
+    Some((first, len, parts))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -56,6 +83,7 @@ fn tx(
         ctx,
         flags,
         inject,
+        parts: None,
     }
 }
 
@@ -79,6 +107,7 @@ fn rx(
         ignore,
         ctx,
         flags,
+        parts: None,
     }
 }
 
@@ -108,8 +137,8 @@ pub(crate) unsafe extern "C" fn msg_recvv(
     ctx: *mut c_void,
 ) -> isize {
     // SAFETY: fi_recvv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => recv(ep, rx(false, b, l, src, 0, 0, ctx, None)),
+    match unsafe { vec_of(iov, count) } {
+        Some((b, l, parts)) => recvv(ep, parts, rx(false, b, l, src, 0, 0, ctx, None)),
         None => serr(fi::FI_EINVAL),
     }
 }
@@ -123,8 +152,12 @@ pub(crate) unsafe extern "C" fn msg_recvmsg(
         return serr(fi::FI_EINVAL);
     };
     // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => recv(ep, rx(false, b, l, m.addr, 0, 0, m.context, Some(flags))),
+    match unsafe { vec_of(m.msg_iov, m.iov_count) } {
+        Some((b, l, parts)) => recvv(
+            ep,
+            parts,
+            rx(false, b, l, m.addr, 0, 0, m.context, Some(flags)),
+        ),
         None => serr(fi::FI_EINVAL),
     }
 }
@@ -147,8 +180,8 @@ pub(crate) unsafe extern "C" fn msg_sendv(
     ctx: *mut c_void,
 ) -> isize {
     // SAFETY: fi_sendv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => send(ep, tx(false, b, l, dest, 0, None, ctx, None, false)),
+    match unsafe { vec_of(iov, count) } {
+        Some((b, l, parts)) => sendv(ep, parts, tx(false, b, l, dest, 0, None, ctx, None, false)),
         None => serr(fi::FI_EINVAL),
     }
 }
@@ -163,9 +196,10 @@ pub(crate) unsafe extern "C" fn msg_sendmsg(
     };
     let data = data_of(flags, m.data);
     // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => send(
+    match unsafe { vec_of(m.msg_iov, m.iov_count) } {
+        Some((b, l, parts)) => sendv(
             ep,
+            parts,
             tx(false, b, l, m.addr, 0, data, m.context, Some(flags), false),
         ),
         None => serr(fi::FI_EINVAL),
@@ -233,8 +267,8 @@ pub(crate) unsafe extern "C" fn t_recvv(
     ctx: *mut c_void,
 ) -> isize {
     // SAFETY: fi_trecvv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => recv(ep, rx(true, b, l, src, tag, ignore, ctx, None)),
+    match unsafe { vec_of(iov, count) } {
+        Some((b, l, parts)) => recvv(ep, parts, rx(true, b, l, src, tag, ignore, ctx, None)),
         None => serr(fi::FI_EINVAL),
     }
 }
@@ -248,9 +282,10 @@ pub(crate) unsafe extern "C" fn t_recvmsg(
         return serr(fi::FI_EINVAL);
     };
     // SAFETY: its iovec of `iov_count` entries (a peek may give none).
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => recv(
+    match unsafe { vec_of(m.msg_iov, m.iov_count) } {
+        Some((b, l, parts)) => recvv(
             ep,
+            parts,
             rx(true, b, l, m.addr, m.tag, m.ignore, m.context, Some(flags)),
         ),
         None => serr(fi::FI_EINVAL),
@@ -278,8 +313,8 @@ pub(crate) unsafe extern "C" fn t_sendv(
     ctx: *mut c_void,
 ) -> isize {
     // SAFETY: fi_tsendv's iovec of `count` entries.
-    match unsafe { one(iov, count) } {
-        Some((b, l)) => send(ep, tx(true, b, l, dest, tag, None, ctx, None, false)),
+    match unsafe { vec_of(iov, count) } {
+        Some((b, l, parts)) => sendv(ep, parts, tx(true, b, l, dest, tag, None, ctx, None, false)),
         None => serr(fi::FI_EINVAL),
     }
 }
@@ -294,9 +329,10 @@ pub(crate) unsafe extern "C" fn t_sendmsg(
     };
     let data = data_of(flags, m.data);
     // SAFETY: its iovec of `iov_count` entries.
-    match unsafe { one(m.msg_iov, m.iov_count) } {
-        Some((b, l)) => send(
+    match unsafe { vec_of(m.msg_iov, m.iov_count) } {
+        Some((b, l, parts)) => sendv(
             ep,
+            parts,
             tx(
                 true,
                 b,

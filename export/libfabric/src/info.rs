@@ -24,6 +24,9 @@ pub const CQ_DATA: usize = 8;
 pub const MAX_MSG: usize = 1 << 40;
 /// `fi_inject` copies up to this many bytes.
 pub const INJECT: usize = 4096;
+/// Entries of a send's or receive's iovec (`iov_limit`): gathered into and scattered out of
+/// one message, in order.
+pub const IOV_LIMIT: usize = 8;
 /// Operations a queue of an endpoint accepts before `-FI_EAGAIN`.
 pub const QUEUE: usize = 4096;
 
@@ -164,7 +167,7 @@ pub unsafe fn build(hints: *const fi::fi_info, domain: &str, caps: u64) -> *mut 
         tx.comp_order = fi::FI_ORDER_NONE;
         tx.inject_size = INJECT;
         tx.size = QUEUE;
-        tx.iov_limit = 1;
+        tx.iov_limit = IOV_LIMIT;
         tx.rma_iov_limit = if caps & ONE_SIDED != 0 { 1 } else { 0 };
         tx.op_flags = h.and_then(|h| h.tx_attr.as_ref()).map_or(0, |t| {
             t.op_flags & (fi::FI_COMPLETION | fi::FI_TRANSMIT_COMPLETE)
@@ -175,7 +178,7 @@ pub unsafe fn build(hints: *const fi::fi_info, domain: &str, caps: u64) -> *mut 
         rx.msg_order = fi::FI_ORDER_SAS;
         rx.comp_order = fi::FI_ORDER_NONE;
         rx.size = QUEUE;
-        rx.iov_limit = 1;
+        rx.iov_limit = IOV_LIMIT;
         rx.op_flags = h
             .and_then(|h| h.rx_attr.as_ref())
             .map_or(0, |r| r.op_flags & fi::FI_COMPLETION);

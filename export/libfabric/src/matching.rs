@@ -14,6 +14,7 @@
 
 use std::collections::VecDeque;
 use std::os::raw::c_void;
+use std::sync::Arc;
 
 /// Header bytes in front of every message on the control tag.
 pub const HDR: usize = 32;
@@ -83,12 +84,18 @@ impl Hdr {
     }
 }
 
+/// The entries of an iovec of several buffers, as (address, length), in the caller's order.
+pub type Parts = Option<Arc<[(usize, usize)]>>;
+
 /// A posted receive.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Recv {
     pub ep: usize,
+    /// Its buffer (the first entry of an iovec of several), and the bytes it takes in all.
     pub buf: *mut c_void,
     pub len: usize,
+    /// An iovec of several entries: all of them, in order (`None`: `buf` alone).
+    pub parts: Parts,
     /// `FI_DIRECTED_RECV`: only from this world rank.
     pub src: Option<u32>,
     pub tag: u64,
@@ -224,6 +231,7 @@ mod tests {
             ep: 1,
             buf: null_mut(),
             len: 0,
+            parts: None,
             src,
             tag,
             ignore,

@@ -6,7 +6,7 @@
 //! All mutable state lives here, keyed by the object's address: the objects themselves are
 //! written once, when they are made.
 
-use crate::matching::{Arrived, Hdr, Queues, Recv, EAGER, HDR};
+use crate::matching::{Arrived, Hdr, Parts, Queues, Recv, EAGER, HDR};
 use crate::{serr, NULL};
 // hashbrown's default hasher: these maps are keyed by object addresses and looked up several
 // times per message, where std's SipHash cost more than the rest of the lookup.
@@ -178,6 +178,8 @@ pub struct SendArgs {
     pub tagged: bool,
     pub buf: *const c_void,
     pub len: usize,
+    /// An iovec of several entries (`buf` its first, `len` their sum).
+    pub parts: Parts,
     pub dest: u64,
     pub tag: u64,
     /// Remote CQ data.
@@ -194,6 +196,8 @@ pub struct RecvArgs {
     pub tagged: bool,
     pub buf: *mut c_void,
     pub len: usize,
+    /// An iovec of several entries (`buf` its first, `len` their sum).
+    pub parts: Parts,
     pub src: u64,
     pub tag: u64,
     pub ignore: u64,
@@ -683,8 +687,13 @@ impl Global {
         msg.clear();
         msg.extend_from_slice(&hdr.encode());
         if long.is_none() && a.len > 0 {
-            // SAFETY: libfabric's contract: `buf` holds `len` readable bytes for the call.
-            msg.extend_from_slice(unsafe { std::slice::from_raw_parts(a.buf as *const u8, a.len) });
+            for &(p, l) in a.parts.as_deref().unwrap_or(&[(a.buf as usize, a.len)]) {
+                if l > 0 {
+                    // SAFETY: libfabric's contract: each entry holds `l` readable bytes for the
+                    // call (checked non-null by `crate::data`).
+                    msg.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
+                }
+            }
         }
         let w: &weft::Comm = self.world.as_deref().expect("checked");
         // SAFETY: `msg` is weft-fi's own, kept in the op until weft is done with it (a Vec's
@@ -698,13 +707,15 @@ impl Global {
             // SAFETY: the buffer is the application's until the completion this op reports
             // (libfabric's rule for fi_send); a long message is never an inject.
             Some(t) => match unsafe {
-                self.data.as_ref().expect("checked").isend_raw(
-                    a.buf as *const u8,
-                    a.len,
-                    rank,
-                    t as i32,
-                    false,
-                )
+                let dc = self.data.as_ref().expect("checked");
+                match a.parts.as_deref() {
+                    None => dc.isend_raw(a.buf as *const u8, a.len, rank, t as i32, false),
+                    Some(v) => {
+                        let iov: Vec<(*const u8, usize)> =
+                            v.iter().map(|&(p, l)| (p as *const u8, l)).collect();
+                        dc.isendv_raw(&iov, rank, t as i32, false)
+                    }
+                }
             } {
                 Ok(r) => Some(r),
                 Err(e) => return serr(code_of(&e)),
@@ -776,6 +787,7 @@ impl Global {
             ep,
             buf: a.buf,
             len: a.len,
+            parts: a.parts,
             src,
             tag: if a.tagged { a.tag } else { 0 },
             ignore: if a.tagged { a.ignore } else { 0 },
@@ -848,11 +860,17 @@ impl Global {
         match hdr.long {
             None => {
                 let n = payload.len().min(r.len);
-                if n > 0 {
-                    // SAFETY: libfabric's rule for fi_recv: the buffer holds `r.len` >= n
-                    // writable bytes and is the provider's until this completion is reported;
-                    // `payload` is weft-fi's own bounce buffer, so the two do not overlap.
-                    unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), r.buf as *mut u8, n) };
+                let mut rest = &payload[..n];
+                for &(p, l) in r.parts.as_deref().unwrap_or(&[(r.buf as usize, r.len)]) {
+                    let k = l.min(rest.len());
+                    if k > 0 {
+                        // SAFETY: libfabric's rule for fi_recv: each entry holds `l` >= k
+                        // writable bytes and is the provider's until this completion is
+                        // reported; `payload` is weft-fi's own bounce buffer, so they do not
+                        // overlap.
+                        unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), p as *mut u8, k) };
+                    }
+                    rest = &rest[k..];
                 }
                 entry.fill(&hdr, src, n);
                 if n < payload.len() {
@@ -868,25 +886,28 @@ impl Global {
                 let Some(dc) = self.data.as_ref() else { return };
                 // SAFETY: as above: the application's buffer of `r.len` bytes is weft's until
                 // this op's completion is reported.
+                let (from, tag) = (Source::Rank(src), TagSel::Tag(t as i32));
                 match unsafe {
-                    dc.irecv_raw(
-                        r.buf as *mut u8,
-                        r.len,
-                        Source::Rank(src),
-                        TagSel::Tag(t as i32),
-                    )
+                    match r.parts.as_deref() {
+                        None => dc.irecv_raw(r.buf as *mut u8, r.len, from, tag),
+                        Some(v) => {
+                            let iov: Vec<(*mut u8, usize)> =
+                                v.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
+                            dc.irecvv_raw(&iov, from, tag)
+                        }
+                    }
                 } {
                     Ok(req) => self.push_op(Op {
                         req,
                         ep: r.ep,
+                        ctx: r.ctx,
+                        report: r.report,
                         what: What::Recv {
                             tagged: hdr.tagged,
                             r,
                             hdr,
                             src,
                         },
-                        ctx: r.ctx,
-                        report: r.report,
                         _owned: None,
                         key: None,
                     }),

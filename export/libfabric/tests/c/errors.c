@@ -1,6 +1,7 @@
 /* weft-fi's error paths as a libfabric program meets them, under `weft run -n 2`: the
  * two-step fi_getname, a name from another job, an unknown fi_addr, truncation (FI_ETRUNC with
- * olen), cancellation (FI_ECANCELED), a call on a closed object. Prints "ok" lines and exits 0,
+ * olen), cancellation (FI_ECANCELED), vectored sends and receives (iov_limit), a call on a
+ * closed object. Prints "ok" lines and exits 0,
  * or names the first check that failed and exits 1. Names are exchanged through a file
  * (argv[1]) that each rank writes and the other waits for (bounded). */
 #include <rdma/fabric.h>
@@ -150,6 +151,77 @@ int main(int argc, char **argv)
 		      "the cancelled receive is an FI_ECANCELED error entry");
 		CHECK(fi_tsend(ep, buf, 8, NULL, a, 6, buf) == 0, "fi_tsend");
 		CHECK(wait_cq(cq, &c, &e) == 1, "send completion");
+	}
+	/* Vectored messages: the send's iovec entries gathered in their order (not their
+	 * addresses'), the receive's filled one after the other, whatever the two splits, short
+	 * (inline) and long (rendezvous); more entries than iov_limit is -FI_EINVAL. */
+	size_t lim = info->tx_attr->iov_limit;
+	CHECK(lim >= 4 && info->rx_attr->iov_limit == lim, "iov_limit of 4 or more, both ways");
+	{
+		static struct iovec many[1024];
+		CHECK(lim < 1024 && fi_tsendv(ep, many, NULL, lim + 1, a, 1, NULL) == -FI_EINVAL,
+		      "a send of more than iov_limit entries is -FI_EINVAL");
+		CHECK(fi_trecvv(ep, many, NULL, lim + 1, FI_ADDR_UNSPEC, 1, 0, NULL) == -FI_EINVAL,
+		      "a receive of more than iov_limit entries is -FI_EINVAL");
+	}
+	static unsigned char vmem[3][400000], vgot[4][400000];
+	const size_t sizes[2] = {300, 500000};
+	for (int k = 0; k < 2; k++) {
+		size_t n = sizes[k], cut1 = n / 3, cut2 = n / 3 + 5;
+		uint64_t tag = 0x7700 + k;
+		if (rank == 0) {
+			/* Pieces [0, cut1) in vmem[2], [cut1, cut2) in vmem[0], the rest in vmem[1]:
+			 * memory order differs from message order. */
+			for (size_t i = 0; i < n; i++) {
+				unsigned char v = (unsigned char)(i * 13 + k);
+				if (i < cut1)
+					vmem[2][i] = v;
+				else if (i < cut2)
+					vmem[0][i - cut1] = v;
+				else
+					vmem[1][i - cut2] = v;
+			}
+			struct iovec iov[4] = {{NULL, 0}, {vmem[2], cut1}, {vmem[0], cut2 - cut1},
+					       {vmem[1], n - cut2}};
+			if (k == 0) {
+				CHECK(fi_tsendv(ep, iov, NULL, 4, a, tag, iov) == 0, "fi_tsendv, short");
+			} else {
+				struct fi_msg_tagged m = {.msg_iov = iov, .iov_count = 4, .addr = a,
+							  .tag = tag, .context = iov};
+				CHECK(fi_tsendmsg(ep, &m, FI_COMPLETION) == 0, "fi_tsendmsg of 4 entries, long");
+			}
+			CHECK(wait_cq(cq, &c, &e) == 1 && c.op_context == iov, "vectored send completion");
+		} else {
+			size_t r1 = n / 4, r2 = n / 4 + 1, r3 = n - 2;
+			size_t lens[4] = {r1, r2 - r1, r3 - r2, n - r3};
+			memset(vgot, 0xEE, sizeof(vgot));
+			struct iovec iov[5];
+			for (int j = 0; j < 4; j++) {
+				iov[j].iov_base = vgot[j] + 8;
+				iov[j].iov_len = lens[j];
+			}
+			iov[4] = iov[3];
+			iov[3].iov_base = NULL;
+			iov[3].iov_len = 0;
+			if (k == 0) {
+				CHECK(fi_trecvv(ep, iov, NULL, 5, FI_ADDR_UNSPEC, tag, 0, iov) == 0,
+				      "fi_trecvv, short");
+			} else {
+				struct fi_msg_tagged m = {.msg_iov = iov, .iov_count = 5,
+							  .addr = FI_ADDR_UNSPEC, .tag = tag, .context = iov};
+				CHECK(fi_trecvmsg(ep, &m, FI_COMPLETION) == 0, "fi_trecvmsg of 5 entries, long");
+			}
+			CHECK(wait_cq(cq, &c, &e) == 1 && c.op_context == iov && c.len == n,
+			      "vectored receive completion with the message's length");
+			size_t at = 0, bad = 0;
+			for (int j = 0; j < 4; j++) {
+				for (size_t i = 0; i < 8; i++)
+					bad += vgot[j][i] != 0xEE || vgot[j][8 + lens[j] + i] != 0xEE;
+				for (size_t i = 0; i < lens[j]; i++, at++)
+					bad += vgot[j][8 + i] != (unsigned char)(at * 13 + k);
+			}
+			CHECK(bad == 0, "the bytes scattered in order, those around each entry untouched");
+		}
 	}
 	/* libfabric's matching: 64-bit tags with a partial ignore mask, remote CQ data, FI_PEEK,
 	 * FI_CLAIM and FI_DISCARD, on short and long (rendezvous) messages. */

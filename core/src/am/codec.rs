@@ -2,8 +2,8 @@
 //! [`Hdr`] and read back with the bounds-checked [`Rd`] (a short or garbled header is an error
 //! value, never a panic).
 
-/// Header bytes the core needs from every provider.
-pub const MIN_AM_HEADER: usize = 64;
+/// Header bytes the core needs from every provider: the contract's ([`crate::provider`]).
+use weft_provider::provider::MIN_AM_HEADER;
 
 /// A fixed-size header under construction.
 #[derive(Clone, Copy)]

@@ -17,7 +17,7 @@ pub(crate) mod codec;
 pub(crate) mod mr_cache;
 pub(crate) mod outbox;
 
-pub(crate) use codec::{Hdr, Rd, MIN_AM_HEADER};
+pub(crate) use codec::{Hdr, Rd};
 pub(crate) use outbox::Out;
 /// Request id: generation in bits 32..62, slot in the low 32 ([`weft_proto::slab`], 31
 /// generation bits). Bit 63 is never set (that half of the token space belongs to RMA, see

@@ -17,7 +17,7 @@ mod config;
 pub use config::EngineConfig;
 pub(crate) use config::{oversubscribed, SLEEP_AFTER_AUTO};
 
-use crate::am::{self, AmState, Proto, Rd, ReqId, MIN_AM_HEADER};
+use crate::am::{self, AmState, Proto, Rd, ReqId};
 use crate::p2p::{self, Layout, Leaf, Lean, P2pConfig, P2pState, Posted, RecvBuf, SendBuf, Slot};
 use crate::provider::{Completed, ConnEvent, Provider, Sink, Token};
 use crate::rma::{self, RmaState};
@@ -200,19 +200,7 @@ pub(crate) struct Engine<P: Provider> {
 impl<P: Provider> Engine<P> {
     pub(crate) fn new(p: P, cfg: EngineConfig) -> Result<Self> {
         let caps = p.caps().clone();
-        if caps.max_am_header < MIN_AM_HEADER {
-            return Err(Error::from(ErrorDetail::Unsupported(format!(
-                "provider '{}' offers {}-byte active-message headers; weft needs {MIN_AM_HEADER}",
-                p.name(),
-                caps.max_am_header
-            ))));
-        }
-        if caps.max_am_payload == 0 || caps.max_iov == 0 {
-            return Err(Error::from(ErrorDetail::Unsupported(format!(
-                "provider '{}' declares no active-message payload",
-                p.name()
-            ))));
-        }
+        caps.check_contract(p.name())?;
         let size = p.size();
         let eager_limit = cfg
             .eager_limit

@@ -2,6 +2,7 @@
 //! per peer where its channels differ ([`PeerCaps`]).
 
 use crate::types::AtomicTable;
+use crate::{Error, ErrorDetail, Result};
 
 /// When a provider reports a write or an atomic complete ([`super::Completion`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -61,6 +62,10 @@ impl RmaCaps {
     }
 }
 
+/// Active-message header bytes every provider must carry ([`Caps::max_am_header`] at least
+/// this): the core's protocol headers are at most this long.
+pub const MIN_AM_HEADER: usize = 64;
+
 /// What a provider can do, and its limits. Capabilities are honest: a provider that says it
 /// does something natively does it natively.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +119,24 @@ pub struct Caps {
 }
 
 impl Caps {
+    /// The limits every provider must meet, checked once when a provider is opened under the
+    /// core: headers of [`MIN_AM_HEADER`] bytes or more, a payload and an iovec of at least
+    /// one (`name` names the provider in the error).
+    pub fn check_contract(&self, name: &str) -> Result<()> {
+        if self.max_am_header < MIN_AM_HEADER {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{name}' offers {}-byte active-message headers; weft needs {MIN_AM_HEADER}",
+                self.max_am_header
+            ))));
+        }
+        if self.max_am_payload == 0 || self.max_iov == 0 {
+            return Err(Error::from(ErrorDetail::Unsupported(format!(
+                "provider '{name}' declares no active-message payload"
+            ))));
+        }
+        Ok(())
+    }
+
     /// Active messages only, with the given limits.
     pub fn am_only(max_am_header: usize, max_am_payload: usize, max_iov: usize) -> Self {
         Caps {
@@ -234,6 +257,34 @@ impl From<&Caps> for PeerCaps {
             rma_read: c.rma.is_some_and(|r| r.read),
             rma_write: c.rma.is_some_and(|r| r.write),
             am_isend: c.am_isend,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The contract's limits refuse a provider by name and reason.
+    #[test]
+    fn the_contract_refuses_short_headers_and_no_payload() {
+        assert!(Caps::am_only(MIN_AM_HEADER, 1024, 1)
+            .check_contract("ok")
+            .is_ok());
+        let e = Caps::am_only(MIN_AM_HEADER - 1, 1024, 1)
+            .check_contract("short")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'short'") && e.contains("63-byte") && e.contains("64"),
+            "{e}"
+        );
+        for c in [Caps::am_only(64, 0, 1), Caps::am_only(64, 1024, 0)] {
+            let e = c.check_contract("empty").unwrap_err().to_string();
+            assert!(
+                e.contains("'empty' declares no active-message payload"),
+                "{e}"
+            );
         }
     }
 }

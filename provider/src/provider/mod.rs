@@ -14,6 +14,10 @@
 //!   atomics) are `unsafe fn`: the core guarantees the memory stays valid until the provider
 //!   reports the operation's [`Token`] through [`Sink::complete`] (or a cancel succeeds).
 //! * `progress` must never block; it delivers what has arrived and returns.
+//! * **Self-sends**: `am_send` to the provider's own rank works like any other (the core sends
+//!   to itself, e.g. in collectives), and its message is delivered by `progress` as any other.
+//! * Headers of at least [`MIN_AM_HEADER`] bytes, a payload and an iovec of at least one
+//!   ([`Caps::check_contract`], checked when the core opens the provider).
 //!
 //! # Contract 2: what RDMA fabrics add (all optional, advertised in [`Caps`])
 //! * **Registration with keys.** [`Provider::mr_register`] / [`Provider::mr_register_iov`] take
@@ -45,7 +49,7 @@ mod caps;
 mod completion;
 mod mem;
 
-pub use caps::{Caps, CompletionLevel, PeerCaps, RmaCaps};
+pub use caps::{Caps, CompletionLevel, PeerCaps, RmaCaps, MIN_AM_HEADER};
 pub use completion::{
     CntrId, CntrValue, Completed, Completion, CompletionTable, ConnEvent, SendOutcome,
     TaggedStatus, Token,
@@ -125,8 +129,9 @@ fn unsupported<T>(what: &str) -> Result<T> {
 
 /// A fabric provider. See the module documentation for the contract.
 ///
-/// Only `caps`, `rank`, `size`, `am_send` and `progress` are mandatory; every other method has a
-/// default that reports [`Error::from(ErrorDetail::Unsupported)`] and is only called when [`Caps`] advertises it.
+/// Only `name`, `caps`, `rank`, `size`, `am_send` and `progress` are mandatory; every other
+/// method has a default that reports [`Error::from(ErrorDetail::Unsupported)`] and is only
+/// called when [`Caps`] advertises it.
 pub trait Provider: 'static {
     /// Name as registered (`shm`, `tcp-sim`, ...).
     fn name(&self) -> &str;

@@ -102,7 +102,7 @@ impl<P: Provider> Comm<P> {
         tag: i32,
         sync: bool,
     ) -> Result<RawRequest> {
-        let buf = match gather(iov.iter().map(|&(p, l)| (p as usize, l)))? {
+        let buf = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
             None => {
                 let (ptr, len) = iov.first().copied().unwrap_or(([].as_ptr(), 0));
                 SendBuf {
@@ -112,7 +112,7 @@ impl<P: Provider> Comm<P> {
                 }
             }
             Some((base, len, dt)) => SendBuf {
-                base: base as *const u8,
+                base: std::ptr::with_exposed_provenance(base),
                 len,
                 layout: Layout::Typed(dt, 1),
             },
@@ -133,7 +133,7 @@ impl<P: Provider> Comm<P> {
         src: impl Into<Source>,
         tag: impl Into<TagSel>,
     ) -> Result<RawRequest> {
-        let buf = match gather(iov.iter().map(|&(p, l)| (p as usize, l)))? {
+        let buf = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
             None => {
                 let (ptr, cap) = iov.first().copied().unwrap_or(([].as_mut_ptr(), 0));
                 RecvBuf {
@@ -144,7 +144,7 @@ impl<P: Provider> Comm<P> {
                 }
             }
             Some((base, cap, dt)) => RecvBuf {
-                base: base as *mut u8,
+                base: std::ptr::with_exposed_provenance_mut(base),
                 cap,
                 layout: Layout::Typed(dt, 1),
                 shared: false,
@@ -233,7 +233,9 @@ impl<P: Provider> Comm<P> {
     }
 }
 
-/// The layout of an iovec of several non-empty entries, as addresses: the lowest address,
+/// The layout of an iovec of several non-empty entries, as addresses (each entry's pointer is
+/// exposed by its cast to an address, and the base rebuilt from one, so the core's blocks at
+/// `base.wrapping_offset(d)` may reach every entry's allocation): the lowest address,
 /// the bytes in all, and a byte type whose blocks are the entries in their order at their
 /// distances from it; `None` when at most one entry holds bytes (a plain buffer does).
 fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Option<(usize, usize, Datatype)>> {

@@ -62,8 +62,10 @@ impl SendBuf {
                 let _ = dt.for_range(*count, off, len, |o, l| {
                     out.push(RawIov {
                         desc: 0,
-                        // SAFETY: the datatype's span was checked against the buffer length.
-                        ptr: unsafe { self.base.offset(o) },
+                        // The span was checked against the buffer; `wrapping_offset` because a
+                        // gather list's blocks (`Comm::isendv_raw`) lie in allocations of their
+                        // own, at distances from a base made from an address.
+                        ptr: self.base.wrapping_offset(o),
                         len: l,
                     })
                 });
@@ -200,9 +202,16 @@ impl RecvBuf {
             Layout::Typed(dt, count) => {
                 let mut at = 0;
                 let _ = dt.for_range(*count, off, data.len(), |o, l| {
-                    // SAFETY: the datatype's span was checked against the buffer; see above.
+                    // SAFETY: the datatype's span was checked against the buffer (each block
+                    // `[o, o + l)` is memory the request borrows; a scatter list's blocks are in
+                    // allocations of their own, hence `wrapping_offset` from the base address);
+                    // `data` is provider or unexpected memory, which cannot overlap it.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(data.as_ptr().add(at), self.base.offset(o), l)
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr().add(at),
+                            self.base.wrapping_offset(o),
+                            l,
+                        )
                     };
                     at += l;
                 });
@@ -234,8 +243,9 @@ impl RecvBuf {
                 let _ = dt.for_range(*count, 0, len, |o, l| {
                     out.push(RawIovMut {
                         desc: 0,
-                        // SAFETY: within the checked span of the borrowed buffer.
-                        ptr: unsafe { self.base.offset(o) },
+                        // Within the checked span of the borrowed buffer; `wrapping_offset`
+                        // as for sends (a scatter list's blocks are separate allocations).
+                        ptr: self.base.wrapping_offset(o),
                         len: l,
                     })
                 });

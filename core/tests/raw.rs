@@ -143,3 +143,33 @@ fn iovec_raw_requests_gather_and_scatter() {
         }
     });
 }
+
+/// A list with one entry that holds bytes, behind empty ones, is that buffer: the whole
+/// message goes and lands (the empty entries' addresses are never used).
+#[test]
+fn an_iovec_with_one_full_entry_is_that_buffer() {
+    world(2, |c| {
+        let long = if cfg!(miri) { 80_000 } else { 200_000 };
+        for (tag, n) in [(1, 100usize), (2, long)] {
+            let want: Vec<u8> = (0..n).map(|i| (i * 3 + tag) as u8).collect();
+            if c.rank() == 0 {
+                let iov = [
+                    (std::ptr::null(), 0),
+                    (want.as_ptr(), n),
+                    (std::ptr::null(), 0),
+                ];
+                // SAFETY: `want` outlives the request, waited for below.
+                let mut s = unsafe { c.isendv_raw(&iov, 1, tag as i32, false) }.unwrap();
+                until_done(c, &mut s).unwrap();
+            } else {
+                let mut got = vec![0u8; n];
+                let iov = [(std::ptr::null_mut(), 0), (got.as_mut_ptr(), n)];
+                // SAFETY: `got` outlives the request, waited for below.
+                let mut r = unsafe { c.irecvv_raw(&iov, Source::Rank(0), TagSel::Tag(tag as i32)) }
+                    .unwrap();
+                assert_eq!(until_done(c, &mut r).unwrap().bytes, n);
+                assert!(got == want, "{n} bytes");
+            }
+        }
+    });
+}

@@ -102,20 +102,18 @@ impl<P: Provider> Comm<P> {
         tag: i32,
         sync: bool,
     ) -> Result<RawRequest> {
-        let buf = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
-            None => {
-                let (ptr, len) = iov.first().copied().unwrap_or(([].as_ptr(), 0));
-                SendBuf {
-                    base: if len == 0 { [].as_ptr() } else { ptr },
-                    len,
-                    layout: Layout::Contig,
-                }
+        let (base, len, dt) = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
+            // SAFETY: the one entry with bytes (or none), under this call's contract.
+            Gather::One(i) => {
+                return unsafe { self.isend_raw(iov[i].0, iov[i].1, dest, tag, sync) }
             }
-            Some((base, len, dt)) => SendBuf {
-                base: std::ptr::with_exposed_provenance(base),
-                len,
-                layout: Layout::Typed(dt, 1),
-            },
+            Gather::Empty => return unsafe { self.isend_raw([].as_ptr(), 0, dest, tag, sync) },
+            Gather::Blocks(base, len, dt) => (base, len, dt),
+        };
+        let buf = SendBuf {
+            base: std::ptr::with_exposed_provenance(base),
+            len,
+            layout: Layout::Typed(dt, 1),
         };
         let p = self.post_send(buf, dest, tag, sync, self.ctx, DETACHED)?;
         Ok(RawRequest::new(p, false))
@@ -133,24 +131,20 @@ impl<P: Provider> Comm<P> {
         src: impl Into<Source>,
         tag: impl Into<TagSel>,
     ) -> Result<RawRequest> {
-        let buf = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
-            None => {
-                let (ptr, cap) = iov.first().copied().unwrap_or(([].as_mut_ptr(), 0));
-                RecvBuf {
-                    base: if cap == 0 { [].as_mut_ptr() } else { ptr },
-                    cap,
-                    layout: Layout::Contig,
-                    shared: false,
-                }
-            }
-            Some((base, cap, dt)) => RecvBuf {
-                base: std::ptr::with_exposed_provenance_mut(base),
-                cap,
-                layout: Layout::Typed(dt, 1),
-                shared: false,
-            },
+        let (src, tag) = (src.into(), tag.into());
+        let (base, cap, dt) = match gather(iov.iter().map(|&(p, l)| (p.expose_provenance(), l)))? {
+            // SAFETY: the one entry with room (or none), under this call's contract.
+            Gather::One(i) => return unsafe { self.irecv_raw(iov[i].0, iov[i].1, src, tag) },
+            Gather::Empty => return unsafe { self.irecv_raw([].as_mut_ptr(), 0, src, tag) },
+            Gather::Blocks(base, cap, dt) => (base, cap, dt),
         };
-        let p = self.post_recv(buf, src.into(), tag.into(), self.ctx, DETACHED)?;
+        let buf = RecvBuf {
+            base: std::ptr::with_exposed_provenance_mut(base),
+            cap,
+            layout: Layout::Typed(dt, 1),
+            shared: false,
+        };
+        let p = self.post_recv(buf, src, tag, self.ctx, DETACHED)?;
         Ok(RawRequest::new(p, true))
     }
 
@@ -233,25 +227,40 @@ impl<P: Provider> Comm<P> {
     }
 }
 
-/// The layout of an iovec of several non-empty entries, as addresses (each entry's pointer is
-/// exposed by its cast to an address, and the base rebuilt from one, so the core's blocks at
-/// `base.wrapping_offset(d)` may reach every entry's allocation): the lowest address,
-/// the bytes in all, and a byte type whose blocks are the entries in their order at their
-/// distances from it; `None` when at most one entry holds bytes (a plain buffer does).
-fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Option<(usize, usize, Datatype)>> {
-    let full: Vec<(usize, usize)> = iov.filter(|&(_, l)| l > 0).collect();
-    if full.len() <= 1 {
-        return Ok(None);
+/// What an iovec is to the core.
+enum Gather {
+    /// No entry holds bytes.
+    Empty,
+    /// Only entry `i` does: a plain buffer.
+    One(usize),
+    /// Several do: the lowest address, the bytes in all, and a byte type whose blocks are the
+    /// entries with bytes, in their order, at their distances from it.
+    Blocks(usize, usize, Datatype),
+}
+
+/// The layout of an iovec given as addresses (each entry's pointer exposed by its cast to an
+/// address, and a base rebuilt from one, so the core's blocks at `base.wrapping_offset(d)` may
+/// reach every entry's allocation).
+fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Gather> {
+    let full: Vec<(usize, usize, usize)> = iov
+        .enumerate()
+        .filter(|&(_, (_, l))| l > 0)
+        .map(|(i, (p, l))| (i, p, l))
+        .collect();
+    match full.as_slice() {
+        [] => return Ok(Gather::Empty),
+        [(i, _, _)] => return Ok(Gather::One(*i)),
+        _ => {}
     }
     let base = full
         .iter()
-        .map(|&(p, _)| p)
+        .map(|&(_, p, _)| p)
         .min()
         .expect("two entries or more");
     let mut lens = Vec::with_capacity(full.len());
     let mut displs = Vec::with_capacity(full.len());
     let mut total = 0usize;
-    for &(p, l) in &full {
+    for &(_, p, l) in &full {
         p.checked_add(l)
             .ok_or_else(|| Error::invalid("an iovec entry wraps the address space"))?;
         let d =
@@ -263,5 +272,5 @@ fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Option<(usize, us
         displs.push(d);
     }
     let dt = Datatype::hindexed(&lens, &displs, &Datatype::bytes())?.commit();
-    Ok(Some((base, total, dt)))
+    Ok(Gather::Blocks(base, total, dt))
 }

@@ -39,6 +39,9 @@ struct Flat {
     segs: Vec<Segment>,
     /// prefix[i] = bytes of data before segment i.
     prefix: Vec<usize>,
+    /// Segments that touch are never merged: each may be an allocation of its own (a gather
+    /// or scatter list by address), and one access must not span two allocations.
+    apart: bool,
 }
 
 #[derive(Debug)]
@@ -245,6 +248,35 @@ impl Datatype {
         })))
     }
 
+    /// Bytes at `displs_bytes[i]` of `blocklens[i]` each, in this order, committed with its
+    /// blocks kept apart even where one ends where the next begins (a gather or scatter list
+    /// whose entries are separate allocations: an access must stay within one).
+    pub(crate) fn blocks_apart(blocklens: &[usize], displs_bytes: &[isize]) -> Result<Self> {
+        let mut inner =
+            match Arc::try_unwrap(Self::hindexed(blocklens, displs_bytes, &Self::bytes())?.0) {
+                Ok(i) => i,
+                Err(_) => unreachable!("a type just made has one owner"),
+            };
+        let segs: Vec<Segment> = blocklens
+            .iter()
+            .zip(displs_bytes)
+            .filter(|(&l, _)| l > 0)
+            .map(|(&len, &off)| Segment { off, len })
+            .collect();
+        let mut prefix = Vec::with_capacity(segs.len());
+        let mut acc = 0;
+        for s in &segs {
+            prefix.push(acc);
+            acc += s.len;
+        }
+        inner.flat = Some(Flat {
+            segs,
+            prefix,
+            apart: true,
+        });
+        Ok(Datatype(Arc::new(inner)))
+    }
+
     /// Flatten into merged segments. Idempotent; communication requires a committed type.
     pub fn commit(self) -> Self {
         if self.0.flat.is_some() {
@@ -381,7 +413,7 @@ impl Datatype {
             let take = (seg.len - skip).min(left);
             let off = inst as isize * ext + seg.off + skip as isize;
             match &mut pending {
-                Some((po, pl)) if *po + *pl as isize == off => *pl += take,
+                Some((po, pl)) if !flat.apart && *po + *pl as isize == off => *pl += take,
                 _ => {
                     if let Some((po, pl)) = pending.take() {
                         f(po, pl);
@@ -523,7 +555,11 @@ fn flatten(t: &Inner) -> Flat {
         prefix.push(acc);
         acc += s.len;
     }
-    Flat { segs, prefix }
+    Flat {
+        segs,
+        prefix,
+        apart: false,
+    }
 }
 
 #[cfg(test)]
@@ -533,6 +569,22 @@ mod tests {
 
     fn i32t() -> Datatype {
         Datatype::basic(BasicType::I32)
+    }
+
+    /// Blocks that touch stay apart in a list by address (each may be its own allocation),
+    /// where an indexed type merges them.
+    #[test]
+    fn blocks_apart_are_never_merged() {
+        let merged = Datatype::hindexed(&[10, 10], &[0, 10], &Datatype::bytes())
+            .unwrap()
+            .commit();
+        assert_eq!(merged.iovecs(1).unwrap(), vec![(0, 20)]);
+        let apart = Datatype::blocks_apart(&[10, 0, 10], &[0, 5, 10]).unwrap();
+        assert_eq!(apart.iovecs(1).unwrap(), vec![(0, 10), (10, 10)]);
+        let mut got = Vec::new();
+        apart.for_range(1, 5, 10, |o, l| got.push((o, l))).unwrap();
+        assert_eq!(got, vec![(5, 5), (10, 5)]);
+        assert_eq!(apart.size(), 20);
     }
 
     #[test]

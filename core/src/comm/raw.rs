@@ -271,6 +271,6 @@ fn gather(iov: impl Iterator<Item = (usize, usize)>) -> Result<Gather> {
         lens.push(l);
         displs.push(d);
     }
-    let dt = Datatype::hindexed(&lens, &displs, &Datatype::bytes())?.commit();
+    let dt = Datatype::blocks_apart(&lens, &displs)?;
     Ok(Gather::Blocks(base, total, dt))
 }
